@@ -1,0 +1,242 @@
+//! Cluster API knowledge, pure: annotation and label keys derived from the API group, typed views of the
+//! objects the provider reads (v1beta1 and v1beta2 alike), and providerID normalisation.
+//!
+//! Views keep only what decisions need, so the caches stay small; they are parsed from the JSON of the
+//! objects (`parse.rs`) and never talk to the API.
+
+mod parse;
+pub mod providerid;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+pub use parse::ParseError;
+
+/// The API group of Cluster API objects unless `CAPI_GROUP` says otherwise.
+pub const DEFAULT_GROUP: &str = "cluster.x-k8s.io";
+/// Presence pauses a scalable resource, whatever its value. Not derived from `CAPI_GROUP` (as upstream).
+pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
+/// The node label CA reads the GPU type from.
+pub const GPU_LABEL: &str = "cluster-api/accelerator";
+/// The hourly price of one node of a group, in any currency unit, as a decimal number. The project's own key.
+pub const PRICE_ANNOTATION: &str = "capi-autoscaler-provider/hourly-price";
+
+/// Scale-from-zero annotations on MachineDeployments, MachineSets and MachinePools (not group dependent).
+pub mod capacity {
+    pub const CPU: &str = "capacity.cluster-autoscaler.kubernetes.io/cpu";
+    pub const MEMORY: &str = "capacity.cluster-autoscaler.kubernetes.io/memory";
+    pub const EPHEMERAL_DISK: &str = "capacity.cluster-autoscaler.kubernetes.io/ephemeral-disk";
+    pub const GPU_TYPE: &str = "capacity.cluster-autoscaler.kubernetes.io/gpu-type";
+    pub const GPU_COUNT: &str = "capacity.cluster-autoscaler.kubernetes.io/gpu-count";
+    pub const MAX_PODS: &str = "capacity.cluster-autoscaler.kubernetes.io/maxPods";
+    pub const TAINTS: &str = "capacity.cluster-autoscaler.kubernetes.io/taints";
+    pub const LABELS: &str = "capacity.cluster-autoscaler.kubernetes.io/labels";
+}
+
+/// Keys whose prefix is the Cluster API group (`CAPI_GROUP`), computed once at start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keys {
+    pub group: String,
+    pub min_size: String,
+    pub max_size: String,
+    pub options_prefix: String,
+    pub delete_machine: String,
+    /// Node annotation naming the Machine behind the Node.
+    pub node_machine: String,
+    /// Node annotation naming the namespace of that Machine.
+    pub node_cluster_namespace: String,
+    pub cluster_name_label: String,
+}
+
+impl Keys {
+    pub fn new(group: &str) -> Self {
+        Keys {
+            group: group.to_string(),
+            min_size: format!("{group}/cluster-api-autoscaler-node-group-min-size"),
+            max_size: format!("{group}/cluster-api-autoscaler-node-group-max-size"),
+            options_prefix: format!("{group}/autoscaling-options-"),
+            delete_machine: format!("{group}/delete-machine"),
+            node_machine: format!("{group}/machine"),
+            node_cluster_namespace: format!("{group}/cluster-namespace"),
+            cluster_name_label: format!("{group}/cluster-name"),
+        }
+    }
+}
+
+impl Default for Keys {
+    fn default() -> Self {
+        Keys::new(DEFAULT_GROUP)
+    }
+}
+
+/// The kinds that can be node groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ScalableKind {
+    MachineDeployment,
+    MachineSet,
+    MachinePool,
+}
+
+impl ScalableKind {
+    pub const ALL: [ScalableKind; 3] = [
+        ScalableKind::MachineDeployment,
+        ScalableKind::MachineSet,
+        ScalableKind::MachinePool,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScalableKind::MachineDeployment => "MachineDeployment",
+            ScalableKind::MachineSet => "MachineSet",
+            ScalableKind::MachinePool => "MachinePool",
+        }
+    }
+
+    pub fn plural(self) -> &'static str {
+        match self {
+            ScalableKind::MachineDeployment => "machinedeployments",
+            ScalableKind::MachineSet => "machinesets",
+            ScalableKind::MachinePool => "machinepools",
+        }
+    }
+
+    pub fn from_kind(kind: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == kind)
+    }
+}
+
+impl fmt::Display for ScalableKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// namespace/name of a namespaced object.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct ObjectKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ObjectKey {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnerRef {
+    pub kind: String,
+    pub name: String,
+}
+
+/// A taint as written on a Node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Taint {
+    pub key: String,
+    pub value: String,
+    pub effect: String,
+}
+
+/// `spec.template.spec.infrastructureRef`: v1beta1 names `apiVersion`, v1beta2 names `apiGroup` only.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InfraRef {
+    pub api_group: String,
+    /// Present for v1beta1 references; v1beta2 references leave the version to discovery.
+    pub api_version: Option<String>,
+    pub kind: String,
+    pub name: String,
+}
+
+/// What the Machines a scalable resource creates will look like.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MachineTemplate {
+    /// `spec.template.metadata.labels`.
+    pub labels: BTreeMap<String, String>,
+    /// `Err` when the reference is there but unusable (missing kind, name, or both apiGroup and apiVersion).
+    pub infrastructure_ref: Option<Result<InfraRef, ParseError>>,
+    /// `spec.template.spec.taints` (v1beta2, CAPI ≥ 1.12).
+    pub taints: Vec<Taint>,
+    /// `spec.template.spec.failureDomain`.
+    pub failure_domain: Option<String>,
+}
+
+/// A MachineDeployment, MachineSet or MachinePool, as far as the autoscaler cares.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScalableResource {
+    pub kind: ScalableKind,
+    pub key: ObjectKey,
+    pub uid: String,
+    pub resource_version: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    /// `spec.clusterName`, else the cluster-name label, else empty.
+    pub cluster_name: String,
+    /// `spec.replicas`; `None` when absent.
+    pub replicas: Option<i32>,
+    /// `spec.paused` (v1beta2) or the paused annotation.
+    pub paused: bool,
+    pub owners: Vec<OwnerRef>,
+    pub template: MachineTemplate,
+    /// MachinePool `spec.providerIDList`, verbatim.
+    pub provider_id_list: Vec<String>,
+    /// Managed by a ClusterClass topology (label `topology.cluster.x-k8s.io/owned`).
+    pub topology_owned: bool,
+}
+
+/// Why a Machine counts as failed, from v1beta1 fields or v1beta2 conditions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MachineFailure {
+    pub reason: String,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Machine {
+    pub key: ObjectKey,
+    pub uid: String,
+    pub resource_version: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub cluster_name: String,
+    /// `spec.providerID`; `None` when absent or empty.
+    pub provider_id: Option<String>,
+    /// `status.nodeRef.name`.
+    pub node_ref: Option<String>,
+    /// `metadata.deletionTimestamp` is set.
+    pub deleting: bool,
+    pub owners: Vec<OwnerRef>,
+    pub phase: Option<String>,
+    pub failure: Option<MachineFailure>,
+}
+
+/// The node description an infrastructure machine template publishes for scale from zero.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InfraTemplate {
+    pub key: ObjectKey,
+    pub api_group: String,
+    pub kind: String,
+    /// `status.capacity`, raw quantity strings by resource name.
+    pub capacity: BTreeMap<String, String>,
+    /// `status.nodeInfo.architecture`.
+    pub architecture: Option<String>,
+    /// `status.nodeInfo.operatingSystem`.
+    pub operating_system: Option<String>,
+}
+
+/// A workload-cluster Node: only what templates copy and what maps Machines without providerIDs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Node {
+    pub name: String,
+    pub provider_id: Option<String>,
+    pub labels: BTreeMap<String, String>,
+}

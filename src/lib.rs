@@ -1,0 +1,20 @@
+//! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
+//!
+//! A functional core (capi, discovery, snapshot, template, options, pricing: plain data in, plain data
+//! out) and a thin shell (store, actuator, service, server) that does the I/O.
+
+pub mod actuator;
+pub mod capi;
+pub mod check;
+pub mod config;
+pub mod discovery;
+pub mod metrics;
+pub mod options;
+pub mod pricing;
+pub mod problem;
+pub mod proto;
+pub mod server;
+pub mod service;
+pub mod snapshot;
+pub mod store;
+pub mod template;
