@@ -1,1 +1,300 @@
-//! TODO
+//! `check` and `template`: what cluster-autoscaler will see, for people and scripts.
+//!
+//! The report is built from the same Snapshot the server answers from, so what `check` prints is what
+//! CA gets.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::config::{CheckArgs, OutputFormat, TemplateArgs};
+use crate::metrics::Metrics;
+use crate::options::GroupOptions;
+use crate::pricing::{PriceSource, ReferencePrices};
+use crate::problem::Problem;
+use crate::server::start_store;
+use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
+use crate::template::{CapacitySource, taint_string};
+
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub groups: Vec<GroupReport>,
+    /// Candidates that are not served, and why.
+    pub skipped: BTreeMap<String, String>,
+    pub problems: Vec<Problem>,
+    pub reference_prices: ReferencePrices,
+    pub reference_sources: [PriceSource; 2],
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Instances {
+    pub running: usize,
+    pub creating: usize,
+    pub deleting: usize,
+    pub failed: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TemplateReport {
+    pub source: String,
+    pub cpu: String,
+    pub memory: String,
+    pub ephemeral_storage: Option<String>,
+    pub gpu: Option<(String, i64)>,
+    pub pods: i64,
+    pub arch: String,
+    pub os: String,
+    pub labels: BTreeMap<String, String>,
+    pub taints: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct GroupReport {
+    pub id: String,
+    pub min: i32,
+    pub max: i32,
+    pub target: i32,
+    pub instances: Instances,
+    pub template: Option<TemplateReport>,
+    pub options: Option<GroupOptions>,
+    pub hourly_price: Option<f64>,
+}
+
+fn source_name(source: &CapacitySource) -> String {
+    match source {
+        CapacitySource::Annotations => "annotations".into(),
+        CapacitySource::InfraTemplate(t) => format!("template {t}"),
+        CapacitySource::Both(t) => format!("annotations over template {t}"),
+    }
+}
+
+fn group_report(group: &NodeGroup) -> GroupReport {
+    let mut instances = Instances::default();
+    for i in &group.instances {
+        match (i.state, i.error.is_some()) {
+            (_, true) => instances.failed += 1,
+            (InstanceState::Running, false) => instances.running += 1,
+            (InstanceState::Creating, false) => instances.creating += 1,
+            (InstanceState::Deleting, false) => instances.deleting += 1,
+        }
+    }
+    GroupReport {
+        id: group.id.clone(),
+        min: group.min,
+        max: group.max,
+        target: group.target,
+        instances,
+        template: group.template.as_ref().map(|t| {
+            let s = &t.summary;
+            TemplateReport {
+                source: source_name(&s.capacity_source),
+                cpu: s.cpu.clone(),
+                memory: s.memory.clone(),
+                ephemeral_storage: s.ephemeral_storage.clone(),
+                gpu: s.gpu.clone(),
+                pods: s.pods,
+                arch: s.arch.clone(),
+                os: s.os.clone(),
+                labels: s.labels.clone(),
+                taints: s.taints.iter().map(taint_string).collect(),
+            }
+        }),
+        options: group.options.clone(),
+        hourly_price: group.price,
+    }
+}
+
+pub fn report(snapshot: &Snapshot) -> Report {
+    Report {
+        groups: snapshot.groups.values().map(group_report).collect(),
+        skipped: snapshot.skipped.clone(),
+        problems: snapshot.problems.clone(),
+        reference_prices: snapshot.reference_prices,
+        reference_sources: snapshot.reference_sources,
+    }
+}
+
+fn options_text(o: &GroupOptions) -> String {
+    let mut parts = Vec::new();
+    if let Some(v) = o.scale_down_utilization_threshold {
+        parts.push(format!("scaleDownUtilizationThreshold={v}"));
+    }
+    if let Some(v) = o.scale_down_gpu_utilization_threshold {
+        parts.push(format!("scaleDownGpuUtilizationThreshold={v}"));
+    }
+    if let Some(v) = o.scale_down_unneeded_time {
+        parts.push(format!("scaleDownUnneededTime={v:?}"));
+    }
+    if let Some(v) = o.scale_down_unready_time {
+        parts.push(format!("scaleDownUnreadyTime={v:?}"));
+    }
+    if let Some(v) = o.max_node_provision_time {
+        parts.push(format!("maxNodeProvisionTime={v:?}"));
+    }
+    if let Some(v) = o.zero_or_max_node_scaling {
+        parts.push(format!("zeroOrMaxNodeScaling={v}"));
+    }
+    if let Some(v) = o.ignore_daemonsets_utilization {
+        parts.push(format!("ignoreDaemonSetsUtilization={v}"));
+    }
+    if parts.is_empty() {
+        "annotations present, none valid (CA defaults apply)".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// The human-readable report.
+pub fn render_table(report: &Report) -> String {
+    let mut out = String::new();
+    let rows: Vec<[String; 6]> = report
+        .groups
+        .iter()
+        .map(|g| {
+            let i = &g.instances;
+            [
+                g.id.clone(),
+                format!("{}/{}/{}", g.min, g.max, g.target),
+                format!("{} running, {} creating, {} deleting, {} failed", i.running, i.creating, i.deleting, i.failed),
+                match &g.template {
+                    Some(t) => {
+                        let gpu = t.gpu.as_ref().map(|(ty, n)| format!(", {n}x {ty}")).unwrap_or_default();
+                        format!("{} cpu, {} mem{gpu}, {} pods, {}/{}", t.cpu, t.memory, t.pods, t.os, t.arch)
+                    }
+                    None => "none: cannot scale from zero".into(),
+                },
+                g.template.as_ref().map(|t| t.source.clone()).unwrap_or_else(|| "-".into()),
+                g.hourly_price.map(|p| format!("{p}")).unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    let header = ["NODE GROUP", "MIN/MAX/TARGET", "INSTANCES", "TEMPLATE", "TEMPLATE SOURCE", "PRICE/H"];
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[String], out: &mut String| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        let _ = writeln!(out, "{}", text.join("  ").trim_end());
+    };
+    line(&header.map(String::from), &mut out);
+    for row in &rows {
+        line(row, &mut out);
+    }
+    if report.groups.is_empty() {
+        let _ = writeln!(out, "(no node groups: no MachineDeployment, MachineSet or MachinePool carries the min/max size annotations, or discovery filters them out)");
+    }
+    for g in &report.groups {
+        let details: Vec<String> = [
+            g.template.as_ref().filter(|t| !t.labels.is_empty()).map(|t| {
+                let labels: Vec<String> = t.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                format!("labels: {}", labels.join(","))
+            }),
+            g.template
+                .as_ref()
+                .filter(|t| !t.taints.is_empty())
+                .map(|t| format!("taints: {}", t.taints.join(","))),
+            g.options.as_ref().map(|o| format!("options: {}", options_text(o))),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !details.is_empty() {
+            let _ = writeln!(out, "\n{}", g.id);
+            for d in details {
+                let _ = writeln!(out, "  {d}");
+            }
+        }
+    }
+    if report.groups.iter().any(|g| g.hourly_price.is_some()) {
+        let source = |s: &PriceSource| match s {
+            PriceSource::Flag => "flag".to_string(),
+            PriceSource::Derived(n) => format!("derived from {n} priced group(s)"),
+            PriceSource::Fallback => "fallback list price".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "\npod prices: {} per CPU-hour ({}), {} per GiB-hour ({})",
+            report.reference_prices.cpu_hour,
+            source(&report.reference_sources[0]),
+            report.reference_prices.gib_hour,
+            source(&report.reference_sources[1]),
+        );
+    }
+    if !report.skipped.is_empty() {
+        let _ = writeln!(out, "\nNOT SERVED");
+        for (id, why) in &report.skipped {
+            let _ = writeln!(out, "  {id}: {why}");
+        }
+    }
+    if report.problems.is_empty() {
+        let _ = writeln!(out, "\nno problems");
+    } else {
+        let _ = writeln!(out, "\nPROBLEMS ({})", report.problems.len());
+        for p in &report.problems {
+            let _ = writeln!(out, "  {}\n    {}: {}", p.object, p.field, p.message);
+        }
+    }
+    out
+}
+
+async fn ready_snapshot(connection: &crate::config::ConnectionArgs) -> anyhow::Result<Arc<Snapshot>> {
+    let config = connection.config()?;
+    let store = start_store(&config, Arc::new(Metrics::new())).await?;
+    if !store.wait_ready(READY_TIMEOUT).await {
+        anyhow::bail!(
+            "the Cluster API objects could not be listed within {READY_TIMEOUT:?} (RBAC? API unreachable?); the provider's log says why"
+        );
+    }
+    Ok(store.snapshot())
+}
+
+/// Prints the report; exit code 1 when there are problems.
+pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
+    let snapshot = ready_snapshot(&args.connection).await?;
+    let report = report(&snapshot);
+    match args.output {
+        OutputFormat::Table => print!("{}", render_table(&report)),
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report).context("encoding the report")?),
+    }
+    Ok(if report.problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Prints one group's template Node as YAML.
+pub async fn template(args: TemplateArgs) -> anyhow::Result<ExitCode> {
+    let snapshot = ready_snapshot(&args.connection).await?;
+    let group = snapshot
+        .group(&args.id)
+        .with_context(|| format!("no node group {:?}; `check` lists them", args.id))?;
+    match &group.template {
+        Some(t) => {
+            print!("{}", serde_yaml::to_string(&t.node).context("encoding the template")?);
+            Ok(ExitCode::SUCCESS)
+        }
+        None => {
+            let object = format!("{} {}", group.kind(), group.resource.key);
+            eprintln!("{} has no scale-from-zero template:", group.id);
+            for p in snapshot.problems.iter().filter(|p| p.object == object || p.message.contains(&object)) {
+                eprintln!("  {}: {}", p.field, p.message);
+            }
+            Ok(ExitCode::from(1))
+        }
+    }
+}

@@ -1,1 +1,431 @@
-//! TODO
+//! The externalgrpc CloudProvider service: translates between the wire and the snapshot / actuator.
+//! Read RPCs answer from the snapshot only; scale RPCs go to the actuator.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tonic::{Request, Response, Status};
+
+use crate::actuator::{Actuator, NodeToDelete};
+use crate::capi::{GPU_LABEL, Keys};
+use crate::metrics::Metrics;
+use crate::options::{Defaults, GroupOptions};
+use crate::pricing;
+use crate::proto::cloud_provider_server::CloudProvider;
+use crate::proto::instance_status::InstanceState as WireState;
+use crate::proto::*;
+use crate::snapshot::{InstanceState, NodeGroup as Group, NodeRef, Snapshot};
+use crate::store::Store;
+use crate::template::NODE_GROUP_ANNOTATION;
+
+/// CA renames template nodes `template-node-for-<group id>-<random>` before pricing them.
+const TEMPLATE_NODE_PREFIX: &str = "template-node-for-";
+
+pub struct Service {
+    store: Arc<Store>,
+    actuator: Actuator,
+    metrics: Arc<Metrics>,
+}
+
+impl Service {
+    pub fn new(store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
+        let actuator = Actuator::new(Arc::clone(&store), Arc::clone(&metrics));
+        Service {
+            store,
+            actuator,
+            metrics,
+        }
+    }
+
+    fn keys(&self) -> &Keys {
+        &self.store.settings().keys
+    }
+
+    fn observe<T>(&self, method: &'static str, started: Instant, result: Result<T, Status>) -> Result<Response<T>, Status> {
+        let code = match &result {
+            Ok(_) => tonic::Code::Ok,
+            Err(status) => status.code(),
+        };
+        self.metrics.rpc(method, code, started.elapsed());
+        if let Err(status) = &result
+            && !matches!(code, tonic::Code::Unimplemented | tonic::Code::NotFound)
+        {
+            tracing::warn!(method, code = ?code, "{}", status.message());
+        }
+        result.map(Response::new)
+    }
+}
+
+fn wire_group(group: &Group) -> NodeGroup {
+    NodeGroup {
+        id: group.id.clone(),
+        min_size: group.min,
+        max_size: group.max,
+        debug: group.debug(),
+    }
+}
+
+fn find<'a>(snapshot: &'a Snapshot, id: &str) -> Result<&'a Group, Status> {
+    snapshot
+        .group(id)
+        .ok_or_else(|| Status::not_found(format!("node group {id:?} not found")))
+}
+
+fn node_ref(node: &ExternalGrpcNode) -> NodeRef<'_> {
+    NodeRef {
+        provider_id: &node.provider_id,
+        name: &node.name,
+        annotations: Some(&node.annotations),
+    }
+}
+
+/// The priced period: the CA ≥ 1.35 timestamps, else the legacy ones.
+fn period(
+    start: (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
+    end: (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
+) -> Result<(SystemTime, SystemTime), Status> {
+    let read = |(new, legacy): (Option<&prost_types::Timestamp>, Option<&LegacyTime>), name: &str| {
+        let (seconds, nanos) = match (new, legacy) {
+            (Some(t), _) => (t.seconds, t.nanos),
+            (None, Some(t)) => (t.seconds, t.nanos),
+            (None, None) => return Err(Status::invalid_argument(format!("{name} is required"))),
+        };
+        pricing::timestamp(seconds, nanos).ok_or_else(|| Status::invalid_argument(format!("{name} is out of range")))
+    };
+    Ok((read(start, "startTimestamp")?, read(end, "endTimestamp")?))
+}
+
+fn wire_duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+fn read_duration(new: Option<&prost_types::Duration>, legacy: Option<&LegacyDuration>) -> Duration {
+    match (new, legacy) {
+        (Some(d), _) => Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32),
+        (None, Some(l)) => Duration::from_nanos(l.duration.max(0) as u64),
+        (None, None) => Duration::ZERO,
+    }
+}
+
+fn defaults_from_wire(o: &NodeGroupAutoscalingOptions) -> Defaults {
+    Defaults {
+        scale_down_utilization_threshold: o.scale_down_utilization_threshold,
+        scale_down_gpu_utilization_threshold: o.scale_down_gpu_utilization_threshold,
+        scale_down_unneeded_time: read_duration(o.scale_down_unneeded_duration.as_ref(), o.scale_down_unneeded_time.as_ref()),
+        scale_down_unready_time: read_duration(o.scale_down_unready_duration.as_ref(), o.scale_down_unready_time.as_ref()),
+        max_node_provision_time: read_duration(o.max_node_provision_duration.as_ref(), o.max_node_provision_time.as_ref()),
+        zero_or_max_node_scaling: o.zero_or_max_node_scaling,
+        ignore_daemonsets_utilization: o.ignore_daemon_sets_utilization,
+    }
+}
+
+/// Both the CA ≥ 1.35 fields and the legacy ones, so every supported CA reads every duration.
+fn options_to_wire(o: &Defaults) -> NodeGroupAutoscalingOptions {
+    let legacy = |d: Duration| LegacyDuration {
+        duration: i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+    };
+    NodeGroupAutoscalingOptions {
+        scale_down_utilization_threshold: o.scale_down_utilization_threshold,
+        scale_down_gpu_utilization_threshold: o.scale_down_gpu_utilization_threshold,
+        scale_down_unneeded_time: Some(legacy(o.scale_down_unneeded_time)),
+        scale_down_unready_time: Some(legacy(o.scale_down_unready_time)),
+        max_node_provision_time: Some(legacy(o.max_node_provision_time)),
+        zero_or_max_node_scaling: o.zero_or_max_node_scaling,
+        ignore_daemon_sets_utilization: o.ignore_daemonsets_utilization,
+        scale_down_unneeded_duration: Some(wire_duration(o.scale_down_unneeded_time)),
+        scale_down_unready_duration: Some(wire_duration(o.scale_down_unready_time)),
+        max_node_provision_duration: Some(wire_duration(o.max_node_provision_time)),
+    }
+}
+
+/// The options answer: empty without per-group annotations (CA keeps all its defaults, including the
+/// ones the proto cannot carry), else the defaults with the group's overrides.
+pub fn options_response(options: Option<&GroupOptions>, defaults: Option<&NodeGroupAutoscalingOptions>) -> Result<NodeGroupAutoscalingOptionsResponse, Status> {
+    let Some(options) = options else {
+        return Ok(NodeGroupAutoscalingOptionsResponse::default());
+    };
+    let defaults = defaults.ok_or_else(|| Status::invalid_argument("defaults are required"))?;
+    Ok(NodeGroupAutoscalingOptionsResponse {
+        node_group_autoscaling_options: Some(options_to_wire(&options.merged(&defaults_from_wire(defaults)))),
+    })
+}
+
+fn wire_state(state: InstanceState) -> WireState {
+    match state {
+        InstanceState::Running => WireState::InstanceRunning,
+        InstanceState::Creating => WireState::InstanceCreating,
+        InstanceState::Deleting => WireState::InstanceDeleting,
+    }
+}
+
+/// The group a node being priced belongs to: a real node by providerID or machine annotations, a
+/// template node by CA's name prefix or by the annotation our templates carry.
+fn priced_group<'a>(snapshot: &'a Snapshot, keys: &Keys, node: &ExternalGrpcNode) -> Option<&'a Group> {
+    if let Some(group) = snapshot.group_for_node(&node_ref(node), keys) {
+        return Some(group);
+    }
+    if let Some(rest) = node.name.strip_prefix(TEMPLATE_NODE_PREFIX) {
+        // The id itself contains '-', so take the longest group id the name starts with.
+        if let Some(group) = snapshot
+            .groups
+            .values()
+            .filter(|g| rest.starts_with(&g.id) && rest[g.id.len()..].starts_with('-'))
+            .max_by_key(|g| g.id.len())
+        {
+            return Some(group);
+        }
+    }
+    node.annotations
+        .get(NODE_GROUP_ANNOTATION)
+        .and_then(|id| snapshot.group(id))
+}
+
+#[tonic::async_trait]
+impl CloudProvider for Service {
+    async fn node_groups(&self, _: Request<NodeGroupsRequest>) -> Result<Response<NodeGroupsResponse>, Status> {
+        let started = Instant::now();
+        let snapshot = self.store.snapshot();
+        let response = NodeGroupsResponse {
+            node_groups: snapshot.groups.values().map(wire_group).collect(),
+        };
+        self.observe("NodeGroups", started, Ok(response))
+    }
+
+    async fn node_group_for_node(
+        &self,
+        request: Request<NodeGroupForNodeRequest>,
+    ) -> Result<Response<NodeGroupForNodeResponse>, Status> {
+        let started = Instant::now();
+        let result = (|| {
+            let node = request
+                .get_ref()
+                .node
+                .as_ref()
+                .ok_or_else(|| Status::invalid_argument("node is required"))?;
+            let snapshot = self.store.snapshot();
+            // An empty id tells CA the node is not autoscaled.
+            let group = snapshot.group_for_node(&node_ref(node), self.keys()).map(wire_group).unwrap_or_default();
+            Ok(NodeGroupForNodeResponse { node_group: Some(group) })
+        })();
+        self.observe("NodeGroupForNode", started, result)
+    }
+
+    async fn pricing_node_price(
+        &self,
+        request: Request<PricingNodePriceRequest>,
+    ) -> Result<Response<PricingNodePriceResponse>, Status> {
+        let started = Instant::now();
+        let result = (|| {
+            let r = request.get_ref();
+            let node = r.node.as_ref().ok_or_else(|| Status::invalid_argument("node is required"))?;
+            let snapshot = self.store.snapshot();
+            let group = priced_group(&snapshot, self.keys(), node)
+                .ok_or_else(|| Status::unimplemented(format!("node {:?} belongs to no node group", node.name)))?;
+            let hourly = group.price.ok_or_else(|| {
+                Status::unimplemented(format!("node group {} has no {} annotation", group.id, crate::capi::PRICE_ANNOTATION))
+            })?;
+            let (start, end) = period(
+                (r.start_timestamp.as_ref(), r.start_time.as_ref()),
+                (r.end_timestamp.as_ref(), r.end_time.as_ref()),
+            )?;
+            Ok(PricingNodePriceResponse {
+                price: pricing::node_price(hourly, start, end),
+            })
+        })();
+        self.observe("PricingNodePrice", started, result)
+    }
+
+    async fn pricing_pod_price(
+        &self,
+        request: Request<PricingPodPriceRequest>,
+    ) -> Result<Response<PricingPodPriceResponse>, Status> {
+        let started = Instant::now();
+        let result = (|| {
+            let r = request.get_ref();
+            let snapshot = self.store.snapshot();
+            if snapshot.groups.values().all(|g| g.price.is_none()) {
+                return Err(Status::unimplemented("no node group has a price"));
+            }
+            let bytes = if r.pod_bytes.is_empty() { &r.pod } else { &r.pod_bytes };
+            if bytes.is_empty() {
+                return Err(Status::invalid_argument("pod_bytes is required"));
+            }
+            let pod = pricing::decode_pod(bytes).map_err(|e| Status::invalid_argument(format!("pod_bytes: {e}")))?;
+            let (start, end) = period(
+                (r.start_timestamp.as_ref(), r.start_time.as_ref()),
+                (r.end_timestamp.as_ref(), r.end_time.as_ref()),
+            )?;
+            let hours = pricing::hours_between(start, end);
+            Ok(PricingPodPriceResponse {
+                price: pricing::pod_price(&pod, &snapshot.reference_prices, hours),
+            })
+        })();
+        self.observe("PricingPodPrice", started, result)
+    }
+
+    async fn gpu_label(&self, _: Request<GpuLabelRequest>) -> Result<Response<GpuLabelResponse>, Status> {
+        let started = Instant::now();
+        self.observe(
+            "GPULabel",
+            started,
+            Ok(GpuLabelResponse {
+                label: GPU_LABEL.to_string(),
+            }),
+        )
+    }
+
+    async fn get_available_gpu_types(
+        &self,
+        _: Request<GetAvailableGpuTypesRequest>,
+    ) -> Result<Response<GetAvailableGpuTypesResponse>, Status> {
+        let started = Instant::now();
+        let snapshot = self.store.snapshot();
+        let gpu_types: HashMap<String, prost_types::Any> = snapshot
+            .groups
+            .values()
+            .filter_map(|g| g.template.as_ref())
+            .filter_map(|t| t.summary.gpu.as_ref())
+            .map(|(gpu_type, _)| (gpu_type.clone(), prost_types::Any::default()))
+            .collect();
+        self.observe("GetAvailableGPUTypes", started, Ok(GetAvailableGpuTypesResponse { gpu_types }))
+    }
+
+    async fn cleanup(&self, _: Request<CleanupRequest>) -> Result<Response<CleanupResponse>, Status> {
+        let started = Instant::now();
+        self.observe("Cleanup", started, Ok(CleanupResponse {}))
+    }
+
+    async fn refresh(&self, _: Request<RefreshRequest>) -> Result<Response<RefreshResponse>, Status> {
+        let started = Instant::now();
+        self.store.refresh();
+        self.observe("Refresh", started, Ok(RefreshResponse {}))
+    }
+
+    async fn node_group_target_size(
+        &self,
+        request: Request<NodeGroupTargetSizeRequest>,
+    ) -> Result<Response<NodeGroupTargetSizeResponse>, Status> {
+        let started = Instant::now();
+        let snapshot = self.store.snapshot();
+        let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupTargetSizeResponse { target_size: g.target });
+        self.observe("NodeGroupTargetSize", started, result)
+    }
+
+    async fn node_group_increase_size(
+        &self,
+        request: Request<NodeGroupIncreaseSizeRequest>,
+    ) -> Result<Response<NodeGroupIncreaseSizeResponse>, Status> {
+        let started = Instant::now();
+        let r = request.get_ref();
+        let result = self
+            .actuator
+            .increase_size(&r.id, r.delta)
+            .await
+            .map(|()| NodeGroupIncreaseSizeResponse {})
+            .map_err(Status::from);
+        self.observe("NodeGroupIncreaseSize", started, result)
+    }
+
+    async fn node_group_delete_nodes(
+        &self,
+        request: Request<NodeGroupDeleteNodesRequest>,
+    ) -> Result<Response<NodeGroupDeleteNodesResponse>, Status> {
+        let started = Instant::now();
+        let r = request.into_inner();
+        let nodes: Vec<NodeToDelete> = r
+            .nodes
+            .into_iter()
+            .map(|n| NodeToDelete {
+                provider_id: n.provider_id,
+                name: n.name,
+                annotations: n.annotations,
+            })
+            .collect();
+        let result = self
+            .actuator
+            .delete_nodes(&r.id, &nodes)
+            .await
+            .map(|()| NodeGroupDeleteNodesResponse {})
+            .map_err(Status::from);
+        self.observe("NodeGroupDeleteNodes", started, result)
+    }
+
+    async fn node_group_decrease_target_size(
+        &self,
+        request: Request<NodeGroupDecreaseTargetSizeRequest>,
+    ) -> Result<Response<NodeGroupDecreaseTargetSizeResponse>, Status> {
+        let started = Instant::now();
+        let r = request.get_ref();
+        let result = self
+            .actuator
+            .decrease_target_size(&r.id, r.delta)
+            .await
+            .map(|()| NodeGroupDecreaseTargetSizeResponse {})
+            .map_err(Status::from);
+        self.observe("NodeGroupDecreaseTargetSize", started, result)
+    }
+
+    async fn node_group_nodes(
+        &self,
+        request: Request<NodeGroupNodesRequest>,
+    ) -> Result<Response<NodeGroupNodesResponse>, Status> {
+        let started = Instant::now();
+        let snapshot = self.store.snapshot();
+        let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupNodesResponse {
+            instances: g
+                .instances
+                .iter()
+                .map(|i| Instance {
+                    id: i.id.clone(),
+                    status: Some(InstanceStatus {
+                        instance_state: wire_state(i.state) as i32,
+                        error_info: i.error.as_ref().map(|e| InstanceErrorInfo {
+                            error_code: e.code.clone(),
+                            error_message: e.message.clone(),
+                            instance_error_class: e.class,
+                        }),
+                    }),
+                })
+                .collect(),
+        });
+        self.observe("NodeGroupNodes", started, result)
+    }
+
+    async fn node_group_template_node_info(
+        &self,
+        request: Request<NodeGroupTemplateNodeInfoRequest>,
+    ) -> Result<Response<NodeGroupTemplateNodeInfoResponse>, Status> {
+        let started = Instant::now();
+        let snapshot = self.store.snapshot();
+        let result = find(&snapshot, &request.get_ref().id).and_then(|g| match &g.template {
+            Some(template) => {
+                let bytes = template.to_proto_bytes();
+                Ok(NodeGroupTemplateNodeInfoResponse {
+                    node_info: bytes.clone(),
+                    node_bytes: bytes,
+                })
+            }
+            // Never OK with empty bytes: CA would cache a nil template and dereference it.
+            None => Err(Status::unimplemented(format!(
+                "node group {} has no scale-from-zero template (no cpu/memory capacity); run `capi-autoscaler-provider check`",
+                g.id
+            ))),
+        });
+        self.observe("NodeGroupTemplateNodeInfo", started, result)
+    }
+
+    async fn node_group_get_options(
+        &self,
+        request: Request<NodeGroupAutoscalingOptionsRequest>,
+    ) -> Result<Response<NodeGroupAutoscalingOptionsResponse>, Status> {
+        let started = Instant::now();
+        let snapshot = self.store.snapshot();
+        let r = request.get_ref();
+        let result = find(&snapshot, &r.id).and_then(|g| options_response(g.options.as_ref(), r.defaults.as_ref()));
+        self.observe("NodeGroupGetOptions", started, result)
+    }
+}

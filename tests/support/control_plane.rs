@@ -1,0 +1,532 @@
+//! One real control plane (etcd + kube-apiserver, Cluster API CRDs) per test binary.
+
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, RoleRef, Subject};
+use kube::api::{ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+
+use super::crds;
+use super::pki::{self, Ca};
+use super::procs::{self, Check, poll_until};
+
+/// Which Cluster API CRDs the control plane serves under `cluster.x-k8s.io`. The two sets share
+/// names, so one control plane holds exactly one of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrdSet {
+    /// As released by CAPI v1.14.0: v1beta1 and v1beta2 served, v1beta2 stored.
+    Shipped,
+    /// Only v1beta1, as storage (for the v1beta1 code paths without conversion).
+    V1beta1,
+}
+
+/// What a control plane is started with. The test infrastructure template CRD
+/// (`e2emachinetemplates.infrastructure.cluster.x-k8s.io`) is always installed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Setup {
+    pub crds: CrdSet,
+    /// Also install the shipped CRDs moved to the group in the cache's `renamed-group` file
+    /// (`cluster.example.dev`), for `CAPI_GROUP` tests.
+    pub renamed_group: bool,
+}
+
+impl Setup {
+    pub const fn shipped() -> Setup {
+        Setup {
+            crds: CrdSet::Shipped,
+            renamed_group: false,
+        }
+    }
+    pub const fn v1beta1() -> Setup {
+        Setup {
+            crds: CrdSet::V1beta1,
+            renamed_group: false,
+        }
+    }
+    pub const fn with_renamed_group(self) -> Setup {
+        Setup {
+            renamed_group: true,
+            ..self
+        }
+    }
+}
+
+/// How long the start took, phase by phase.
+#[derive(Clone, Debug)]
+pub struct Timings {
+    pub upstream: Duration,
+    pub etcd: Duration,
+    pub apiserver: Duration,
+    pub crds: Duration,
+    pub total: Duration,
+    pub crd_count: usize,
+}
+
+/// A running control plane. Holds no runtime-bound objects: make clients per test.
+pub struct ControlPlane {
+    pub setup: Setup,
+    /// `https://127.0.0.1:<port>`.
+    pub server: String,
+    /// The upstream cache directory (bin/, crds/).
+    pub upstream: PathBuf,
+    /// Certificates, kubeconfigs and logs.
+    pub dir: PathBuf,
+    /// The API group of the renamed CRD set (whether or not it is installed).
+    pub renamed_group: String,
+    pub etcd_log: PathBuf,
+    pub apiserver_log: PathBuf,
+    pub timings: Timings,
+    admin_kubeconfig: PathBuf,
+    ca: Ca,
+    counter: AtomicU32,
+}
+
+static CONTROL_PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+
+/// The control plane of this test binary, started on first use with `setup`. Every later call must
+/// ask for the same setup. Blocks while starting (other tests wait for the same start).
+pub fn control_plane(setup: Setup) -> &'static ControlPlane {
+    let started = CONTROL_PLANE.get_or_init(|| {
+        // Start on a thread of its own with its own runtime: the caller may be inside a runtime,
+        // and nothing runtime-bound may outlive the start.
+        std::thread::Builder::new()
+            .name("e2e-control-plane".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| format!("build a tokio runtime: {e}"))?;
+                runtime.block_on(start(setup))
+            })
+            .map_err(|e| format!("spawn the control-plane thread: {e}"))
+            .and_then(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err("the control-plane start panicked".into()))
+            })
+            .inspect_err(|_| procs::mark_failed())
+    });
+    match started {
+        Ok(cp) => {
+            assert_eq!(
+                cp.setup, setup,
+                "one control plane per test binary: it was started with {:?}",
+                cp.setup
+            );
+            cp
+        }
+        Err(e) => panic!("the test control plane did not start:\n{e}"),
+    }
+}
+
+/// Loads a client from a kubeconfig file, in the current runtime.
+pub async fn client_from_kubeconfig(path: &Path) -> Client {
+    let config = config_from_kubeconfig(path).await;
+    Client::try_from(config)
+        .unwrap_or_else(|e| panic!("client from kubeconfig {}: {e}", path.display()))
+}
+
+async fn config_from_kubeconfig(path: &Path) -> Config {
+    let kubeconfig = Kubeconfig::read_from(path)
+        .unwrap_or_else(|e| panic!("read kubeconfig {}: {e}", path.display()));
+    Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("load kubeconfig {}: {e}", path.display()))
+}
+
+impl ControlPlane {
+    /// The admin (`system:masters`) kubeconfig, certificates embedded.
+    pub fn admin_kubeconfig(&self) -> &Path {
+        &self.admin_kubeconfig
+    }
+
+    /// A new admin client, bound to the calling test's runtime.
+    pub async fn admin_client(&self) -> Client {
+        client_from_kubeconfig(&self.admin_kubeconfig).await
+    }
+
+    fn next_id(&self) -> u32 {
+        self.counter.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Creates a namespace with a name not used before in this control plane and returns the name.
+    pub async fn fresh_namespace(&self) -> String {
+        let name = format!("e2e-{}", self.next_id());
+        let namespaces: Api<Namespace> = Api::all(self.admin_client().await);
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                labels: Some([("capi-e2e".to_string(), "true".to_string())].into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        namespaces
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("create namespace {name}: {e}"));
+        name
+    }
+
+    /// A new client-certificate user (unique CN, no groups besides `system:authenticated`) bound by a
+    /// ClusterRoleBinding to `cluster_role` only. Returns a client for it and its kubeconfig. Waits
+    /// until the binding is in effect (the first rule of the role is allowed).
+    pub async fn restricted_identity(&self, cluster_role: &str) -> (Client, PathBuf) {
+        let user = format!("e2e-user-{}", self.next_id());
+        let cert = self.ca.client_cert(&user, None);
+        let kubeconfig = pki::write_private(
+            &self.dir,
+            &format!("{user}.kubeconfig"),
+            &pki::kubeconfig(&self.server, &self.ca.cert_pem, &user, &cert),
+        );
+        let admin = self.admin_client().await;
+        let binding = ClusterRoleBinding {
+            metadata: ObjectMeta {
+                name: Some(user.clone()),
+                ..Default::default()
+            },
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "ClusterRole".into(),
+                name: cluster_role.into(),
+            },
+            subjects: Some(vec![Subject {
+                api_group: Some("rbac.authorization.k8s.io".into()),
+                kind: "User".into(),
+                name: user.clone(),
+                namespace: None,
+            }]),
+        };
+        Api::<ClusterRoleBinding>::all(admin.clone())
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap_or_else(|e| panic!("create ClusterRoleBinding {user} → {cluster_role}: {e}"));
+        wait_for_binding(&admin, &user, cluster_role).await;
+        (client_from_kubeconfig(&kubeconfig).await, kubeconfig)
+    }
+}
+
+/// RBAC bindings reach the authorizer through an informer: wait until the first rule of the role
+/// is allowed for `user` (skipped when the role has no resource rule).
+async fn wait_for_binding(admin: &Client, user: &str, cluster_role: &str) {
+    let role = Api::<ClusterRole>::all(admin.clone())
+        .get(cluster_role)
+        .await
+        .unwrap_or_else(|e| panic!("get ClusterRole {cluster_role}: {e}"));
+    let Some(rule) = role
+        .rules
+        .unwrap_or_default()
+        .into_iter()
+        .find(|r| r.resources.as_ref().is_some_and(|v| !v.is_empty()))
+    else {
+        return;
+    };
+    let first = |v: &Option<Vec<String>>| v.as_ref().and_then(|v| v.first().cloned());
+    let attributes = ResourceAttributes {
+        group: first(&rule.api_groups),
+        resource: first(&rule.resources),
+        verb: rule.verbs.first().cloned(),
+        name: first(&rule.resource_names),
+        ..Default::default()
+    };
+    let reviews: Api<SubjectAccessReview> = Api::all(admin.clone());
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(user.into()),
+            resource_attributes: Some(attributes),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    poll_until(
+        &format!("ClusterRoleBinding {user} → {cluster_role} in effect"),
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || {
+            let reviews = reviews.clone();
+            let review = review.clone();
+            async move {
+                match reviews.create(&PostParams::default(), &review).await {
+                    Ok(r) if r.status.as_ref().is_some_and(|s| s.allowed) => Check::Done(()),
+                    Ok(r) => Check::Wait(format!("not allowed yet: {:?}", r.status)),
+                    Err(e) => Check::Wait(e.to_string()),
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Runs tests/upstream/build.sh (builds on first use, else answers at once) and returns its cache dir.
+pub fn upstream_dir() -> Result<PathBuf, String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/build.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} failed: {}", script.display(), out.status));
+    }
+    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let dir = PathBuf::from(dir);
+    if !dir.join("ready").is_file() {
+        return Err(format!(
+            "{} printed {}, which is not a finished cache dir",
+            script.display(),
+            dir.display()
+        ));
+    }
+    Ok(dir)
+}
+
+async fn start(setup: Setup) -> Result<ControlPlane, String> {
+    let t0 = Instant::now();
+    let upstream = upstream_dir()?;
+    let t_upstream = t0.elapsed();
+    let bin = upstream.join("bin");
+    let renamed_group = std::fs::read_to_string(upstream.join("renamed-group"))
+        .map_err(|e| format!("read {}/renamed-group: {e}", upstream.display()))?
+        .trim()
+        .to_string();
+
+    let dir = procs::work_dir().join("control-plane");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let ca = Ca::new();
+    let serving = ca.serving_cert("kube-apiserver");
+    let admin = ca.client_cert("e2e-admin", Some("system:masters"));
+    let (sa_key, sa_pub) = pki::service_account_key();
+    let ca_file = pki::write_private(&dir, "ca.crt", &ca.cert_pem);
+    let tls_cert = pki::write_private(&dir, "apiserver.crt", &serving.cert);
+    let tls_key = pki::write_private(&dir, "apiserver.key", &serving.key);
+    let sa_key = pki::write_private(&dir, "sa.key", &sa_key);
+    let sa_pub = pki::write_private(&dir, "sa.pub", &sa_pub);
+    let etcd_log = dir.join("etcd.log");
+    let apiserver_log = dir.join("kube-apiserver.log");
+
+    // Free ports may be taken between choosing and binding: retry with new ones.
+    let mut attempt = 0;
+    let (server, admin_kubeconfig, t_etcd, t_apiserver) = loop {
+        attempt += 1;
+        let etcd_data = procs::scratch_dir();
+        let (client_port, peer_port, secure_port) =
+            (procs::free_port(), procs::free_port(), procs::free_port());
+        let started = Instant::now();
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let etcd_args: Vec<String> = vec![
+            "--name=e2e".into(),
+            format!("--data-dir={}", etcd_data.display()),
+            format!("--listen-client-urls={etcd_url}"),
+            format!("--advertise-client-urls={etcd_url}"),
+            format!("--listen-peer-urls={peer_url}"),
+            format!("--initial-advertise-peer-urls={peer_url}"),
+            format!("--initial-cluster=e2e={peer_url}"),
+            "--unsafe-no-fsync".into(),
+            "--log-level=warn".into(),
+        ];
+        let mut etcd = procs::spawn_logged(&bin.join("etcd"), &etcd_args, &etcd_log)
+            .map_err(|e| format!("start etcd: {e}"))?;
+        let etcd_ready = wait_etcd(&mut etcd, client_port, &etcd_log).await;
+        if let Err(e) = etcd_ready {
+            procs::kill_and_reap(&mut etcd);
+            if attempt < 3 && procs::log_tail(&etcd_log, 4096).contains("address already in use") {
+                continue;
+            }
+            return Err(failure(&e, &etcd_log, &apiserver_log));
+        }
+        let t_etcd = started.elapsed();
+
+        let server = format!("https://127.0.0.1:{secure_port}");
+        let apiserver_args: Vec<String> = vec![
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={secure_port}"),
+            format!("--cert-dir={}", dir.display()),
+            format!("--tls-cert-file={}", tls_cert.display()),
+            format!("--tls-private-key-file={}", tls_key.display()),
+            format!("--client-ca-file={}", ca_file.display()),
+            "--authorization-mode=RBAC".into(),
+            "--service-cluster-ip-range=10.0.0.0/24".into(),
+            format!("--service-account-issuer={server}"),
+            format!("--service-account-key-file={}", sa_pub.display()),
+            format!("--service-account-signing-key-file={}", sa_key.display()),
+            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition".into(),
+            "--allow-privileged=true".into(),
+            "--profiling=false".into(),
+            "--v=1".into(),
+        ];
+        let mut apiserver =
+            match procs::spawn_logged(&bin.join("kube-apiserver"), &apiserver_args, &apiserver_log)
+            {
+                Ok(child) => child,
+                Err(e) => {
+                    procs::kill_and_reap(&mut etcd);
+                    return Err(format!("start kube-apiserver: {e}"));
+                }
+            };
+        let admin_kubeconfig = write_admin_kubeconfig(&dir, &server, &ca, &admin);
+        let ready = wait_apiserver(&mut apiserver, &admin_kubeconfig, &apiserver_log).await;
+        if let Err(e) = ready {
+            procs::kill_and_reap(&mut apiserver);
+            procs::kill_and_reap(&mut etcd);
+            if attempt < 3
+                && procs::log_tail(&apiserver_log, 8192).contains("address already in use")
+            {
+                continue;
+            }
+            return Err(failure(&e, &etcd_log, &apiserver_log));
+        }
+        procs::keep_until_exit(etcd);
+        procs::keep_until_exit(apiserver);
+        break (server, admin_kubeconfig, t_etcd, started.elapsed() - t_etcd);
+    };
+
+    let t_crds = Instant::now();
+    let mut files = crds::files(&upstream, setup);
+    files.push(crds::e2e_template_crd());
+    let client = client_from_kubeconfig(&admin_kubeconfig).await;
+    crds::install(&client, &files)
+        .await
+        .map_err(|e| failure(&e, &etcd_log, &apiserver_log))?;
+    let timings = Timings {
+        upstream: t_upstream,
+        etcd: t_etcd,
+        apiserver: t_apiserver,
+        crds: t_crds.elapsed(),
+        total: t0.elapsed(),
+        crd_count: files.len(),
+    };
+    eprintln!(
+        "e2e: control plane {server} ({setup:?}) up in {:.1}s: upstream lookup {:.1}s, etcd {:.1}s, \
+         kube-apiserver {:.1}s, {} CRDs {:.1}s; logs in {}",
+        timings.total.as_secs_f64(),
+        timings.upstream.as_secs_f64(),
+        timings.etcd.as_secs_f64(),
+        timings.apiserver.as_secs_f64(),
+        timings.crd_count,
+        timings.crds.as_secs_f64(),
+        dir.display(),
+    );
+    Ok(ControlPlane {
+        setup,
+        server,
+        upstream,
+        dir,
+        renamed_group,
+        etcd_log,
+        apiserver_log,
+        timings,
+        admin_kubeconfig,
+        ca,
+        counter: AtomicU32::new(0),
+    })
+}
+
+fn write_admin_kubeconfig(dir: &Path, server: &str, ca: &Ca, admin: &pki::CertPem) -> PathBuf {
+    pki::write_private(
+        dir,
+        "admin.kubeconfig",
+        &pki::kubeconfig(server, &ca.cert_pem, "e2e-admin", admin),
+    )
+}
+
+fn failure(error: &str, etcd_log: &Path, apiserver_log: &Path) -> String {
+    format!(
+        "{error}\n--- etcd log {} (tail) ---\n{}\n--- kube-apiserver log {} (tail) ---\n{}",
+        etcd_log.display(),
+        procs::log_tail(etcd_log, 3000),
+        apiserver_log.display(),
+        procs::log_tail(apiserver_log, 6000),
+    )
+}
+
+fn exited(child: &mut Child, name: &str, log: &Path) -> Option<String> {
+    match child.try_wait() {
+        Ok(Some(status)) => Some(format!(
+            "{name} exited with {status}; log {}",
+            log.display()
+        )),
+        Ok(None) => None,
+        Err(e) => Some(format!("{name}: wait: {e}")),
+    }
+}
+
+/// Polls etcd's /health over plain HTTP until it reports healthy.
+async fn wait_etcd(etcd: &mut Child, port: u16, log: &Path) -> Result<(), String> {
+    poll_until(
+        "etcd /health",
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || {
+            let gone = exited(etcd, "etcd", log);
+            async move {
+                if let Some(gone) = gone {
+                    return Check::Fatal(gone);
+                }
+                match etcd_health(port) {
+                    Ok(body) if body.contains("\"health\":\"true\"") => Check::Done(()),
+                    Ok(body) => Check::Wait(body),
+                    Err(e) => Check::Wait(e.to_string()),
+                }
+            }
+        },
+    )
+    .await
+}
+
+fn etcd_health(port: u16) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response)
+}
+
+/// Polls /readyz with the admin identity until it answers "ok" (all post-start hooks, RBAC bootstrap
+/// and etcd checks included).
+async fn wait_apiserver(apiserver: &mut Child, kubeconfig: &Path, log: &Path) -> Result<(), String> {
+    let mut config = config_from_kubeconfig(kubeconfig).await;
+    config.default_retry = false;
+    config.connect_timeout = Some(Duration::from_secs(1));
+    config.read_timeout = Some(Duration::from_secs(5));
+    let client = Client::try_from(config).map_err(|e| format!("admin client: {e}"))?;
+    poll_until(
+        "kube-apiserver /readyz",
+        Duration::from_secs(120),
+        Duration::from_millis(100),
+        || {
+            let gone = exited(apiserver, "kube-apiserver", log);
+            let client = client.clone();
+            async move {
+                if let Some(gone) = gone {
+                    return Check::Fatal(gone);
+                }
+                let request = http::Request::get("/readyz")
+                    .body(Vec::new())
+                    .expect("a GET request");
+                match client.request_text(request).await {
+                    Ok(body) if body.trim() == "ok" => Check::Done(()),
+                    Ok(body) => Check::Wait(body),
+                    Err(e) => Check::Wait(e.to_string()),
+                }
+            }
+        },
+    )
+    .await
+}

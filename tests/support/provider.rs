@@ -1,0 +1,164 @@
+//! Runs this crate's binary (`serve`) as a child process for a test.
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+use super::procs::{self, Check, poll_until};
+
+/// The provider binary built by cargo for this test run.
+pub const PROVIDER_BIN: &str = env!("CARGO_BIN_EXE_capi-autoscaler-provider");
+
+/// A running provider; killed (SIGKILL) and reaped on drop.
+pub struct ProviderProcess {
+    child: Child,
+    /// `127.0.0.1:<port>` of the gRPC listener.
+    pub address: String,
+    /// `127.0.0.1:<port>` of the metrics/health HTTP listener.
+    pub metrics_address: String,
+    /// stdout and stderr of the provider.
+    pub log: PathBuf,
+    /// How long it took until the health check answered SERVING.
+    pub startup: Duration,
+}
+
+impl ProviderProcess {
+    /// `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// A new channel to the gRPC listener, in the calling test's runtime.
+    pub async fn channel(&self) -> Channel {
+        Endpoint::from_shared(self.endpoint())
+            .expect("provider endpoint URI")
+            .connect_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("connect to the provider at {}: {e}", self.address))
+    }
+
+    /// The log so far.
+    pub fn log_contents(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The PID of the provider process.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for ProviderProcess {
+    fn drop(&mut self) {
+        procs::kill_and_reap(&mut self.child);
+    }
+}
+
+/// Starts `capi-autoscaler-provider serve --address 127.0.0.1:<free> --metrics-address
+/// 127.0.0.1:<free> --cloud-config <kubeconfig> <args…>` and waits until grpc.health.v1 answers
+/// SERVING for the whole server (service ""). Panics with the provider's log when it exits or
+/// does not become healthy within 60 s.
+pub async fn start_provider(args: &[&str], kubeconfig: &Path) -> ProviderProcess {
+    static COUNT: AtomicU32 = AtomicU32::new(0);
+    let n = COUNT.fetch_add(1, Ordering::SeqCst);
+    let log = procs::work_dir().join(format!("provider-{n}.log"));
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let address = format!("127.0.0.1:{}", procs::free_port());
+        let metrics_address = format!("127.0.0.1:{}", procs::free_port());
+        let mut argv: Vec<String> = vec![
+            "serve".into(),
+            "--address".into(),
+            address.clone(),
+            "--metrics-address".into(),
+            metrics_address.clone(),
+            "--cloud-config".into(),
+            kubeconfig.display().to_string(),
+        ];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let started = Instant::now();
+        let mut child = procs::spawn_logged(Path::new(PROVIDER_BIN), &argv, &log)
+            .unwrap_or_else(|e| panic!("start {PROVIDER_BIN}: {e}"));
+        match wait_serving(&mut child, &address).await {
+            Ok(()) => {
+                let startup = started.elapsed();
+                eprintln!(
+                    "e2e: provider {address} serving after {:.2}s (log {})",
+                    startup.as_secs_f64(),
+                    log.display()
+                );
+                return ProviderProcess {
+                    child,
+                    address,
+                    metrics_address,
+                    log,
+                    startup,
+                };
+            }
+            Err(e) => {
+                procs::kill_and_reap(&mut child);
+                let tail = procs::log_tail(&log, 6000);
+                if attempt < 3 && tail.contains("in use") {
+                    continue; // a port was taken between choosing and binding
+                }
+                panic!(
+                    "provider `{} {}` did not become healthy: {e}\n--- provider log {} ---\n{tail}",
+                    PROVIDER_BIN,
+                    argv.join(" "),
+                    log.display()
+                );
+            }
+        }
+    }
+}
+
+async fn wait_serving(child: &mut Child, address: &str) -> Result<(), String> {
+    let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(2));
+    poll_until(
+        &format!("provider health at {address}"),
+        Duration::from_secs(60),
+        Duration::from_millis(50),
+        || {
+            let gone = match child.try_wait() {
+                Ok(Some(status)) => Some(format!("the provider exited with {status}")),
+                Ok(None) => None,
+                Err(e) => Some(format!("wait for the provider: {e}")),
+            };
+            let endpoint = endpoint.clone();
+            async move {
+                if let Some(gone) = gone {
+                    return Check::Fatal(gone);
+                }
+                match health_status(endpoint, "").await {
+                    Ok(ServingStatus::Serving) => Check::Done(()),
+                    Ok(other) => Check::Wait(format!("status {other:?}")),
+                    Err(e) => Check::Wait(e),
+                }
+            }
+        },
+    )
+    .await
+}
+
+/// One grpc.health.v1 `Check` of `service` ("" = the whole server).
+pub async fn health_status(endpoint: Endpoint, service: &str) -> Result<ServingStatus, String> {
+    let channel = endpoint.connect().await.map_err(|e| format!("connect: {e}"))?;
+    let response = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: service.to_string(),
+        })
+        .await
+        .map_err(|e| format!("health check: {e}"))?;
+    Ok(ServingStatus::try_from(response.into_inner().status).unwrap_or(ServingStatus::Unknown))
+}
