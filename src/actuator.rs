@@ -66,10 +66,20 @@ fn classify(what: &str, e: kube::Error) -> ApiFailure {
         kube::Error::Api(status) if status.code == 409 => ApiFailure::Conflict,
         kube::Error::Api(status) => ApiFailure::Other(match status.code {
             404 => ActuatorError::NotFound(format!("{what}: not found: {}", status.message)),
-            403 => ActuatorError::PermissionDenied(format!("{what}: forbidden (check the provider's RBAC): {}", status.message)),
-            400 | 422 => ActuatorError::FailedPrecondition(format!("{what}: rejected: {}", status.message)),
-            429 | 500..=599 => ActuatorError::Unavailable(format!("{what}: API server error {}: {}", status.code, status.message)),
-            code => ActuatorError::Internal(format!("{what}: API error {code}: {}", status.message)),
+            403 => ActuatorError::PermissionDenied(format!(
+                "{what}: forbidden (check the provider's RBAC): {}",
+                status.message
+            )),
+            400 | 422 => {
+                ActuatorError::FailedPrecondition(format!("{what}: rejected: {}", status.message))
+            }
+            429 | 500..=599 => ActuatorError::Unavailable(format!(
+                "{what}: API server error {}: {}",
+                status.code, status.message
+            )),
+            code => {
+                ActuatorError::Internal(format!("{what}: API error {code}: {}", status.message))
+            }
         }),
         other => ApiFailure::Other(ActuatorError::Unavailable(format!(
             "{what}: management cluster API unreachable: {other}"
@@ -77,7 +87,10 @@ fn classify(what: &str, e: kube::Error) -> ApiFailure {
     }
 }
 
-async fn call<T>(what: &str, fut: impl Future<Output = Result<T, kube::Error>>) -> Result<T, ApiFailure> {
+async fn call<T>(
+    what: &str,
+    fut: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, ApiFailure> {
     match tokio::time::timeout(CALL_TIMEOUT, fut).await {
         Ok(result) => result.map_err(|e| classify(what, e)),
         Err(_) => Err(ApiFailure::Other(ActuatorError::Unavailable(format!(
@@ -150,35 +163,57 @@ impl Actuator {
         Ok((snapshot, group))
     }
 
-    fn scale_api(&self, kind: ScalableKind, namespace: &str) -> Result<Api<DynamicObject>, ActuatorError> {
+    fn scale_api(
+        &self,
+        kind: ScalableKind,
+        namespace: &str,
+    ) -> Result<Api<DynamicObject>, ActuatorError> {
         let resource = self
             .store
             .apis()
             .scalable
             .get(&kind)
             .ok_or_else(|| ActuatorError::Internal(format!("{kind} is not served")))?;
-        Ok(Api::namespaced_with(self.store.client().clone(), namespace, resource))
+        Ok(Api::namespaced_with(
+            self.store.client().clone(),
+            namespace,
+            resource,
+        ))
     }
 
     fn machine_api(&self, namespace: &str) -> Api<DynamicObject> {
-        Api::namespaced_with(self.store.client().clone(), namespace, &self.store.apis().machine)
+        Api::namespaced_with(
+            self.store.client().clone(),
+            namespace,
+            &self.store.apis().machine,
+        )
     }
 
     /// Replicas as cached (read-your-writes included).
     fn cached(&self, group: &NodeGroup) -> Result<Replicas, ActuatorError> {
-        match self.store.cached_replicas(group.kind(), &group.resource.key) {
+        match self
+            .store
+            .cached_replicas(group.kind(), &group.resource.key)
+        {
             Some((Some(replicas), resource_version)) => Ok(Replicas {
                 replicas,
                 resource_version,
             }),
-            _ => Err(ActuatorError::NotFound(format!("node group {:?} is gone", group.id))),
+            _ => Err(ActuatorError::NotFound(format!(
+                "node group {:?} is gone",
+                group.id
+            ))),
         }
     }
 
     /// Replicas as the API has them now.
     async fn live(&self, group: &NodeGroup) -> Result<Replicas, ActuatorError> {
         let api = self.scale_api(group.kind(), &group.resource.key.namespace)?;
-        let what = format!("reading the scale of {} {}", group.kind(), group.resource.key);
+        let what = format!(
+            "reading the scale of {} {}",
+            group.kind(),
+            group.resource.key
+        );
         let scale = call(&what, api.get_scale(&group.resource.key.name))
             .await
             .map_err(|e| other(e, &what))?;
@@ -216,7 +251,12 @@ impl Actuator {
                 "spec": {"replicas": desired},
             });
             let started = Instant::now();
-            match call(&what, api.patch_scale(&key.name, &PatchParams::default(), &Patch::Merge(&patch))).await {
+            match call(
+                &what,
+                api.patch_scale(&key.name, &PatchParams::default(), &Patch::Merge(&patch)),
+            )
+            .await
+            {
                 Ok(scale) => {
                     self.metrics.api_write(operation, "ok");
                     let replicas = scale.spec.and_then(|s| s.replicas).unwrap_or(desired);
@@ -237,7 +277,12 @@ impl Actuator {
                         && now.replicas == desired
                         && now.resource_version != current.resource_version
                     {
-                        self.store.record_replicas(group.kind(), key, now.replicas, &now.resource_version);
+                        self.store.record_replicas(
+                            group.kind(),
+                            key,
+                            now.replicas,
+                            &now.resource_version,
+                        );
                         return Ok(now.replicas);
                     }
                     return Err(e);
@@ -309,7 +354,11 @@ impl Actuator {
     /// Marks each node's Machine for deletion and lowers replicas by one per node, node by node. A node
     /// whose removal is already under way (Machine deleting, or marked and covered by a decrement) is
     /// skipped, so CA's retries do not lower replicas twice.
-    pub async fn delete_nodes(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError> {
+    pub async fn delete_nodes(
+        &self,
+        id: &str,
+        nodes: &[NodeToDelete],
+    ) -> Result<(), ActuatorError> {
         let lock = self.group_lock(id);
         let _guard = lock.lock().await;
         let (snapshot, group) = self.group(id)?;
@@ -328,7 +377,9 @@ impl Actuator {
                     },
                     keys,
                 )
-                .ok_or_else(|| ActuatorError::NotFound(format!("{} belongs to no node group", node.describe())))?;
+                .ok_or_else(|| {
+                    ActuatorError::NotFound(format!("{} belongs to no node group", node.describe()))
+                })?;
             if location.group_id != id {
                 return Err(ActuatorError::InvalidArgument(format!(
                     "{} belongs to node group {:?}, not {id:?}",
@@ -343,7 +394,9 @@ impl Actuator {
             if !seen.insert(dedupe) {
                 continue;
             }
-            if location.machine.is_none() && !(group.kind() == ScalableKind::MachinePool && location.in_pool_list) {
+            if location.machine.is_none()
+                && !(group.kind() == ScalableKind::MachinePool && location.in_pool_list)
+            {
                 return Err(ActuatorError::FailedPrecondition(format!(
                     "{}: no Machine found, and it is not in the providerIDList of {id}",
                     node.describe()
@@ -356,7 +409,9 @@ impl Actuator {
         let current = self.cached(&group)?.replicas;
         let removals = plan
             .iter()
-            .filter(|(node, machine)| self.needs_decrement(&group, node, machine.as_ref()) != Decrement::Skip)
+            .filter(|(node, machine)| {
+                self.needs_decrement(&group, node, machine.as_ref()) != Removal::Skip
+            })
             .count() as i32;
         if removals > 0 && current - removals < group.min {
             return Err(ActuatorError::FailedPrecondition(format!(
@@ -367,16 +422,17 @@ impl Actuator {
 
         for (node, machine) in &plan {
             match self.needs_decrement(&group, node, machine.as_ref()) {
-                Decrement::Skip => {
+                Removal::Skip => {
                     tracing::info!(group = id, node = %node.describe(), "already being removed, not decrementing again");
                 }
-                Decrement::MarkAndDecrement => {
+                Removal::MarkAndDecrement => {
                     if let Some(machine) = machine {
                         self.remove_machine(&group, machine).await?;
                     }
                 }
-                Decrement::DecrementOnly => {
-                    self.write_replicas(&group, "delete-nodes", |current| Ok(current - 1)).await?;
+                Removal::DecrementOnly => {
+                    self.write_replicas(&group, "delete-nodes", |current| Ok(current - 1))
+                        .await?;
                     if machine.is_none() {
                         self.pool_decrements
                             .lock()
@@ -391,35 +447,48 @@ impl Actuator {
     }
 
     /// Whether removing this node still needs a replica decrement.
-    fn needs_decrement(&self, group: &NodeGroup, node: &NodeToDelete, machine: Option<&ObjectKey>) -> Decrement {
+    fn needs_decrement(
+        &self,
+        group: &NodeGroup,
+        node: &NodeToDelete,
+        machine: Option<&ObjectKey>,
+    ) -> Removal {
         let Some(key) = machine else {
             let done = self
                 .pool_decrements
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .contains(&(group.id.clone(), node.provider_id.clone()));
-            return if done { Decrement::Skip } else { Decrement::DecrementOnly };
+            return if done {
+                Removal::Skip
+            } else {
+                Removal::DecrementOnly
+            };
         };
         let delete_key = &self.store.settings().keys.delete_machine;
         let Some(cached) = self.store.cached_machine(key) else {
-            return Decrement::MarkAndDecrement;
+            return Removal::MarkAndDecrement;
         };
         if cached.deleting {
-            return Decrement::Skip;
+            return Removal::Skip;
         }
         if !cached.annotations.contains_key(delete_key) {
-            return Decrement::MarkAndDecrement;
+            return Removal::MarkAndDecrement;
         }
         // Marked already: by an earlier call of ours (then replicas were lowered) or by someone else.
         // Machines beyond replicas are removed marked-first, so the mark is covered when the marked
         // Machines are no more than that excess.
         let Ok(current) = self.cached(group) else {
-            return Decrement::Skip;
+            return Removal::Skip;
         };
         let mut alive = 0;
         let mut marked = 0;
         for instance in &group.instances {
-            let Some(m) = instance.machine.as_ref().and_then(|k| self.store.cached_machine(k)) else {
+            let Some(m) = instance
+                .machine
+                .as_ref()
+                .and_then(|k| self.store.cached_machine(k))
+            else {
                 continue;
             };
             if m.deleting {
@@ -431,22 +500,29 @@ impl Actuator {
             }
         }
         if marked <= alive - current.replicas {
-            Decrement::Skip
+            Removal::Skip
         } else {
-            Decrement::DecrementOnly
+            Removal::DecrementOnly
         }
     }
 
     /// Mark, then decrement; if the decrement fails, take the mark back so no Machine stays marked
     /// without its decrement.
-    async fn remove_machine(&self, group: &NodeGroup, key: &ObjectKey) -> Result<(), ActuatorError> {
+    async fn remove_machine(
+        &self,
+        group: &NodeGroup,
+        key: &ObjectKey,
+    ) -> Result<(), ActuatorError> {
         let delete_key = self.store.settings().keys.delete_machine.clone();
         let api = self.machine_api(&key.namespace);
         let what = format!("marking Machine {key} for deletion");
         let mark = json!({"metadata": {"annotations": {delete_key.as_str(): now_string()}}});
-        let marked = call(&what, api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&mark)))
-            .await
-            .map_err(|e| other(e, &what));
+        let marked = call(
+            &what,
+            api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&mark)),
+        )
+        .await
+        .map_err(|e| other(e, &what));
         let marked = match marked {
             Ok(obj) => obj,
             Err(e) => {
@@ -458,7 +534,10 @@ impl Actuator {
         };
         self.metrics.api_write("mark-machine", "ok");
         self.store.record_machine(&marked);
-        match self.write_replicas(group, "delete-nodes", |current| Ok(current - 1)).await {
+        match self
+            .write_replicas(group, "delete-nodes", |current| Ok(current - 1))
+            .await
+        {
             Ok(_) => Ok(()),
             Err(e) => {
                 tracing::warn!(group = %group.id, machine = %key, "decrement failed, removing the delete mark: {e}");
@@ -472,7 +551,12 @@ impl Actuator {
         let api = self.machine_api(&key.namespace);
         let what = format!("removing the delete mark of Machine {key}");
         let unmark = json!({"metadata": {"annotations": {delete_key: null}}});
-        match call(&what, api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&unmark))).await {
+        match call(
+            &what,
+            api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&unmark)),
+        )
+        .await
+        {
             Ok(obj) => {
                 self.metrics.api_write("unmark-machine", "ok");
                 self.store.record_machine(&obj);
@@ -487,7 +571,7 @@ impl Actuator {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Decrement {
+enum Removal {
     Skip,
     MarkAndDecrement,
     DecrementOnly,

@@ -162,20 +162,42 @@ pub fn render_table(report: &Report) -> String {
             [
                 g.id.clone(),
                 format!("{}/{}/{}", g.min, g.max, g.target),
-                format!("{} running, {} creating, {} deleting, {} failed", i.running, i.creating, i.deleting, i.failed),
+                format!(
+                    "{} running, {} creating, {} deleting, {} failed",
+                    i.running, i.creating, i.deleting, i.failed
+                ),
                 match &g.template {
                     Some(t) => {
-                        let gpu = t.gpu.as_ref().map(|(ty, n)| format!(", {n}x {ty}")).unwrap_or_default();
-                        format!("{} cpu, {} mem{gpu}, {} pods, {}/{}", t.cpu, t.memory, t.pods, t.os, t.arch)
+                        let gpu = t
+                            .gpu
+                            .as_ref()
+                            .map(|(ty, n)| format!(", {n}x {ty}"))
+                            .unwrap_or_default();
+                        format!(
+                            "{} cpu, {} mem{gpu}, {} pods, {}/{}",
+                            t.cpu, t.memory, t.pods, t.os, t.arch
+                        )
                     }
                     None => "none: cannot scale from zero".into(),
                 },
-                g.template.as_ref().map(|t| t.source.clone()).unwrap_or_else(|| "-".into()),
-                g.hourly_price.map(|p| format!("{p}")).unwrap_or_else(|| "-".into()),
+                g.template
+                    .as_ref()
+                    .map(|t| t.source.clone())
+                    .unwrap_or_else(|| "-".into()),
+                g.hourly_price
+                    .map(|p| format!("{p}"))
+                    .unwrap_or_else(|| "-".into()),
             ]
         })
         .collect();
-    let header = ["NODE GROUP", "MIN/MAX/TARGET", "INSTANCES", "TEMPLATE", "TEMPLATE SOURCE", "PRICE/H"];
+    let header = [
+        "NODE GROUP",
+        "MIN/MAX/TARGET",
+        "INSTANCES",
+        "TEMPLATE",
+        "TEMPLATE SOURCE",
+        "PRICE/H",
+    ];
     let mut widths = header.map(str::len);
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -195,19 +217,28 @@ pub fn render_table(report: &Report) -> String {
         line(row, &mut out);
     }
     if report.groups.is_empty() {
-        let _ = writeln!(out, "(no node groups: no MachineDeployment, MachineSet or MachinePool carries the min/max size annotations, or discovery filters them out)");
+        let _ = writeln!(
+            out,
+            "(no node groups: no MachineDeployment, MachineSet or MachinePool carries the min/max size annotations, or discovery filters them out)"
+        );
     }
     for g in &report.groups {
         let details: Vec<String> = [
-            g.template.as_ref().filter(|t| !t.labels.is_empty()).map(|t| {
-                let labels: Vec<String> = t.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                format!("labels: {}", labels.join(","))
-            }),
+            g.template
+                .as_ref()
+                .filter(|t| !t.labels.is_empty())
+                .map(|t| {
+                    let labels: Vec<String> =
+                        t.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    format!("labels: {}", labels.join(","))
+                }),
             g.template
                 .as_ref()
                 .filter(|t| !t.taints.is_empty())
                 .map(|t| format!("taints: {}", t.taints.join(","))),
-            g.options.as_ref().map(|o| format!("options: {}", options_text(o))),
+            g.options
+                .as_ref()
+                .map(|o| format!("options: {}", options_text(o))),
         ]
         .into_iter()
         .flatten()
@@ -251,7 +282,9 @@ pub fn render_table(report: &Report) -> String {
     out
 }
 
-async fn ready_snapshot(connection: &crate::config::ConnectionArgs) -> anyhow::Result<Arc<Snapshot>> {
+async fn ready_snapshot(
+    connection: &crate::config::ConnectionArgs,
+) -> anyhow::Result<Arc<Snapshot>> {
     let config = connection.config()?;
     let store = start_store(&config, Arc::new(Metrics::new())).await?;
     if !store.wait_ready(READY_TIMEOUT).await {
@@ -268,7 +301,10 @@ pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let report = report(&snapshot);
     match args.output {
         OutputFormat::Table => print!("{}", render_table(&report)),
-        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report).context("encoding the report")?),
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&report).context("encoding the report")?
+        ),
     }
     Ok(if report.problems.is_empty() {
         ExitCode::SUCCESS
@@ -285,13 +321,20 @@ pub async fn template(args: TemplateArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("no node group {:?}; `check` lists them", args.id))?;
     match &group.template {
         Some(t) => {
-            print!("{}", serde_yaml::to_string(&t.node).context("encoding the template")?);
+            print!(
+                "{}",
+                serde_yaml::to_string(&t.node).context("encoding the template")?
+            );
             Ok(ExitCode::SUCCESS)
         }
         None => {
             let object = format!("{} {}", group.kind(), group.resource.key);
             eprintln!("{} has no scale-from-zero template:", group.id);
-            for p in snapshot.problems.iter().filter(|p| p.object == object || p.message.contains(&object)) {
+            for p in snapshot
+                .problems
+                .iter()
+                .filter(|p| p.object == object || p.message.contains(&object))
+            {
                 eprintln!("  {}: {}", p.field, p.message);
             }
             Ok(ExitCode::from(1))

@@ -146,10 +146,11 @@ impl ConnectionArgs {
             .node_group_auto_discovery
             .iter()
             .map(|spec| {
-                spec.parse::<DiscoverySpec>().map_err(|e| ConfigError::Discovery {
-                    spec: spec.clone(),
-                    reason: e.to_string(),
-                })
+                spec.parse::<DiscoverySpec>()
+                    .map_err(|e| ConfigError::Discovery {
+                        spec: spec.clone(),
+                        reason: e.reason,
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let group = if self.capi_group.is_empty() {
@@ -174,7 +175,9 @@ impl ConnectionArgs {
         // cloud config is authoritative, in which case the in-cluster config.
         let management = match (&self.cloud_config, &self.kubeconfig) {
             (Some(path), _) => KubeconfigSource::File(path.clone()),
-            (None, Some(path)) if !self.cloud_config_authoritative => KubeconfigSource::File(path.clone()),
+            (None, Some(path)) if !self.cloud_config_authoritative => {
+                KubeconfigSource::File(path.clone())
+            }
             _ => KubeconfigSource::Inferred,
         };
         Ok(Config {
@@ -183,7 +186,10 @@ impl ConnectionArgs {
             discovery,
             keys: Keys::new(&group),
             capi_version: self.capi_version.clone().filter(|v| !v.is_empty()),
-            default_arch: self.scale_zero_default_arch.clone().filter(|v| !v.is_empty()),
+            default_arch: self
+                .scale_zero_default_arch
+                .clone()
+                .filter(|v| !v.is_empty()),
             cpu_hour_price: self.cpu_hour_price,
             gib_hour_price: self.gib_hour_price,
         })
@@ -196,7 +202,9 @@ fn is_dns_subdomain(s: &str) -> bool {
         && s.split('.').all(|label| {
             !label.is_empty()
                 && label.len() <= 63
-                && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !label.starts_with('-')
                 && !label.ends_with('-')
         })
@@ -234,7 +242,13 @@ mod tests {
         assert_eq!(c.workload, Some("/w".into()));
         let c = serve_config(&["serve", "--kubeconfig", "/w"]).unwrap();
         assert_eq!(c.management, KubeconfigSource::File("/w".into()));
-        let c = serve_config(&["serve", "--kubeconfig", "/w", "--clusterapi-cloud-config-authoritative"]).unwrap();
+        let c = serve_config(&[
+            "serve",
+            "--kubeconfig",
+            "/w",
+            "--clusterapi-cloud-config-authoritative",
+        ])
+        .unwrap();
         assert_eq!(c.management, KubeconfigSource::Inferred);
     }
 
@@ -248,7 +262,10 @@ mod tests {
     #[test]
     fn capi_group_changes_the_keys() {
         let c = serve_config(&["serve", "--capi-group", "test.k8s.io"]).unwrap();
-        assert_eq!(c.keys.min_size, "test.k8s.io/cluster-api-autoscaler-node-group-min-size");
+        assert_eq!(
+            c.keys.min_size,
+            "test.k8s.io/cluster-api-autoscaler-node-group-min-size"
+        );
         assert_eq!(c.keys.delete_machine, "test.k8s.io/delete-machine");
         assert!(serve_config(&["serve", "--capi-group", "Not_A_Group"]).is_err());
     }

@@ -56,22 +56,47 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("capi_autoscaler_provider");
         let rpc_requests = Family::<RpcLabels, Counter>::default();
-        registry.register("grpc_requests", "externalgrpc calls by method and status code", rpc_requests.clone());
-        let rpc_seconds =
-            Family::<MethodLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_01, 4.0, 12)));
-        registry.register("grpc_request_duration_seconds", "externalgrpc call latency", rpc_seconds.clone());
+        registry.register(
+            "grpc_requests",
+            "externalgrpc calls by method and status code",
+            rpc_requests.clone(),
+        );
+        let rpc_seconds = Family::<MethodLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_01, 4.0, 12))
+        });
+        registry.register(
+            "grpc_request_duration_seconds",
+            "externalgrpc call latency",
+            rpc_seconds.clone(),
+        );
         let api_writes = Family::<WriteLabels, Counter>::default();
-        registry.register("api_writes", "writes to the management cluster by operation and outcome", api_writes.clone());
+        registry.register(
+            "api_writes",
+            "writes to the management cluster by operation and outcome",
+            api_writes.clone(),
+        );
         let watch_events = Family::<WatchLabels, Counter>::default();
-        registry.register("watch_events", "watch events by resource and kind of event", watch_events.clone());
+        registry.register(
+            "watch_events",
+            "watch events by resource and kind of event",
+            watch_events.clone(),
+        );
         let snapshot_seconds = Histogram::new(exponential_buckets(0.000_1, 4.0, 10));
-        registry.register("snapshot_build_duration_seconds", "time to build a snapshot", snapshot_seconds.clone());
+        registry.register(
+            "snapshot_build_duration_seconds",
+            "time to build a snapshot",
+            snapshot_seconds.clone(),
+        );
         let node_groups = Gauge::default();
         registry.register("node_groups", "node groups served", node_groups.clone());
         let machines = Gauge::default();
         registry.register("machines", "Machines cached", machines.clone());
         let problems = Gauge::default();
-        registry.register("problems", "problems found in the Cluster API objects (see `check`)", problems.clone());
+        registry.register(
+            "problems",
+            "problems found in the Cluster API objects (see `check`)",
+            problems.clone(),
+        );
         Metrics {
             registry,
             rpc_requests,
@@ -98,11 +123,15 @@ impl Metrics {
     }
 
     pub fn api_write(&self, operation: &'static str, outcome: &'static str) {
-        self.api_writes.get_or_create(&WriteLabels { operation, outcome }).inc();
+        self.api_writes
+            .get_or_create(&WriteLabels { operation, outcome })
+            .inc();
     }
 
     pub fn watch_event(&self, resource: &'static str, event: &'static str) {
-        self.watch_events.get_or_create(&WatchLabels { resource, event }).inc();
+        self.watch_events
+            .get_or_create(&WatchLabels { resource, event })
+            .inc();
     }
 
     pub fn observe_snapshot(&self, snapshot: &Snapshot, elapsed: Duration) {
@@ -155,7 +184,12 @@ mod tests {
         m.rpc("NodeGroups", tonic::Code::Ok, Duration::from_micros(30));
         m.api_write("scale", "conflict");
         let text = m.encode();
-        assert!(text.contains("capi_autoscaler_provider_grpc_requests_total{method=\"NodeGroups\",code=\"OK\"} 1"), "{text}");
+        assert!(
+            text.contains(
+                "capi_autoscaler_provider_grpc_requests_total{method=\"NodeGroups\",code=\"OK\"} 1"
+            ),
+            "{text}"
+        );
         assert!(text.contains("capi_autoscaler_provider_api_writes_total{operation=\"scale\",outcome=\"conflict\"} 1"), "{text}");
     }
 }

@@ -35,7 +35,10 @@ const BYTES_PER_GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
 /// The hourly price of one node of a group, from [`PRICE_ANNOTATION`]: `Ok(None)` when absent, a problem when
 /// it is not a finite non-negative decimal (`12`, `0.096`, `.5`; no sign, exponent, `inf` or `nan`).
-pub fn group_price(object: &str, annotations: &BTreeMap<String, String>) -> Result<Option<f64>, Problem> {
+pub fn group_price(
+    object: &str,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Option<f64>, Problem> {
     let Some(raw) = annotations.get(PRICE_ANNOTATION) else {
         return Ok(None);
     };
@@ -54,7 +57,9 @@ pub fn group_price(object: &str, annotations: &BTreeMap<String, String>) -> Resu
         return Err(bad("a price cannot be negative"));
     }
     if !is_plain_decimal(value) {
-        return Err(bad("not a decimal number of currency units per node-hour, e.g. 0.096"));
+        return Err(bad(
+            "not a decimal number of currency units per node-hour, e.g. 0.096",
+        ));
     }
     match value.parse::<f64>() {
         Ok(v) if v.is_finite() && v >= 0.0 => Ok(Some(v)),
@@ -69,7 +74,9 @@ fn is_plain_decimal(s: &str) -> bool {
         None => (s, None),
     };
     let digits = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
-    digits(int) && frac.is_none_or(digits) && (!int.is_empty() || frac.is_some_and(|f| !f.is_empty()))
+    digits(int)
+        && frac.is_none_or(digits)
+        && (!int.is_empty() || frac.is_some_and(|f| !f.is_empty()))
 }
 
 /// A protobuf `Timestamp` (seconds and nanos since the Unix epoch, either side of it) as a `SystemTime`;
@@ -165,13 +172,24 @@ impl ReferencePrices {
                 p.is_finite() && *p >= 0.0 && c.is_finite() && *c > 0.0 && m.is_finite() && *m > 0.0
             })
             .count();
-        let pick = |flag: Option<f64>, from_derived: Option<f64>, fallback: f64| match (valid(flag), from_derived) {
+        let pick = |flag: Option<f64>, from_derived: Option<f64>, fallback: f64| match (
+            valid(flag),
+            from_derived,
+        ) {
             (Some(v), _) => (v, PriceSource::Flag),
             (None, Some(v)) => (v, PriceSource::Derived(used)),
             (None, None) => (fallback, PriceSource::Fallback),
         };
-        let (cpu_hour, cpu_src) = pick(cpu_flag, derived.map(|d| d.cpu_hour), Self::FALLBACK.cpu_hour);
-        let (gib_hour, gib_src) = pick(gib_flag, derived.map(|d| d.gib_hour), Self::FALLBACK.gib_hour);
+        let (cpu_hour, cpu_src) = pick(
+            cpu_flag,
+            derived.map(|d| d.cpu_hour),
+            Self::FALLBACK.cpu_hour,
+        );
+        let (gib_hour, gib_src) = pick(
+            gib_flag,
+            derived.map(|d| d.gib_hour),
+            Self::FALLBACK.gib_hour,
+        );
         (ReferencePrices { cpu_hour, gib_hour }, [cpu_src, gib_src])
     }
 }
@@ -229,7 +247,10 @@ fn resources(list: &BTreeMap<String, Quantity>) -> PodRequests {
 }
 
 fn container_requests(c: &Container) -> PodRequests {
-    c.resources.as_ref().map(|r| resources(&r.requests)).unwrap_or_default()
+    c.resources
+        .as_ref()
+        .map(|r| resources(&r.requests))
+        .unwrap_or_default()
 }
 
 /// The pod's effective requests as Kubernetes computes them (`resourcehelper.PodRequests`): containers
@@ -305,7 +326,8 @@ mod tests {
 
     #[test]
     fn group_prices() {
-        let cases: &[(Option<&str>, Result<Option<f64>, &str>)] = &[
+        type Case<'a> = (Option<&'a str>, Result<Option<f64>, &'a str>);
+        let cases: &[Case] = &[
             (None, Ok(None)),
             (Some("0.096"), Ok(Some(0.096))),
             (Some("12"), Ok(Some(12.0))),
@@ -334,7 +356,10 @@ mod tests {
                 (Ok(got), Ok(w)) => assert_eq!(got, *w, "{value:?}"),
                 (Err(p), Err(fragment)) => {
                     assert_eq!(p.object, OBJ);
-                    assert_eq!(p.field, "metadata.annotations[capi-autoscaler-provider/hourly-price]");
+                    assert_eq!(
+                        p.field,
+                        "metadata.annotations[capi-autoscaler-provider/hourly-price]"
+                    );
                     assert!(p.message.contains(fragment), "{value:?}: {}", p.message);
                 }
                 (got, w) => panic!("{value:?}: got {got:?}, want {w:?}"),
@@ -354,7 +379,11 @@ mod tests {
             (0.0, 0, 3600, 0.0),
         ];
         for (hourly, s, e, want) in cases {
-            let got = node_price(hourly, t0 + Duration::from_secs(s), t0 + Duration::from_secs(e));
+            let got = node_price(
+                hourly,
+                t0 + Duration::from_secs(s),
+                t0 + Duration::from_secs(e),
+            );
             assert!(close(got, want), "{hourly} {s}..{e}: {got} != {want}");
         }
     }
@@ -363,7 +392,10 @@ mod tests {
     fn timestamps() {
         assert_eq!(timestamp(0, 0), Some(UNIX_EPOCH));
         assert_eq!(timestamp(10, 5), Some(UNIX_EPOCH + Duration::new(10, 5)));
-        assert_eq!(timestamp(-10, 500_000_000), UNIX_EPOCH.checked_sub(Duration::from_millis(9_500)));
+        assert_eq!(
+            timestamp(-10, 500_000_000),
+            UNIX_EPOCH.checked_sub(Duration::from_millis(9_500))
+        );
         assert_eq!(timestamp(1, -1), None);
         assert_eq!(timestamp(1, 1_000_000_000), None);
         // out of SystemTime's range on any platform: no panic, whatever the answer
@@ -402,7 +434,10 @@ mod tests {
         // even count: mean of the middle two
         let r = ReferencePrices::derive(&[(0.2, 4.0, 16.0), (0.6, 4.0, 16.0)]);
         let r = r.unwrap_or(ReferencePrices::FALLBACK);
-        assert!(close(r.cpu_hour, 0.05) && close(r.gib_hour, 0.0125), "{r:?}");
+        assert!(
+            close(r.cpu_hour, 0.05) && close(r.gib_hour, 0.0125),
+            "{r:?}"
+        );
         // unusable entries skipped
         assert_eq!(ReferencePrices::derive(&[]), None);
         assert_eq!(
@@ -421,13 +456,31 @@ mod tests {
     fn resolve_reference_prices() {
         let priced = [(0.2, 4.0, 16.0)];
         let (r, src) = ReferencePrices::resolve(None, None, &priced);
-        assert_eq!(r, ReferencePrices { cpu_hour: 0.025, gib_hour: 0.00625 });
+        assert_eq!(
+            r,
+            ReferencePrices {
+                cpu_hour: 0.025,
+                gib_hour: 0.00625
+            }
+        );
         assert_eq!(src, [PriceSource::Derived(1), PriceSource::Derived(1)]);
         let (r, src) = ReferencePrices::resolve(Some(0.04), None, &priced);
-        assert_eq!(r, ReferencePrices { cpu_hour: 0.04, gib_hour: 0.00625 });
+        assert_eq!(
+            r,
+            ReferencePrices {
+                cpu_hour: 0.04,
+                gib_hour: 0.00625
+            }
+        );
         assert_eq!(src, [PriceSource::Flag, PriceSource::Derived(1)]);
         let (r, src) = ReferencePrices::resolve(Some(0.04), Some(0.005), &[]);
-        assert_eq!(r, ReferencePrices { cpu_hour: 0.04, gib_hour: 0.005 });
+        assert_eq!(
+            r,
+            ReferencePrices {
+                cpu_hour: 0.04,
+                gib_hour: 0.005
+            }
+        );
         assert_eq!(src, [PriceSource::Flag, PriceSource::Flag]);
         let (r, src) = ReferencePrices::resolve(None, Some(f64::NAN), &[]);
         assert_eq!(r, ReferencePrices::FALLBACK);
@@ -469,7 +522,10 @@ mod tests {
             spec: Some(PodSpec {
                 containers,
                 init_containers: init,
-                overhead: overhead.iter().map(|(k, v)| (k.to_string(), q(v))).collect(),
+                overhead: overhead
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), q(v)))
+                    .collect(),
                 ..Default::default()
             }),
             status: None,
@@ -485,7 +541,12 @@ mod tests {
         // (name, pod, cpu cores, memory GiB)
         let cases = vec![
             ("empty pod", Pod::default(), 0.0, 0.0),
-            ("no requests", pod(vec![container(None, None, None)], vec![], &[]), 0.0, 0.0),
+            (
+                "no requests",
+                pod(vec![container(None, None, None)], vec![], &[]),
+                0.0,
+                0.0,
+            ),
             (
                 "containers summed",
                 pod(
@@ -551,15 +612,27 @@ mod tests {
             ),
             (
                 "malformed quantity counts 0",
-                pod(vec![container(Some("lots"), Some("2Gi"), None)], vec![], &[]),
+                pod(
+                    vec![container(Some("lots"), Some("2Gi"), None)],
+                    vec![],
+                    &[],
+                ),
                 0.0,
                 2.0,
             ),
         ];
         for (name, p, cpu, gib) in cases {
             let r = pod_requests(&p);
-            assert!(close(r.cpu_cores, cpu), "{name}: cpu {} != {cpu}", r.cpu_cores);
-            assert!(close(r.memory_gib, gib), "{name}: memory {} != {gib}", r.memory_gib);
+            assert!(
+                close(r.cpu_cores, cpu),
+                "{name}: cpu {} != {cpu}",
+                r.cpu_cores
+            );
+            assert!(
+                close(r.memory_gib, gib),
+                "{name}: memory {} != {gib}",
+                r.memory_gib
+            );
             let want = (cpu * 0.04 + gib * 0.005) * 2.0;
             let got = pod_price(&p, &refs, 2.0);
             assert!(close(got, want), "{name}: price {got} != {want}");
@@ -570,7 +643,11 @@ mod tests {
 
     #[test]
     fn pod_level_resources_replace_container_sum() {
-        let mut p = pod(vec![container(Some("1"), Some("1Gi"), None)], vec![], &[("cpu", "100m")]);
+        let mut p = pod(
+            vec![container(Some("1"), Some("1Gi"), None)],
+            vec![],
+            &[("cpu", "100m")],
+        );
         if let Some(spec) = p.spec.as_mut() {
             let mut requests = BTreeMap::new();
             requests.insert("cpu".to_string(), q("4"));
@@ -595,7 +672,10 @@ mod tests {
         let decoded = decode_pod(&bytes);
         assert_eq!(decoded.as_ref().ok(), Some(&p));
         let r = decoded.map(|p| pod_requests(&p)).unwrap_or_default();
-        assert!(close(r.cpu_cores, 1.25) && close(r.memory_gib, 74.0 / 1024.0), "{r:?}");
+        assert!(
+            close(r.cpu_cores, 1.25) && close(r.memory_gib, 74.0 / 1024.0),
+            "{r:?}"
+        );
         assert_eq!(decode_pod(&[]), Ok(Pod::default()));
         assert!(decode_pod(&[0xff, 0xff, 0xff]).is_err());
         assert!(decode_pod(b"k8s\x00garbage").is_err());

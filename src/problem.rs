@@ -13,7 +13,11 @@ pub struct Problem {
 }
 
 impl Problem {
-    pub fn new(object: impl Into<String>, field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn new(
+        object: impl Into<String>,
+        field: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
         Problem {
             object: object.into(),
             field: field.into(),

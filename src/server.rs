@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::Client;
+use kube::config::{KubeConfigOptions, Kubeconfig};
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 
 use crate::config::{Config, KubeconfigSource, ServeArgs};
@@ -21,12 +21,15 @@ use crate::store::{CapiApis, Store};
 pub async fn client_for(source: &KubeconfigSource) -> anyhow::Result<Client> {
     let config = match source {
         KubeconfigSource::File(path) => {
-            let kubeconfig = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            let kubeconfig = Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
                 .await
                 .with_context(|| format!("loading kubeconfig {}", path.display()))?
         }
-        KubeconfigSource::Inferred => kube::Config::infer().await.context("no in-cluster or default kubeconfig")?,
+        KubeconfigSource::Inferred => kube::Config::infer()
+            .await
+            .context("no in-cluster or default kubeconfig")?,
     };
     Client::try_from(config).context("building the Kubernetes client")
 }
@@ -43,7 +46,9 @@ pub fn settings(config: &Config) -> Settings {
 
 /// Connects to the clusters, discovers the Cluster API version and starts the watches.
 pub async fn start_store(config: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Arc<Store>> {
-    let management = client_for(&config.management).await.context("management cluster")?;
+    let management = client_for(&config.management)
+        .await
+        .context("management cluster")?;
     let workload = match &config.workload {
         Some(path) => Some(
             client_for(&KubeconfigSource::File(path.clone()))
@@ -52,9 +57,20 @@ pub async fn start_store(config: &Config, metrics: Arc<Metrics>) -> anyhow::Resu
         ),
         None => None,
     };
-    let apis = CapiApis::discover(&management, &config.keys.group, config.capi_version.as_deref()).await?;
+    let apis = CapiApis::discover(
+        &management,
+        &config.keys.group,
+        config.capi_version.as_deref(),
+    )
+    .await?;
     tracing::info!(group = %apis.group, version = %apis.version, kinds = ?apis.scalable.keys().collect::<Vec<_>>(), "using Cluster API");
-    Ok(Store::start(management, workload, apis, settings(config), metrics))
+    Ok(Store::start(
+        management,
+        workload,
+        apis,
+        settings(config),
+        metrics,
+    ))
 }
 
 fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
@@ -67,7 +83,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let store = start_store(&config, Arc::clone(&metrics)).await?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_not_serving::<CloudProviderServer<Service>>().await;
+    health
+        .set_not_serving::<CloudProviderServer<Service>>()
+        .await;
     {
         let store = Arc::clone(&store);
         let health = health.clone();
@@ -82,12 +100,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
 
     if let Some(address) = args.metrics_address.as_deref().filter(|a| !a.is_empty()) {
-        let address: SocketAddr = address.parse().with_context(|| format!("--metrics-address {address:?}"))?;
+        let address: SocketAddr = address
+            .parse()
+            .with_context(|| format!("--metrics-address {address:?}"))?;
         let listener = tokio::net::TcpListener::bind(address)
             .await
             .with_context(|| format!("binding {address}"))?;
         tracing::info!(%address, "serving /metrics, /healthz, /readyz");
-        tokio::spawn(serve_http(listener, Arc::clone(&store), Arc::clone(&metrics)));
+        tokio::spawn(serve_http(
+            listener,
+            Arc::clone(&store),
+            Arc::clone(&metrics),
+        ));
     }
 
     let mut server = Server::builder();
@@ -110,7 +134,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     server
         .add_service(health_service)
         .add_service(CloudProviderServer::new(Service::new(store, metrics)))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown(),
+        )
         .await
         .context("gRPC server")?;
     Ok(())
@@ -142,7 +169,10 @@ async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metric
                 let metrics = Arc::clone(&metrics);
                 async move {
                     (
-                        [("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                        [(
+                            "content-type",
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
                         metrics.encode(),
                     )
                 }
@@ -157,7 +187,10 @@ async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metric
                     if store.is_ready() {
                         (StatusCode::OK, "ready")
                     } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "listing Cluster API objects")
+                        (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "listing Cluster API objects",
+                        )
                     }
                 }
             }),

@@ -42,7 +42,12 @@ impl Service {
         &self.store.settings().keys
     }
 
-    fn observe<T>(&self, method: &'static str, started: Instant, result: Result<T, Status>) -> Result<Response<T>, Status> {
+    fn observe<T>(
+        &self,
+        method: &'static str,
+        started: Instant,
+        result: Result<T, Status>,
+    ) -> Result<Response<T>, Status> {
         let code = match &result {
             Ok(_) => tonic::Code::Ok,
             Err(status) => status.code(),
@@ -85,13 +90,15 @@ fn period(
     start: (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
     end: (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
 ) -> Result<(SystemTime, SystemTime), Status> {
-    let read = |(new, legacy): (Option<&prost_types::Timestamp>, Option<&LegacyTime>), name: &str| {
+    let read = |(new, legacy): (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
+                name: &str| {
         let (seconds, nanos) = match (new, legacy) {
             (Some(t), _) => (t.seconds, t.nanos),
             (None, Some(t)) => (t.seconds, t.nanos),
             (None, None) => return Err(Status::invalid_argument(format!("{name} is required"))),
         };
-        pricing::timestamp(seconds, nanos).ok_or_else(|| Status::invalid_argument(format!("{name} is out of range")))
+        pricing::timestamp(seconds, nanos)
+            .ok_or_else(|| Status::invalid_argument(format!("{name} is out of range")))
     };
     Ok((read(start, "startTimestamp")?, read(end, "endTimestamp")?))
 }
@@ -115,9 +122,18 @@ fn defaults_from_wire(o: &NodeGroupAutoscalingOptions) -> Defaults {
     Defaults {
         scale_down_utilization_threshold: o.scale_down_utilization_threshold,
         scale_down_gpu_utilization_threshold: o.scale_down_gpu_utilization_threshold,
-        scale_down_unneeded_time: read_duration(o.scale_down_unneeded_duration.as_ref(), o.scale_down_unneeded_time.as_ref()),
-        scale_down_unready_time: read_duration(o.scale_down_unready_duration.as_ref(), o.scale_down_unready_time.as_ref()),
-        max_node_provision_time: read_duration(o.max_node_provision_duration.as_ref(), o.max_node_provision_time.as_ref()),
+        scale_down_unneeded_time: read_duration(
+            o.scale_down_unneeded_duration.as_ref(),
+            o.scale_down_unneeded_time.as_ref(),
+        ),
+        scale_down_unready_time: read_duration(
+            o.scale_down_unready_duration.as_ref(),
+            o.scale_down_unready_time.as_ref(),
+        ),
+        max_node_provision_time: read_duration(
+            o.max_node_provision_duration.as_ref(),
+            o.max_node_provision_time.as_ref(),
+        ),
         zero_or_max_node_scaling: o.zero_or_max_node_scaling,
         ignore_daemonsets_utilization: o.ignore_daemon_sets_utilization,
     }
@@ -144,13 +160,18 @@ fn options_to_wire(o: &Defaults) -> NodeGroupAutoscalingOptions {
 
 /// The options answer: empty without per-group annotations (CA keeps all its defaults, including the
 /// ones the proto cannot carry), else the defaults with the group's overrides.
-pub fn options_response(options: Option<&GroupOptions>, defaults: Option<&NodeGroupAutoscalingOptions>) -> Result<NodeGroupAutoscalingOptionsResponse, Status> {
+pub fn options_response(
+    options: Option<&GroupOptions>,
+    defaults: Option<&NodeGroupAutoscalingOptions>,
+) -> Result<NodeGroupAutoscalingOptionsResponse, Status> {
     let Some(options) = options else {
         return Ok(NodeGroupAutoscalingOptionsResponse::default());
     };
     let defaults = defaults.ok_or_else(|| Status::invalid_argument("defaults are required"))?;
     Ok(NodeGroupAutoscalingOptionsResponse {
-        node_group_autoscaling_options: Some(options_to_wire(&options.merged(&defaults_from_wire(defaults)))),
+        node_group_autoscaling_options: Some(options_to_wire(
+            &options.merged(&defaults_from_wire(defaults)),
+        )),
     })
 }
 
@@ -164,7 +185,11 @@ fn wire_state(state: InstanceState) -> WireState {
 
 /// The group a node being priced belongs to: a real node by providerID or machine annotations, a
 /// template node by CA's name prefix or by the annotation our templates carry.
-fn priced_group<'a>(snapshot: &'a Snapshot, keys: &Keys, node: &ExternalGrpcNode) -> Option<&'a Group> {
+fn priced_group<'a>(
+    snapshot: &'a Snapshot,
+    keys: &Keys,
+    node: &ExternalGrpcNode,
+) -> Option<&'a Group> {
     if let Some(group) = snapshot.group_for_node(&node_ref(node), keys) {
         return Some(group);
     }
@@ -186,7 +211,10 @@ fn priced_group<'a>(snapshot: &'a Snapshot, keys: &Keys, node: &ExternalGrpcNode
 
 #[tonic::async_trait]
 impl CloudProvider for Service {
-    async fn node_groups(&self, _: Request<NodeGroupsRequest>) -> Result<Response<NodeGroupsResponse>, Status> {
+    async fn node_groups(
+        &self,
+        _: Request<NodeGroupsRequest>,
+    ) -> Result<Response<NodeGroupsResponse>, Status> {
         let started = Instant::now();
         let snapshot = self.store.snapshot();
         let response = NodeGroupsResponse {
@@ -208,8 +236,13 @@ impl CloudProvider for Service {
                 .ok_or_else(|| Status::invalid_argument("node is required"))?;
             let snapshot = self.store.snapshot();
             // An empty id tells CA the node is not autoscaled.
-            let group = snapshot.group_for_node(&node_ref(node), self.keys()).map(wire_group).unwrap_or_default();
-            Ok(NodeGroupForNodeResponse { node_group: Some(group) })
+            let group = snapshot
+                .group_for_node(&node_ref(node), self.keys())
+                .map(wire_group)
+                .unwrap_or_default();
+            Ok(NodeGroupForNodeResponse {
+                node_group: Some(group),
+            })
         })();
         self.observe("NodeGroupForNode", started, result)
     }
@@ -221,12 +254,20 @@ impl CloudProvider for Service {
         let started = Instant::now();
         let result = (|| {
             let r = request.get_ref();
-            let node = r.node.as_ref().ok_or_else(|| Status::invalid_argument("node is required"))?;
+            let node = r
+                .node
+                .as_ref()
+                .ok_or_else(|| Status::invalid_argument("node is required"))?;
             let snapshot = self.store.snapshot();
-            let group = priced_group(&snapshot, self.keys(), node)
-                .ok_or_else(|| Status::unimplemented(format!("node {:?} belongs to no node group", node.name)))?;
+            let group = priced_group(&snapshot, self.keys(), node).ok_or_else(|| {
+                Status::unimplemented(format!("node {:?} belongs to no node group", node.name))
+            })?;
             let hourly = group.price.ok_or_else(|| {
-                Status::unimplemented(format!("node group {} has no {} annotation", group.id, crate::capi::PRICE_ANNOTATION))
+                Status::unimplemented(format!(
+                    "node group {} has no {} annotation",
+                    group.id,
+                    crate::capi::PRICE_ANNOTATION
+                ))
             })?;
             let (start, end) = period(
                 (r.start_timestamp.as_ref(), r.start_time.as_ref()),
@@ -250,11 +291,16 @@ impl CloudProvider for Service {
             if snapshot.groups.values().all(|g| g.price.is_none()) {
                 return Err(Status::unimplemented("no node group has a price"));
             }
-            let bytes = if r.pod_bytes.is_empty() { &r.pod } else { &r.pod_bytes };
+            let bytes = if r.pod_bytes.is_empty() {
+                &r.pod
+            } else {
+                &r.pod_bytes
+            };
             if bytes.is_empty() {
                 return Err(Status::invalid_argument("pod_bytes is required"));
             }
-            let pod = pricing::decode_pod(bytes).map_err(|e| Status::invalid_argument(format!("pod_bytes: {e}")))?;
+            let pod = pricing::decode_pod(bytes)
+                .map_err(|e| Status::invalid_argument(format!("pod_bytes: {e}")))?;
             let (start, end) = period(
                 (r.start_timestamp.as_ref(), r.start_time.as_ref()),
                 (r.end_timestamp.as_ref(), r.end_time.as_ref()),
@@ -267,7 +313,10 @@ impl CloudProvider for Service {
         self.observe("PricingPodPrice", started, result)
     }
 
-    async fn gpu_label(&self, _: Request<GpuLabelRequest>) -> Result<Response<GpuLabelResponse>, Status> {
+    async fn gpu_label(
+        &self,
+        _: Request<GpuLabelRequest>,
+    ) -> Result<Response<GpuLabelResponse>, Status> {
         let started = Instant::now();
         self.observe(
             "GPULabel",
@@ -291,15 +340,25 @@ impl CloudProvider for Service {
             .filter_map(|t| t.summary.gpu.as_ref())
             .map(|(gpu_type, _)| (gpu_type.clone(), prost_types::Any::default()))
             .collect();
-        self.observe("GetAvailableGPUTypes", started, Ok(GetAvailableGpuTypesResponse { gpu_types }))
+        self.observe(
+            "GetAvailableGPUTypes",
+            started,
+            Ok(GetAvailableGpuTypesResponse { gpu_types }),
+        )
     }
 
-    async fn cleanup(&self, _: Request<CleanupRequest>) -> Result<Response<CleanupResponse>, Status> {
+    async fn cleanup(
+        &self,
+        _: Request<CleanupRequest>,
+    ) -> Result<Response<CleanupResponse>, Status> {
         let started = Instant::now();
         self.observe("Cleanup", started, Ok(CleanupResponse {}))
     }
 
-    async fn refresh(&self, _: Request<RefreshRequest>) -> Result<Response<RefreshResponse>, Status> {
+    async fn refresh(
+        &self,
+        _: Request<RefreshRequest>,
+    ) -> Result<Response<RefreshResponse>, Status> {
         let started = Instant::now();
         self.store.refresh();
         self.observe("Refresh", started, Ok(RefreshResponse {}))
@@ -311,7 +370,9 @@ impl CloudProvider for Service {
     ) -> Result<Response<NodeGroupTargetSizeResponse>, Status> {
         let started = Instant::now();
         let snapshot = self.store.snapshot();
-        let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupTargetSizeResponse { target_size: g.target });
+        let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupTargetSizeResponse {
+            target_size: g.target,
+        });
         self.observe("NodeGroupTargetSize", started, result)
     }
 
@@ -425,7 +486,8 @@ impl CloudProvider for Service {
         let started = Instant::now();
         let snapshot = self.store.snapshot();
         let r = request.get_ref();
-        let result = find(&snapshot, &r.id).and_then(|g| options_response(g.options.as_ref(), r.defaults.as_ref()));
+        let result = find(&snapshot, &r.id)
+            .and_then(|g| options_response(g.options.as_ref(), r.defaults.as_ref()));
         self.observe("NodeGroupGetOptions", started, result)
     }
 }

@@ -7,7 +7,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::capi::{
-    InfraRef, InfraTemplate, Keys, Machine, Node, ObjectKey, ScalableKind, ScalableResource, providerid,
+    InfraRef, InfraTemplate, Keys, Machine, Node, ObjectKey, ScalableKind, ScalableResource,
+    providerid,
 };
 use crate::discovery::{self, DiscoverySpec};
 use crate::options::{self, GroupOptions};
@@ -70,7 +71,12 @@ pub struct Index {
 }
 
 impl Index {
-    pub fn apply_resource(&mut self, kind: ScalableKind, key: ObjectKey, parsed: Parsed<ScalableResource>) {
+    pub fn apply_resource(
+        &mut self,
+        kind: ScalableKind,
+        key: ObjectKey,
+        parsed: Parsed<ScalableResource>,
+    ) {
         self.resources.insert((kind, key), parsed);
     }
 
@@ -91,7 +97,9 @@ impl Index {
     }
 
     pub fn resource(&self, kind: ScalableKind, key: &ObjectKey) -> Option<&Arc<ScalableResource>> {
-        self.resources.get(&(kind, key.clone())).and_then(|r| r.as_ref().ok())
+        self.resources
+            .get(&(kind, key.clone()))
+            .and_then(|r| r.as_ref().ok())
     }
 
     pub fn apply_machine(&mut self, key: ObjectKey, parsed: Parsed<Machine>) {
@@ -102,7 +110,10 @@ impl Index {
         self.machines.remove(key);
     }
 
-    pub fn reset_machines(&mut self, objects: impl IntoIterator<Item = (ObjectKey, Parsed<Machine>)>) {
+    pub fn reset_machines(
+        &mut self,
+        objects: impl IntoIterator<Item = (ObjectKey, Parsed<Machine>)>,
+    ) {
         self.machines = objects.into_iter().collect();
     }
 
@@ -119,7 +130,10 @@ impl Index {
     }
 
     pub fn reset_nodes(&mut self, nodes: impl IntoIterator<Item = Node>) {
-        self.nodes = nodes.into_iter().map(|n| (n.name.clone(), Arc::new(n))).collect();
+        self.nodes = nodes
+            .into_iter()
+            .map(|n| (n.name.clone(), Arc::new(n)))
+            .collect();
     }
 
     pub fn set_infra_kind_state(&mut self, kind: InfraKind, state: InfraKindState) {
@@ -138,7 +152,11 @@ impl Index {
         self.infra.remove(&(kind.clone(), key.clone()));
     }
 
-    pub fn reset_infra(&mut self, kind: &InfraKind, objects: impl IntoIterator<Item = (ObjectKey, Parsed<InfraTemplate>)>) {
+    pub fn reset_infra(
+        &mut self,
+        kind: &InfraKind,
+        objects: impl IntoIterator<Item = (ObjectKey, Parsed<InfraTemplate>)>,
+    ) {
         self.infra.retain(|(k, _), _| k != kind);
         for (key, parsed) in objects {
             self.infra.insert((kind.clone(), key), parsed);
@@ -277,7 +295,10 @@ impl Snapshot {
             if let Some(found) = self.by_instance_id.get(node.provider_id) {
                 return Some(found);
             }
-            if let Some(found) = self.by_normalized_id.get(providerid::normalize(node.provider_id)) {
+            if let Some(found) = self
+                .by_normalized_id
+                .get(providerid::normalize(node.provider_id))
+            {
                 return Some(found);
             }
         }
@@ -293,12 +314,16 @@ impl Snapshot {
 
     fn machine_location(&self, key: &ObjectKey) -> Option<&Location> {
         let group = self.groups.get(self.by_machine.get(key)?)?;
-        let instance = group.instances.iter().find(|i| i.machine.as_ref() == Some(key))?;
+        let instance = group
+            .instances
+            .iter()
+            .find(|i| i.machine.as_ref() == Some(key))?;
         self.by_instance_id.get(&instance.id)
     }
 
     pub fn group_for_node(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&NodeGroup> {
-        self.locate(node, keys).and_then(|l| self.groups.get(&l.group_id))
+        self.locate(node, keys)
+            .and_then(|l| self.groups.get(&l.group_id))
     }
 }
 
@@ -324,13 +349,21 @@ pub fn group_id(kind: ScalableKind, key: &ObjectKey) -> String {
 }
 
 /// min/max from the annotations. `Ok(None)`: neither annotation, not a candidate.
-pub fn scaling_bounds(keys: &Keys, object: &str, annotations: &BTreeMap<String, String>) -> Result<Option<(i32, i32)>, Problem> {
+pub fn scaling_bounds(
+    keys: &Keys,
+    object: &str,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Option<(i32, i32)>, Problem> {
     let read = |key: &str| -> Result<Option<i32>, Problem> {
         match annotations.get(key) {
             None => Ok(None),
             Some(v) => match v.trim().parse::<i32>() {
                 Ok(n) if n >= 0 => Ok(Some(n)),
-                Ok(n) => Err(Problem::new(object, Problem::annotation_field(key), format!("{n} is negative"))),
+                Ok(n) => Err(Problem::new(
+                    object,
+                    Problem::annotation_field(key),
+                    format!("{n} is negative"),
+                )),
                 Err(_) => Err(Problem::new(
                     object,
                     Problem::annotation_field(key),
@@ -379,13 +412,31 @@ impl<'a> Builder<'a> {
 
     /// The group a resource's Machines belong to: a MachineSet owned by a served MachineDeployment
     /// belongs to that MachineDeployment.
-    fn owning_group(&self, machine: &Machine, served: &BTreeMap<String, NodeGroup>) -> Option<String> {
+    fn owning_group(
+        &self,
+        machine: &Machine,
+        served: &BTreeMap<String, NodeGroup>,
+    ) -> Option<String> {
         let keys = &self.settings.keys;
         let namespace = &machine.key.namespace;
-        let owner = |kind: &str| machine.owners.iter().find(|o| o.kind == kind).map(|o| o.name.clone());
-        let label = |suffix: &str| machine.labels.get(&format!("{}/{suffix}", keys.group)).cloned();
+        let owner = |kind: &str| {
+            machine
+                .owners
+                .iter()
+                .find(|o| o.kind == kind)
+                .map(|o| o.name.clone())
+        };
+        let label = |suffix: &str| {
+            machine
+                .labels
+                .get(&format!("{}/{suffix}", keys.group))
+                .cloned()
+        };
         if let Some(pool) = owner("MachinePool").or_else(|| label("pool-name")) {
-            let id = group_id(ScalableKind::MachinePool, &ObjectKey::new(namespace.as_str(), pool));
+            let id = group_id(
+                ScalableKind::MachinePool,
+                &ObjectKey::new(namespace.as_str(), pool),
+            );
             return served.contains_key(&id).then_some(id);
         }
         let set = owner("MachineSet").or_else(|| label("set-name"));
@@ -394,7 +445,10 @@ impl<'a> Builder<'a> {
             if let Some(ms) = self.index.resource(ScalableKind::MachineSet, &set_key)
                 && let Some(md) = ms.owners.iter().find(|o| o.kind == "MachineDeployment")
             {
-                let id = group_id(ScalableKind::MachineDeployment, &ObjectKey::new(namespace.as_str(), md.name.as_str()));
+                let id = group_id(
+                    ScalableKind::MachineDeployment,
+                    &ObjectKey::new(namespace.as_str(), md.name.as_str()),
+                );
                 if served.contains_key(&id) {
                     return Some(id);
                 }
@@ -405,7 +459,10 @@ impl<'a> Builder<'a> {
             }
         }
         if let Some(md) = label("deployment-name") {
-            let id = group_id(ScalableKind::MachineDeployment, &ObjectKey::new(namespace.as_str(), md));
+            let id = group_id(
+                ScalableKind::MachineDeployment,
+                &ObjectKey::new(namespace.as_str(), md),
+            );
             return served.contains_key(&id).then_some(id);
         }
         None
@@ -423,10 +480,16 @@ impl<'a> Builder<'a> {
             Some(Ok(reference)) => {
                 let kind = InfraKind::of(reference);
                 let key = ObjectKey::new(resource.key.namespace.as_str(), reference.name.as_str());
-                let what = format!("{} {}/{} ({})", reference.kind, key.namespace, key.name, reference.api_group);
+                let what = format!(
+                    "{} {}/{} ({})",
+                    reference.kind, key.namespace, key.name, reference.api_group
+                );
                 Ok(match index.infra_kinds.get(&kind) {
                     None | Some(InfraKindState::Syncing) => InfraSource::Unavailable {
-                        reason: format!("{what}: the watch of {} has not listed yet", reference.kind),
+                        reason: format!(
+                            "{what}: the watch of {} has not listed yet",
+                            reference.kind
+                        ),
                     },
                     Some(InfraKindState::Unavailable(why)) => InfraSource::Unavailable {
                         reason: format!("{what}: cannot read {}: {why}", reference.kind),
@@ -459,10 +522,20 @@ impl<'a> Builder<'a> {
             };
             let id = group_id(*kind, key);
             let object = object_name(kind, key);
-            if *kind == ScalableKind::MachineSet && resource.owners.iter().any(|o| o.kind == "MachineDeployment" && !o.name.is_empty()) {
+            if *kind == ScalableKind::MachineSet
+                && resource
+                    .owners
+                    .iter()
+                    .any(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
+            {
                 continue;
             }
-            if !discovery::allowed(&self.settings.discovery, &key.namespace, &resource.cluster_name, &resource.labels) {
+            if !discovery::allowed(
+                &self.settings.discovery,
+                &key.namespace,
+                &resource.cluster_name,
+                &resource.labels,
+            ) {
                 continue;
             }
             let (min, max) = match scaling_bounds(&keys, &object, &resource.annotations) {
@@ -480,12 +553,17 @@ impl<'a> Builder<'a> {
             }
             if resource.paused {
                 let why = "paused (spec.paused or the cluster.x-k8s.io/paused annotation): not autoscaled until resumed";
-                self.problems.push(Problem::new(&object, "spec.paused", why));
+                self.problems
+                    .push(Problem::new(&object, "spec.paused", why));
                 self.skip(id, why);
                 continue;
             }
             let Some(target) = resource.replicas else {
-                let problem = Problem::new(&object, "spec.replicas", "not set: the group has no target size");
+                let problem = Problem::new(
+                    &object,
+                    "spec.replicas",
+                    "not set: the group has no target size",
+                );
                 self.skip(id, problem.to_string());
                 self.problems.push(problem);
                 continue;
@@ -561,7 +639,12 @@ impl<'a> Builder<'a> {
             }
             list.sort_by(|a, b| a.id.cmp(&b.id));
             list.dedup_by(|a, b| a.id == b.id);
-            let pool: BTreeSet<&str> = group.resource.provider_id_list.iter().map(String::as_str).collect();
+            let pool: BTreeSet<&str> = group
+                .resource
+                .provider_id_list
+                .iter()
+                .map(String::as_str)
+                .collect();
             for instance in &list {
                 let location = Location {
                     group_id: id.clone(),
@@ -572,7 +655,10 @@ impl<'a> Builder<'a> {
                     self.problems.push(Problem::new(
                         object_name(group.kind(), &group.resource.key),
                         "spec.providerID",
-                        format!("instance {} is also claimed by {}", instance.id, previous.group_id),
+                        format!(
+                            "instance {} is also claimed by {}",
+                            instance.id, previous.group_id
+                        ),
                     ));
                 }
             }
@@ -612,7 +698,9 @@ impl<'a> Builder<'a> {
         let mut priced: Vec<(f64, f64, f64)> = Vec::new();
         let ids: Vec<String> = groups.keys().cloned().collect();
         for id in ids {
-            let Some(group) = groups.get(&id) else { continue };
+            let Some(group) = groups.get(&id) else {
+                continue;
+            };
             let resource = group.resource.clone();
             let node_labels = group
                 .instances
@@ -636,14 +724,21 @@ impl<'a> Builder<'a> {
             self.problems.extend(outcome.problems);
             if let Some(group) = groups.get_mut(&id) {
                 if let (Some(price), Some(template)) = (group.price, outcome.template.as_ref()) {
-                    priced.push((price, template.summary.cpu_cores, template.summary.memory_gib));
+                    priced.push((
+                        price,
+                        template.summary.cpu_cores,
+                        template.summary.memory_gib,
+                    ));
                 }
                 group.template = outcome.template.map(Arc::new);
             }
         }
 
-        let (reference_prices, reference_sources) =
-            ReferencePrices::resolve(self.settings.cpu_hour_price, self.settings.gib_hour_price, &priced);
+        let (reference_prices, reference_sources) = ReferencePrices::resolve(
+            self.settings.cpu_hour_price,
+            self.settings.gib_hour_price,
+            &priced,
+        );
         self.problems.sort();
         self.problems.dedup();
         Snapshot {
@@ -732,7 +827,13 @@ mod tests {
         Settings::default()
     }
 
-    fn resource(kind: ScalableKind, name: &str, min: Option<&str>, max: Option<&str>, replicas: i32) -> ScalableResource {
+    fn resource(
+        kind: ScalableKind,
+        name: &str,
+        min: Option<&str>,
+        max: Option<&str>,
+        replicas: i32,
+    ) -> ScalableResource {
         let keys = keys();
         let mut annotations = BTreeMap::new();
         if let Some(min) = min {
@@ -758,7 +859,13 @@ mod tests {
         }
     }
 
-    fn machine(name: &str, owner_kind: &str, owner: &str, provider_id: Option<&str>, node: bool) -> Machine {
+    fn machine(
+        name: &str,
+        owner_kind: &str,
+        owner: &str,
+        provider_id: Option<&str>,
+        node: bool,
+    ) -> Machine {
         Machine {
             key: ObjectKey::new("ns", name),
             uid: format!("uid-{name}"),
@@ -789,15 +896,30 @@ mod tests {
     /// An MD with its MS and two machines: one running, one pending without providerID.
     fn deployment_index() -> Index {
         let mut index = Index::default();
-        add(&mut index, resource(ScalableKind::MachineDeployment, "md", Some("1"), Some("5"), 2));
+        add(
+            &mut index,
+            resource(
+                ScalableKind::MachineDeployment,
+                "md",
+                Some("1"),
+                Some("5"),
+                2,
+            ),
+        );
         let mut ms = resource(ScalableKind::MachineSet, "md-abc", Some("1"), Some("5"), 2);
         ms.owners.push(OwnerRef {
             kind: "MachineDeployment".into(),
             name: "md".into(),
         });
         add(&mut index, ms);
-        add_machine(&mut index, machine("m1", "MachineSet", "md-abc", Some("e2e:///ns/m1"), true));
-        add_machine(&mut index, machine("m2", "MachineSet", "md-abc", None, false));
+        add_machine(
+            &mut index,
+            machine("m1", "MachineSet", "md-abc", Some("e2e:///ns/m1"), true),
+        );
+        add_machine(
+            &mut index,
+            machine("m2", "MachineSet", "md-abc", None, false),
+        );
         index
     }
 
@@ -810,17 +932,31 @@ mod tests {
     }
 
     #[test]
-    fn a_machine_set_owned_by_a_deployment_is_not_a_group_and_its_machines_belong_to_the_deployment() {
+    fn a_machine_set_owned_by_a_deployment_is_not_a_group_and_its_machines_belong_to_the_deployment()
+     {
         let s = deployment_index().snapshot(&settings(), 1);
-        assert_eq!(s.groups.keys().collect::<Vec<_>>(), ["MachineDeployment/ns/md"]);
+        assert_eq!(
+            s.groups.keys().collect::<Vec<_>>(),
+            ["MachineDeployment/ns/md"]
+        );
         let g = s.group("MachineDeployment/ns/md").unwrap();
         assert_eq!((g.min, g.max, g.target), (1, 5, 2));
-        let ids: Vec<_> = g.instances.iter().map(|i| (i.id.as_str(), i.state)).collect();
+        let ids: Vec<_> = g
+            .instances
+            .iter()
+            .map(|i| (i.id.as_str(), i.state))
+            .collect();
         assert_eq!(
             ids,
-            [("e2e:///ns/m1", InstanceState::Running), ("pending-machine-ns_m2", InstanceState::Creating)]
+            [
+                ("e2e:///ns/m1", InstanceState::Running),
+                ("pending-machine-ns_m2", InstanceState::Creating)
+            ]
         );
-        assert_eq!(g.debug(), "MachineDeployment/ns/md (min: 1, max: 5, replicas: 2)");
+        assert_eq!(
+            g.debug(),
+            "MachineDeployment/ns/md (min: 1, max: 5, replicas: 2)"
+        );
     }
 
     #[test]
@@ -831,7 +967,11 @@ mod tests {
         let md = Some("MachineDeployment/ns/md".to_string());
         assert_eq!(id(&node("e2e:///ns/m1", "n")), md);
         assert_eq!(id(&node("other:////m1", "n")), md, "normalised providerID");
-        assert_eq!(id(&node("pending-machine-ns_m2", "pending-machine-ns_m2")), md, "CA's fake node");
+        assert_eq!(
+            id(&node("pending-machine-ns_m2", "pending-machine-ns_m2")),
+            md,
+            "CA's fake node"
+        );
         assert_eq!(id(&node("", "pending-machine-ns_m2")), md);
         assert_eq!(id(&node("unknown://x", "x")), None);
         let annotations: HashMap<String, String> = [
@@ -854,12 +994,51 @@ mod tests {
     #[test]
     fn one_malformed_group_is_skipped_alone_with_a_problem_naming_the_field() {
         let mut index = deployment_index();
-        add(&mut index, resource(ScalableKind::MachineDeployment, "bad-max", Some("1"), Some("lots"), 1));
-        add(&mut index, resource(ScalableKind::MachineDeployment, "max-below-min", Some("4"), Some("2"), 3));
-        add(&mut index, resource(ScalableKind::MachineDeployment, "min-only", Some("1"), None, 1));
-        add(&mut index, resource(ScalableKind::MachineDeployment, "negative", Some("-1"), Some("2"), 1));
+        add(
+            &mut index,
+            resource(
+                ScalableKind::MachineDeployment,
+                "bad-max",
+                Some("1"),
+                Some("lots"),
+                1,
+            ),
+        );
+        add(
+            &mut index,
+            resource(
+                ScalableKind::MachineDeployment,
+                "max-below-min",
+                Some("4"),
+                Some("2"),
+                3,
+            ),
+        );
+        add(
+            &mut index,
+            resource(
+                ScalableKind::MachineDeployment,
+                "min-only",
+                Some("1"),
+                None,
+                1,
+            ),
+        );
+        add(
+            &mut index,
+            resource(
+                ScalableKind::MachineDeployment,
+                "negative",
+                Some("-1"),
+                Some("2"),
+                1,
+            ),
+        );
         let s = index.snapshot(&settings(), 1);
-        assert_eq!(s.groups.keys().collect::<Vec<_>>(), ["MachineDeployment/ns/md"]);
+        assert_eq!(
+            s.groups.keys().collect::<Vec<_>>(),
+            ["MachineDeployment/ns/md"]
+        );
         let k = keys();
         let problem = |name: &str| {
             s.problems
@@ -867,19 +1046,50 @@ mod tests {
                 .find(|p| p.object == format!("MachineDeployment ns/{name}"))
                 .unwrap_or_else(|| panic!("no problem for {name}: {:?}", s.problems))
         };
-        assert_eq!(problem("bad-max").field, Problem::annotation_field(&k.max_size));
+        assert_eq!(
+            problem("bad-max").field,
+            Problem::annotation_field(&k.max_size)
+        );
         assert!(problem("bad-max").message.contains("\"lots\""));
-        assert!(problem("max-below-min").message.contains("below min size 4"));
-        assert_eq!(problem("min-only").field, Problem::annotation_field(&k.max_size));
-        assert_eq!(problem("negative").field, Problem::annotation_field(&k.min_size));
+        assert!(
+            problem("max-below-min")
+                .message
+                .contains("below min size 4")
+        );
+        assert_eq!(
+            problem("min-only").field,
+            Problem::annotation_field(&k.max_size)
+        );
+        assert_eq!(
+            problem("negative").field,
+            Problem::annotation_field(&k.min_size)
+        );
     }
 
     #[test]
     fn unannotated_zero_max_paused_and_replica_less_resources_are_not_served() {
         let mut index = Index::default();
-        add(&mut index, resource(ScalableKind::MachineDeployment, "plain", None, None, 1));
-        add(&mut index, resource(ScalableKind::MachineDeployment, "zero", Some("0"), Some("0"), 0));
-        let mut paused = resource(ScalableKind::MachineDeployment, "paused", Some("0"), Some("3"), 1);
+        add(
+            &mut index,
+            resource(ScalableKind::MachineDeployment, "plain", None, None, 1),
+        );
+        add(
+            &mut index,
+            resource(
+                ScalableKind::MachineDeployment,
+                "zero",
+                Some("0"),
+                Some("0"),
+                0,
+            ),
+        );
+        let mut paused = resource(
+            ScalableKind::MachineDeployment,
+            "paused",
+            Some("0"),
+            Some("3"),
+            1,
+        );
         paused.paused = true;
         add(&mut index, paused);
         let mut unset = resource(ScalableKind::MachineSet, "unset", Some("0"), Some("3"), 0);
@@ -888,8 +1098,16 @@ mod tests {
         let s = index.snapshot(&settings(), 1);
         assert!(s.groups.is_empty(), "{:?}", s.groups.keys());
         assert!(s.skipped.contains_key("MachineDeployment/ns/paused"));
-        assert!(s.problems.iter().any(|p| p.object == "MachineSet ns/unset" && p.field == "spec.replicas"));
-        assert!(s.problems.iter().any(|p| p.object == "MachineDeployment ns/paused" && p.field == "spec.paused"));
+        assert!(
+            s.problems
+                .iter()
+                .any(|p| p.object == "MachineSet ns/unset" && p.field == "spec.replicas")
+        );
+        assert!(
+            s.problems
+                .iter()
+                .any(|p| p.object == "MachineDeployment ns/paused" && p.field == "spec.paused")
+        );
     }
 
     #[test]
@@ -898,12 +1116,21 @@ mod tests {
         let mut pool = resource(ScalableKind::MachinePool, "mp", Some("0"), Some("4"), 3);
         pool.provider_id_list = vec!["e2e:///ns/a".into(), "e2e:///ns/b".into()];
         add(&mut index, pool);
-        add_machine(&mut index, machine("mp-a", "MachinePool", "mp", Some("e2e:///ns/a"), true));
-        add_machine(&mut index, machine("mp-c", "MachinePool", "mp", None, false));
+        add_machine(
+            &mut index,
+            machine("mp-a", "MachinePool", "mp", Some("e2e:///ns/a"), true),
+        );
+        add_machine(
+            &mut index,
+            machine("mp-c", "MachinePool", "mp", None, false),
+        );
         let s = index.snapshot(&settings(), 1);
         let g = s.group("MachinePool/ns/mp").unwrap();
         let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
-        assert_eq!(ids, ["e2e:///ns/a", "e2e:///ns/b", "pending-machine-ns_mp-c"]);
+        assert_eq!(
+            ids,
+            ["e2e:///ns/a", "e2e:///ns/b", "pending-machine-ns_mp-c"]
+        );
         let k = keys();
         let b = s.locate(&node("e2e:///ns/b", "b"), &k).unwrap();
         assert_eq!((b.machine.clone(), b.in_pool_list), (None, true));
@@ -914,7 +1141,10 @@ mod tests {
     #[test]
     fn failed_and_deleting_machines_get_upstream_ids_states_and_error_info() {
         let mut index = Index::default();
-        add(&mut index, resource(ScalableKind::MachineSet, "ms", Some("0"), Some("9"), 4));
+        add(
+            &mut index,
+            resource(ScalableKind::MachineSet, "ms", Some("0"), Some("9"), 4),
+        );
         let mut failed = machine("failed", "MachineSet", "ms", None, false);
         failed.failure = Some(MachineFailure {
             reason: "CreateError".into(),
@@ -937,9 +1167,15 @@ mod tests {
         let f = by_id["failed-machine-ns_failed"];
         assert_eq!(f.state, InstanceState::Creating);
         let e = f.error.as_ref().unwrap();
-        assert_eq!((e.code.as_str(), e.class), ("ProvisioningFailed", OTHER_ERROR_CLASS));
+        assert_eq!(
+            (e.code.as_str(), e.class),
+            ("ProvisioningFailed", OTHER_ERROR_CLASS)
+        );
         assert!(e.message.contains("quota exceeded"));
-        assert_eq!(by_id["deleting-machine-ns_deleting"].state, InstanceState::Deleting);
+        assert_eq!(
+            by_id["deleting-machine-ns_deleting"].state,
+            InstanceState::Deleting
+        );
         let fd = by_id["failed-machine-ns_fd"];
         assert_eq!(fd.state, InstanceState::Deleting);
         assert_eq!(fd.error.as_ref().unwrap().code, "DeletingFailed");
@@ -951,11 +1187,19 @@ mod tests {
         index.reset_resources(ScalableKind::MachineDeployment, Vec::new());
         let s = index.snapshot(&settings(), 2);
         assert!(s.group("MachineDeployment/ns/md").is_none());
-        assert!(index.resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc")).is_some());
+        assert!(
+            index
+                .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"))
+                .is_some()
+        );
         index.reset_machines(Vec::new());
         assert_eq!(index.machine_count(), 0);
         index.delete_resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"));
-        assert!(index.resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc")).is_none());
+        assert!(
+            index
+                .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"))
+                .is_none()
+        );
     }
 
     #[test]
@@ -967,21 +1211,37 @@ mod tests {
             name: "".into(),
         });
         add(&mut index, ms);
-        add_machine(&mut index, machine("m", "MachineSet", "ms", Some("p://m"), true));
+        add_machine(
+            &mut index,
+            machine("m", "MachineSet", "ms", Some("p://m"), true),
+        );
         let s = index.snapshot(&settings(), 1);
-        assert_eq!(s.group_for_node(&node("p://m", "m"), &keys()).map(|g| g.id.as_str()), Some("MachineSet/ns/ms"));
+        assert_eq!(
+            s.group_for_node(&node("p://m", "m"), &keys())
+                .map(|g| g.id.as_str()),
+            Some("MachineSet/ns/ms")
+        );
     }
 
     #[test]
     fn discovery_filters_which_resources_are_groups() {
         let mut index = deployment_index();
-        let mut other = resource(ScalableKind::MachineDeployment, "other", Some("0"), Some("3"), 0);
+        let mut other = resource(
+            ScalableKind::MachineDeployment,
+            "other",
+            Some("0"),
+            Some("3"),
+            0,
+        );
         other.key.namespace = "elsewhere".into();
         add(&mut index, other);
         let mut s = settings();
         s.discovery = vec!["clusterapi:namespace=elsewhere".parse().unwrap()];
         let snap = index.snapshot(&s, 1);
-        assert_eq!(snap.groups.keys().collect::<Vec<_>>(), ["MachineDeployment/elsewhere/other"]);
+        assert_eq!(
+            snap.groups.keys().collect::<Vec<_>>(),
+            ["MachineDeployment/elsewhere/other"]
+        );
     }
 
     #[test]
@@ -998,8 +1258,14 @@ mod tests {
             a
         };
         assert_eq!(scaling_bounds(&k, "o", &ann(None, None)), Ok(None));
-        assert_eq!(scaling_bounds(&k, "o", &ann(None, Some("3"))), Ok(Some((0, 3))));
-        assert_eq!(scaling_bounds(&k, "o", &ann(Some("2"), Some("2"))), Ok(Some((2, 2))));
+        assert_eq!(
+            scaling_bounds(&k, "o", &ann(None, Some("3"))),
+            Ok(Some((0, 3)))
+        );
+        assert_eq!(
+            scaling_bounds(&k, "o", &ann(Some("2"), Some("2"))),
+            Ok(Some((2, 2)))
+        );
         assert!(scaling_bounds(&k, "o", &ann(Some("x"), Some("2"))).is_err());
         assert!(scaling_bounds(&k, "o", &ann(Some("3"), Some("2"))).is_err());
         assert!(scaling_bounds(&k, "o", &ann(Some("1"), None)).is_err());

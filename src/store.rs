@@ -12,9 +12,9 @@ use arc_swap::ArcSwap;
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::discovery::{self, ApiGroup};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::{Client, ResourceExt};
 use tokio::sync::Notify;
 
@@ -47,7 +47,11 @@ pub enum StoreError {
 
 impl CapiApis {
     /// The served version: `CAPI_VERSION` when set, else the group's preferred version.
-    pub async fn discover(client: &Client, group: &str, version: Option<&str>) -> Result<Self, StoreError> {
+    pub async fn discover(
+        client: &Client,
+        group: &str,
+        version: Option<&str>,
+    ) -> Result<Self, StoreError> {
         let discovery_error = |source| StoreError::Discovery {
             group: group.to_string(),
             source,
@@ -56,13 +60,20 @@ impl CapiApis {
             Some(v) => discovery::pinned_group(client, &kube::core::GroupVersion::gv(group, v))
                 .await
                 .map_err(discovery_error)?,
-            None => discovery::group(client, group).await.map_err(discovery_error)?,
+            None => discovery::group(client, group)
+                .await
+                .map_err(discovery_error)?,
         };
         let version = version
             .map(str::to_string)
             .unwrap_or_else(|| api_group.preferred_version_or_latest().to_string());
         let served = api_group.versioned_resources(&version);
-        let find = |kind: &str| served.iter().find(|(r, _)| r.kind == kind).map(|(r, _)| r.clone());
+        let find = |kind: &str| {
+            served
+                .iter()
+                .find(|(r, _)| r.kind == kind)
+                .map(|(r, _)| r.clone())
+        };
         let machine = find("Machine").ok_or_else(|| StoreError::NotServed {
             group: group.to_string(),
             what: format!("machines at {version}"),
@@ -216,9 +227,12 @@ impl Store {
         self.watches_listed.load(Ordering::Acquire) >= self.watches_total && {
             let index = lock(&self.index);
             index.wanted_infra_kinds().is_empty()
-                && lock(&self.infra_started)
-                    .iter()
-                    .all(|k| !matches!(index.infra_kind_state(k), Some(InfraKindState::Syncing) | None))
+                && lock(&self.infra_started).iter().all(|k| {
+                    !matches!(
+                        index.infra_kind_state(k),
+                        Some(InfraKindState::Syncing) | None
+                    )
+                })
         }
     }
 
@@ -246,7 +260,13 @@ impl Store {
     }
 
     /// Read-your-writes: the replicas a successful write returned, before the watch delivers them.
-    pub fn record_replicas(self: &Arc<Self>, kind: ScalableKind, key: &ObjectKey, replicas: i32, resource_version: &str) {
+    pub fn record_replicas(
+        self: &Arc<Self>,
+        kind: ScalableKind,
+        key: &ObjectKey,
+        replicas: i32,
+        resource_version: &str,
+    ) {
         {
             let mut index = lock(&self.index);
             if let Some(current) = index.resource(kind, key) {
@@ -265,13 +285,20 @@ impl Store {
         let key = object_key(object);
         {
             let mut index = lock(&self.index);
-            index.apply_machine(key.clone(), parsed.map(Arc::new).map_err(|e| machine_problem(&key, &e)));
+            index.apply_machine(
+                key.clone(),
+                parsed.map(Arc::new).map_err(|e| machine_problem(&key, &e)),
+            );
         }
         self.rebuild();
     }
 
     /// Replicas and resourceVersion of a resource as cached.
-    pub fn cached_replicas(&self, kind: ScalableKind, key: &ObjectKey) -> Option<(Option<i32>, String)> {
+    pub fn cached_replicas(
+        &self,
+        kind: ScalableKind,
+        key: &ObjectKey,
+    ) -> Option<(Option<i32>, String)> {
         let index = lock(&self.index);
         index
             .resource(kind, key)
@@ -292,7 +319,10 @@ impl Store {
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let (snapshot, wanted) = {
             let index = lock(&self.index);
-            (index.snapshot(&self.settings, generation), index.wanted_infra_kinds())
+            (
+                index.snapshot(&self.settings, generation),
+                index.wanted_infra_kinds(),
+            )
         };
         let snapshot = Arc::new(snapshot);
         self.snapshot.store(Arc::clone(&snapshot));
@@ -335,7 +365,10 @@ impl Store {
                     let event = KubeEvent {
                         type_: EventType::Warning,
                         reason: "AutoscalerConfigProblem".into(),
-                        note: Some(truncate(&format!("{}: {}", problem.field, problem.message), 1000)),
+                        note: Some(truncate(
+                            &format!("{}: {}", problem.field, problem.message),
+                            1000,
+                        )),
                         action: "Autoscale".into(),
                         secondary: None,
                     };
@@ -348,7 +381,10 @@ impl Store {
     }
 
     /// The object a problem is about, when it is one the provider watches.
-    fn event_reference(&self, problem: &Problem) -> Option<k8s_openapi::api::core::v1::ObjectReference> {
+    fn event_reference(
+        &self,
+        problem: &Problem,
+    ) -> Option<k8s_openapi::api::core::v1::ObjectReference> {
         let (kind, rest) = problem.object.split_once(' ')?;
         let (namespace, name) = rest.split_once('/')?;
         let key = ObjectKey::new(namespace, name);
@@ -388,7 +424,8 @@ impl Store {
                 }
                 Err(reason) => {
                     tracing::warn!(kind = %kind.kind, group = %kind.api_group, "infrastructure templates unavailable: {reason}");
-                    lock(&store.index).set_infra_kind_state(kind, InfraKindState::Unavailable(reason));
+                    lock(&store.index)
+                        .set_infra_kind_state(kind, InfraKindState::Unavailable(reason));
                     store.mark_dirty();
                 }
             }
@@ -400,7 +437,12 @@ impl Store {
     async fn infra_resource(&self, kind: &InfraKind) -> Result<ApiResource, String> {
         let group = discovery::group(&self.client, &kind.api_group)
             .await
-            .map_err(|e| format!("API group {} is not served or not discoverable: {e}", kind.api_group))?;
+            .map_err(|e| {
+                format!(
+                    "API group {} is not served or not discoverable: {e}",
+                    kind.api_group
+                )
+            })?;
         group
             .recommended_kind(&kind.kind)
             .map(|(resource, _)| resource)
@@ -408,7 +450,9 @@ impl Store {
     }
 
     async fn watch(self: Arc<Self>, what: Watched, api: Api<DynamicObject>) {
-        let mut stream = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+        let mut stream = watcher::watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed();
         let mut buffer: Vec<DynamicObject> = Vec::new();
         let mut listed_once = false;
         while let Some(event) = stream.next().await {
@@ -443,7 +487,10 @@ impl Store {
                     if let Watched::Infra(kind) = &what
                         && !listed_once
                     {
-                        lock(&self.index).set_infra_kind_state(kind.clone(), InfraKindState::Unavailable(e.to_string()));
+                        lock(&self.index).set_infra_kind_state(
+                            kind.clone(),
+                            InfraKindState::Unavailable(e.to_string()),
+                        );
                         self.mark_dirty();
                     }
                 }
@@ -457,7 +504,9 @@ impl Store {
         match what {
             Watched::Scalable(kind) => index.reset_resources(
                 *kind,
-                objects.iter().map(|o| (object_key(o), parse_resource(*kind, keys, o))),
+                objects
+                    .iter()
+                    .map(|o| (object_key(o), parse_resource(*kind, keys, o))),
             ),
             Watched::Machine => index.reset_machines(objects.iter().map(|o| {
                 let key = object_key(o);
@@ -468,7 +517,10 @@ impl Store {
             })),
             Watched::Node => index.reset_nodes(objects.iter().filter_map(parse_node)),
             Watched::Infra(kind) => {
-                index.reset_infra(kind, objects.iter().map(|o| (object_key(o), parse_infra(o))));
+                index.reset_infra(
+                    kind,
+                    objects.iter().map(|o| (object_key(o), parse_infra(o))),
+                );
                 index.set_infra_kind_state(kind.clone(), InfraKindState::Synced);
             }
         }
@@ -480,13 +532,21 @@ impl Store {
         let mut index = lock(&self.index);
         match what {
             Watched::Scalable(kind) => {
-                if is_older(index.resource(*kind, &key).map(|r| r.resource_version.as_str()), obj) {
+                if is_older(
+                    index
+                        .resource(*kind, &key)
+                        .map(|r| r.resource_version.as_str()),
+                    obj,
+                ) {
                     return;
                 }
                 index.apply_resource(*kind, key, parse_resource(*kind, keys, obj));
             }
             Watched::Machine => {
-                if is_older(index.machine(&key).map(|m| m.resource_version.as_str()), obj) {
+                if is_older(
+                    index.machine(&key).map(|m| m.resource_version.as_str()),
+                    obj,
+                ) {
                     return;
                 }
                 let parsed = Machine::from_json(keys, &to_json(obj))
@@ -528,13 +588,20 @@ fn label(what: &Watched) -> &'static str {
 /// clients in general, but etcd-backed ones are increasing integers; anything else is never "older".
 fn is_older(cached: Option<&str>, incoming: &DynamicObject) -> bool {
     let parse = |s: &str| s.parse::<u64>().ok();
-    match (cached.and_then(parse), incoming.resource_version().as_deref().and_then(parse)) {
+    match (
+        cached.and_then(parse),
+        incoming.resource_version().as_deref().and_then(parse),
+    ) {
         (Some(cached), Some(incoming)) => incoming < cached,
         _ => false,
     }
 }
 
-fn parse_resource(kind: ScalableKind, keys: &crate::capi::Keys, obj: &DynamicObject) -> Result<Arc<ScalableResource>, Problem> {
+fn parse_resource(
+    kind: ScalableKind,
+    keys: &crate::capi::Keys,
+    obj: &DynamicObject,
+) -> Result<Arc<ScalableResource>, Problem> {
     ScalableResource::from_json(kind, keys, &to_json(obj))
         .map(Arc::new)
         .map_err(|e| Problem::new(format!("{kind} {}", object_key(obj)), e.field, e.message))
@@ -545,7 +612,11 @@ fn machine_problem(key: &ObjectKey, e: &crate::capi::ParseError) -> Problem {
 }
 
 fn parse_infra(obj: &DynamicObject) -> Result<Arc<InfraTemplate>, Problem> {
-    let kind = obj.types.as_ref().map(|t| t.kind.clone()).unwrap_or_default();
+    let kind = obj
+        .types
+        .as_ref()
+        .map(|t| t.kind.clone())
+        .unwrap_or_default();
     InfraTemplate::from_json(&to_json(obj))
         .map(Arc::new)
         .map_err(|e| Problem::new(format!("{kind} {}", object_key(obj)), e.field, e.message))

@@ -76,7 +76,9 @@ pub enum InfraSource<'a> {
     NoReference,
     Found(&'a InfraTemplate),
     /// Referenced but not readable: RBAC, missing, not yet synced.
-    Unavailable { reason: String },
+    Unavailable {
+        reason: String,
+    },
 }
 
 pub struct TemplateInputs<'a> {
@@ -179,6 +181,15 @@ pub fn default_arch(value: Option<&str>) -> (&'static str, Option<Problem>) {
     }
 }
 
+/// Where a capacity entry came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    Template,
+    Annotation,
+    /// The default `pods`.
+    Default,
+}
+
 /// Builds the template node of one group. Never panics; every malformed input is a problem.
 pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     let r = inputs.resource;
@@ -212,18 +223,22 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     let template_object = template.map(|t| format!("{} {}", t.kind, t.key));
 
     // ---- capacity
-    // resource name → (quantity string, value, from annotation)
-    let mut cap: BTreeMap<String, (String, f64, bool)> = BTreeMap::new();
+    // resource name → (quantity string, value, where from)
+    let mut cap: BTreeMap<String, (String, f64, Origin)> = BTreeMap::new();
     if let (Some(t), Some(tobj)) = (template, template_object.as_deref()) {
         for (res, raw) in &t.capacity {
             let field = format!("status.capacity[{res}]");
             if !is_qualified_name(res) {
-                problems.push(Problem::new(tobj, field, "not a valid resource name; ignored"));
+                problems.push(Problem::new(
+                    tobj,
+                    field,
+                    "not a valid resource name; ignored",
+                ));
                 continue;
             }
             match parse_quantity(raw) {
                 Ok(v) => {
-                    cap.insert(res.clone(), (raw.trim().to_string(), v, false));
+                    cap.insert(res.clone(), (raw.trim().to_string(), v, Origin::Template));
                 }
                 Err(e) => problems.push(Problem::new(tobj, field, format!("{e}; ignored"))),
             }
@@ -236,9 +251,10 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
         }
         match parse_quantity(raw) {
             // zero is "not set", as upstream: the template's value, if any, shows through
-            Ok(v) if v == 0.0 => {}
             Ok(v) => {
-                cap.insert(res.to_string(), (raw.to_string(), v, true));
+                if v != 0.0 {
+                    cap.insert(res.to_string(), (raw.to_string(), v, Origin::Annotation));
+                }
             }
             Err(e) => problems.push(Problem::new(
                 object.as_str(),
@@ -252,13 +268,20 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     annotated(capacity::EPHEMERAL_DISK, "ephemeral-storage", &mut problems);
 
     // GPUs
-    let gpu_type = annotations.get(capacity::GPU_TYPE).map(|v| v.trim()).unwrap_or("");
+    let gpu_type = annotations
+        .get(capacity::GPU_TYPE)
+        .map(|v| v.trim())
+        .unwrap_or("");
     let gpu_count = parse_count(&object, annotations, capacity::GPU_COUNT, &mut problems);
     let mut gpu = None;
     match (gpu_type.is_empty(), gpu_count) {
         (false, Some(n)) if n > 0 => {
-            if is_qualified_name(gpu_type) {
-                cap.insert(gpu_type.to_string(), (n.to_string(), n as f64, true));
+            // an extended resource: a Node's capacity takes no other name without a domain
+            if gpu_type.contains('/') && is_qualified_name(gpu_type) {
+                cap.insert(
+                    gpu_type.to_string(),
+                    (n.to_string(), n as f64, Origin::Annotation),
+                );
                 gpu = Some((gpu_type.to_string(), n));
             } else {
                 problems.push(Problem::new(
@@ -271,15 +294,24 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
         (false, None)
             if annotations
                 .get(capacity::GPU_COUNT)
-                .is_none_or(|v| v.trim().is_empty()) => problems.push(Problem::new(
-            object.as_str(),
-            Problem::annotation_field(capacity::GPU_COUNT),
-            format!("{} is set but gpu-count is not; no GPU in the template", capacity::GPU_TYPE),
-        )),
+                .is_none_or(|v| v.trim().is_empty()) =>
+        {
+            problems.push(Problem::new(
+                object.as_str(),
+                Problem::annotation_field(capacity::GPU_COUNT),
+                format!(
+                    "{} is set but gpu-count is not; no GPU in the template",
+                    capacity::GPU_TYPE
+                ),
+            ))
+        }
         (true, Some(n)) if n > 0 => problems.push(Problem::new(
             object.as_str(),
             Problem::annotation_field(capacity::GPU_TYPE),
-            format!("{} is set but gpu-type is not; no GPU in the template", capacity::GPU_COUNT),
+            format!(
+                "{} is set but gpu-type is not; no GPU in the template",
+                capacity::GPU_COUNT
+            ),
         )),
         _ => {}
     }
@@ -292,10 +324,14 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     }
 
     // pods
-    let max_pods = parse_count(&object, annotations, capacity::MAX_PODS, &mut problems).filter(|n| *n > 0);
+    let max_pods =
+        parse_count(&object, annotations, capacity::MAX_PODS, &mut problems).filter(|n| *n > 0);
     let pods = match max_pods {
         Some(n) => {
-            cap.insert("pods".to_string(), (n.to_string(), n as f64, true));
+            cap.insert(
+                "pods".to_string(),
+                (n.to_string(), n as f64, Origin::Annotation),
+            );
             n
         }
         None => match cap.get("pods").filter(|(_, v, _)| *v >= 1.0) {
@@ -303,7 +339,11 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
             None => {
                 cap.insert(
                     "pods".to_string(),
-                    (DEFAULT_MAX_PODS.to_string(), DEFAULT_MAX_PODS as f64, false),
+                    (
+                        DEFAULT_MAX_PODS.to_string(),
+                        DEFAULT_MAX_PODS as f64,
+                        Origin::Default,
+                    ),
                 );
                 DEFAULT_MAX_PODS
             }
@@ -311,7 +351,11 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     };
 
     // the gate
-    let amount = |res: &str| cap.get(res).filter(|(_, v, _)| *v > 0.0).map(|(q, v, _)| (q.clone(), *v));
+    let amount = |res: &str| {
+        cap.get(res)
+            .filter(|(_, v, _)| *v > 0.0)
+            .map(|(q, v, _)| (q.clone(), *v))
+    };
     let (Some(cpu), Some(memory)) = (amount("cpu"), amount("memory")) else {
         if r.replicas.unwrap_or(0) == 0 {
             let missing_key = if amount("cpu").is_none() {
@@ -339,10 +383,8 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
         };
     };
     let ephemeral_storage = amount("ephemeral-storage").map(|(q, _)| q);
-    let from_annotations = cap
-        .iter()
-        .any(|(res, (_, _, ann))| *ann && !(res == "pods" && max_pods.is_none()));
-    let from_template = cap.values().any(|(_, _, ann)| !*ann) && template.is_some();
+    let from_annotations = cap.values().any(|(_, _, from)| *from == Origin::Annotation);
+    let from_template = cap.values().any(|(_, _, from)| *from == Origin::Template);
     let capacity_source = match (from_annotations, from_template, template_id) {
         (true, true, Some(id)) => CapacitySource::Both(id),
         (false, true, Some(id)) => CapacitySource::InfraTemplate(id),
@@ -368,8 +410,14 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
         problems.push(p);
     }
     let mut labels = BTreeMap::new();
-    labels.insert(LABEL_ARCH.to_string(), template_arch.unwrap_or(fallback_arch).to_string());
-    labels.insert(LABEL_OS.to_string(), template_os.unwrap_or(DEFAULT_OS).to_string());
+    labels.insert(
+        LABEL_ARCH.to_string(),
+        template_arch.unwrap_or(fallback_arch).to_string(),
+    );
+    labels.insert(
+        LABEL_OS.to_string(),
+        template_os.unwrap_or(DEFAULT_OS).to_string(),
+    );
     labels.insert(LABEL_HOSTNAME.to_string(), name.clone());
     if let Some(fd) = r.template.failure_domain.as_deref().map(str::trim)
         && !fd.is_empty()
@@ -413,7 +461,10 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
         }
     }
     for t in parse_taints_annotation(&object, annotations, &mut problems) {
-        match taints.iter_mut().find(|e| e.key == t.key && e.effect == t.effect) {
+        match taints
+            .iter_mut()
+            .find(|e| e.key == t.key && e.effect == t.effect)
+        {
             Some(existing) => *existing = t,
             None => taints.push(t),
         }
@@ -509,7 +560,14 @@ fn to_pb(node: &api::Node) -> k8s_pb::api::core::v1::Node {
     let quantities = |m: &Option<BTreeMap<String, Quantity>>| -> BTreeMap<String, PbQuantity> {
         m.iter()
             .flatten()
-            .map(|(k, q)| (k.clone(), PbQuantity { string: Some(q.0.clone()) }))
+            .map(|(k, q)| {
+                (
+                    k.clone(),
+                    PbQuantity {
+                        string: Some(q.0.clone()),
+                    },
+                )
+            })
             .collect()
     };
     let md = &node.metadata;
@@ -584,7 +642,9 @@ fn node_name(resource_name: &str, group_id: &str) -> String {
 }
 
 fn fnv1a32(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193))
+    bytes.iter().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    })
 }
 
 /// The GPU label value for a GPU resource: itself when it is a valid label value, else with every invalid
@@ -605,7 +665,8 @@ fn gpu_label_value(resource: &str) -> String {
         })
         .take(63)
         .collect();
-    v.trim_matches(|c: char| !c.is_ascii_alphanumeric()).to_string()
+    v.trim_matches(|c: char| !c.is_ascii_alphanumeric())
+        .to_string()
 }
 
 fn is_managed_label(key: &str) -> bool {
@@ -627,14 +688,17 @@ pub fn parse_quantity(raw: &str) -> Result<f64, String> {
         return Err("empty quantity".to_string());
     }
     if !is_go_quantity(s) {
-        return Err(format!("{s:?} is not a quantity (e.g. 4, 500m, 16Gi, 128G)"));
+        return Err(format!(
+            "{s:?} is not a quantity (e.g. 4, 500m, 16Gi, 128G)"
+        ));
     }
     // kube_quantity does not take the exa suffix `E` (it reads an exponent): scale from peta.
     let (body, factor) = match s.strip_suffix('E') {
         Some(b) => (format!("{b}P"), 1000.0),
         None => (s.to_string(), 1.0),
     };
-    let q = ParsedQuantity::try_from(body.as_str()).map_err(|e| format!("{s:?} is not a quantity: {e}"))?;
+    let q = ParsedQuantity::try_from(body.as_str())
+        .map_err(|e| format!("{s:?} is not a quantity: {e}"))?;
     let v = q
         .to_bytes_f64()
         .map(|v| v * factor)
@@ -672,8 +736,8 @@ fn is_go_quantity(s: &str) -> bool {
     }
     let suffix = &s[i..];
     match suffix {
-        "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T" | "P"
-        | "E" => true,
+        "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T"
+        | "P" | "E" => true,
         _ => {
             let Some(exp) = suffix.strip_prefix(['e', 'E']) else {
                 return false;
@@ -743,7 +807,9 @@ fn parse_labels_annotation(
         if !is_qualified_name(k) {
             problems.push(bad("invalid key"));
         } else if !is_label_value(v) {
-            problems.push(bad("invalid value (at most 63 of A-Z a-z 0-9 - _ ., alphanumeric at both ends)"));
+            problems.push(bad(
+                "invalid value (at most 63 of A-Z a-z 0-9 - _ ., alphanumeric at both ends)",
+            ));
         } else {
             out.push((k.to_string(), v.to_string()));
         }
@@ -822,7 +888,8 @@ pub fn is_label_value(s: &str) -> bool {
     b.len() <= 63
         && b.first().is_some_and(u8::is_ascii_alphanumeric)
         && b.last().is_some_and(u8::is_ascii_alphanumeric)
-        && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
 }
 
 fn is_dns_subdomain(s: &str) -> bool {
@@ -832,7 +899,8 @@ fn is_dns_subdomain(s: &str) -> bool {
             let b = label.as_bytes();
             !b.is_empty()
                 && b.len() <= 63
-                && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+                && b.iter()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
                 && b.first().is_some_and(|c| *c != b'-')
                 && b.last().is_some_and(|c| *c != b'-')
         })
@@ -854,7 +922,10 @@ mod tests {
             uid: "uid".to_string(),
             resource_version: "1".to_string(),
             labels: BTreeMap::new(),
-            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            annotations: annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             cluster_name: "c".to_string(),
             replicas: Some(replicas),
             paused: false,
@@ -880,7 +951,10 @@ mod tests {
             key: ObjectKey::new("default", "md-0-tpl"),
             api_group: "infrastructure.cluster.x-k8s.io".to_string(),
             kind: "DockerMachineTemplate".to_string(),
-            capacity: capacity.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            capacity: capacity
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             architecture: arch.map(str::to_string),
             operating_system: os.map(str::to_string),
         }
@@ -917,7 +991,10 @@ mod tests {
     }
 
     fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -942,11 +1019,15 @@ mod tests {
         for (s, want) in ok {
             let got = parse_quantity(s);
             assert!(
-                got.as_ref().is_ok_and(|v| (v - want).abs() <= want.abs() * 1e-12),
+                got.as_ref()
+                    .is_ok_and(|v| (v - want).abs() <= want.abs() * 1e-12),
                 "{s:?}: {got:?} != {want}"
             );
         }
-        for s in ["", "Ki", "abc", "1.1.1", "1 Gi", "1KB", "-1", "-500m", "1e", "e3", "1e3.5", "inf", "nan", "0x10", "1gi", "1K"] {
+        for s in [
+            "", "Ki", "abc", "1.1.1", "1 Gi", "1KB", "-1", "-500m", "1e", "e3", "1e3.5", "inf",
+            "nan", "0x10", "1gi", "1K",
+        ] {
             assert!(parse_quantity(s).is_err(), "{s:?} accepted");
         }
     }
@@ -984,7 +1065,10 @@ mod tests {
         assert_eq!(s.ephemeral_storage.as_deref(), Some("100Gi"));
         assert_eq!(s.pods, 200);
         assert_eq!(s.gpu, Some(("nvidia.com/gpu".to_string(), 2)));
-        assert_eq!(s.labels.get(GPU_LABEL).map(String::as_str), Some("nvidia.com-gpu"));
+        assert_eq!(
+            s.labels.get(GPU_LABEL).map(String::as_str),
+            Some("nvidia.com-gpu")
+        );
         assert_eq!(s.arch, "amd64");
         assert_eq!(s.os, "linux");
         // status
@@ -1008,7 +1092,10 @@ mod tests {
             .map(|(a, b)| (a.to_string(), b.to_string()))
         );
         let info = status.node_info.as_ref().expect("nodeInfo");
-        assert_eq!((info.architecture.as_str(), info.operating_system.as_str()), ("amd64", "linux"));
+        assert_eq!(
+            (info.architecture.as_str(), info.operating_system.as_str()),
+            ("amd64", "linux")
+        );
         // metadata
         let name = t.node.metadata.name.clone().unwrap_or_default();
         assert_eq!(name, s.name);
@@ -1018,14 +1105,31 @@ mod tests {
             t.node.metadata.annotations,
             Some(map(&[(NODE_GROUP_ANNOTATION, GROUP)]))
         );
-        assert!(t.node.spec.as_ref().is_some_and(|s| s.taints.is_none() && s.provider_id.is_none()));
+        assert!(
+            t.node
+                .spec
+                .as_ref()
+                .is_some_and(|s| s.taints.is_none() && s.provider_id.is_none())
+        );
     }
 
     #[test]
     fn annotations_override_template_key_by_key() {
-        let r = resource(&[(capacity::MEMORY, "32Gi"), (capacity::GPU_TYPE, "nvidia.com/gpu"), (capacity::GPU_COUNT, "1")], 0);
+        let r = resource(
+            &[
+                (capacity::MEMORY, "32Gi"),
+                (capacity::GPU_TYPE, "nvidia.com/gpu"),
+                (capacity::GPU_COUNT, "1"),
+            ],
+            0,
+        );
         let tpl = infra(
-            &[("cpu", "8"), ("memory", "16Gi"), ("ephemeral-storage", "50Gi"), ("pods", "58")],
+            &[
+                ("cpu", "8"),
+                ("memory", "16Gi"),
+                ("ephemeral-storage", "50Gi"),
+                ("pods", "58"),
+            ],
             Some("arm64"),
             Some("linux"),
         );
@@ -1049,7 +1153,10 @@ mod tests {
             CapacitySource::Both("DockerMachineTemplate/md-0-tpl".to_string())
         );
         assert_eq!(t.summary.arch, "arm64");
-        assert_eq!(t.summary.labels.get(LABEL_ARCH).map(String::as_str), Some("arm64"));
+        assert_eq!(
+            t.summary.labels.get(LABEL_ARCH).map(String::as_str),
+            Some("arm64")
+        );
     }
 
     #[test]
@@ -1057,18 +1164,41 @@ mod tests {
         let tpl = infra(&[("cpu", "2"), ("memory", "4Gi")], None, None);
         // (maxPods annotation, pods, source)
         let cases = [
-            (None, "110", CapacitySource::InfraTemplate("DockerMachineTemplate/md-0-tpl".to_string())),
-            (Some(""), "110", CapacitySource::InfraTemplate("DockerMachineTemplate/md-0-tpl".to_string())),
-            (Some("0"), "110", CapacitySource::InfraTemplate("DockerMachineTemplate/md-0-tpl".to_string())),
-            (Some("30"), "30", CapacitySource::Both("DockerMachineTemplate/md-0-tpl".to_string())),
+            (
+                None,
+                "110",
+                CapacitySource::InfraTemplate("DockerMachineTemplate/md-0-tpl".to_string()),
+            ),
+            (
+                Some(""),
+                "110",
+                CapacitySource::InfraTemplate("DockerMachineTemplate/md-0-tpl".to_string()),
+            ),
+            (
+                Some("0"),
+                "110",
+                CapacitySource::InfraTemplate("DockerMachineTemplate/md-0-tpl".to_string()),
+            ),
+            (
+                Some("30"),
+                "30",
+                CapacitySource::Both("DockerMachineTemplate/md-0-tpl".to_string()),
+            ),
         ];
         for (max_pods, pods, source) in cases {
-            let ann: Vec<(&str, &str)> = max_pods.map(|v| (capacity::MAX_PODS, v)).into_iter().collect();
+            let ann: Vec<(&str, &str)> = max_pods
+                .map(|v| (capacity::MAX_PODS, v))
+                .into_iter()
+                .collect();
             let r = resource(&ann, 0);
             let out = run(&r, InfraSource::Found(&tpl));
             assert!(out.problems.is_empty(), "{max_pods:?}: {:?}", out.problems);
             let t = out.template.expect("template");
-            assert_eq!(capacity_of(&t).get("pods").map(String::as_str), Some(pods), "{max_pods:?}");
+            assert_eq!(
+                capacity_of(&t).get("pods").map(String::as_str),
+                Some(pods),
+                "{max_pods:?}"
+            );
             assert_eq!(t.summary.capacity_source, source, "{max_pods:?}");
         }
     }
@@ -1076,7 +1206,12 @@ mod tests {
     #[test]
     fn malformed_values_are_problems_and_ignored() {
         // (annotations, template capacity, expected (object, field) of problems, template expected)
-        type Case<'a> = (&'a [(&'a str, &'a str)], &'a [(&'a str, &'a str)], Vec<(&'a str, String)>, bool);
+        type Case<'a> = (
+            &'a [(&'a str, &'a str)],
+            &'a [(&'a str, &'a str)],
+            Vec<(&'a str, String)>,
+            bool,
+        );
         let cases: Vec<Case> = vec![
             (
                 &[(capacity::CPU, "four"), (capacity::MEMORY, "8Gi")],
@@ -1090,48 +1225,78 @@ mod tests {
                 vec![
                     (TPL_OBJ, "status.capacity[memory]".to_string()),
                     (TPL_OBJ, "status.capacity[nvidia.com/gpu]".to_string()),
-                    (OBJ, Problem::annotation_field(capacity::CPU)),
+                    (OBJ, Problem::annotation_field(capacity::MEMORY)),
                 ],
                 false,
             ),
             (
-                &[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::EPHEMERAL_DISK, "-5Gi")],
+                &[
+                    (capacity::CPU, "1"),
+                    (capacity::MEMORY, "1Gi"),
+                    (capacity::EPHEMERAL_DISK, "-5Gi"),
+                ],
                 &[],
                 vec![(OBJ, Problem::annotation_field(capacity::EPHEMERAL_DISK))],
                 true,
             ),
             (
-                &[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::MAX_PODS, "13Mi")],
+                &[
+                    (capacity::CPU, "1"),
+                    (capacity::MEMORY, "1Gi"),
+                    (capacity::MAX_PODS, "13Mi"),
+                ],
                 &[],
                 vec![(OBJ, Problem::annotation_field(capacity::MAX_PODS))],
                 true,
             ),
             (
-                &[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::MAX_PODS, "-3")],
+                &[
+                    (capacity::CPU, "1"),
+                    (capacity::MEMORY, "1Gi"),
+                    (capacity::MAX_PODS, "-3"),
+                ],
                 &[],
                 vec![(OBJ, Problem::annotation_field(capacity::MAX_PODS))],
                 true,
             ),
             (
-                &[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::GPU_TYPE, "nvidia.com/gpu"), (capacity::GPU_COUNT, "two")],
+                &[
+                    (capacity::CPU, "1"),
+                    (capacity::MEMORY, "1Gi"),
+                    (capacity::GPU_TYPE, "nvidia.com/gpu"),
+                    (capacity::GPU_COUNT, "two"),
+                ],
                 &[],
                 vec![(OBJ, Problem::annotation_field(capacity::GPU_COUNT))],
                 true,
             ),
             (
-                &[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::GPU_TYPE, "nvidia.com/gpu")],
+                &[
+                    (capacity::CPU, "1"),
+                    (capacity::MEMORY, "1Gi"),
+                    (capacity::GPU_TYPE, "nvidia.com/gpu"),
+                ],
                 &[],
                 vec![(OBJ, Problem::annotation_field(capacity::GPU_COUNT))],
                 true,
             ),
             (
-                &[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::GPU_COUNT, "2")],
+                &[
+                    (capacity::CPU, "1"),
+                    (capacity::MEMORY, "1Gi"),
+                    (capacity::GPU_COUNT, "2"),
+                ],
                 &[],
                 vec![(OBJ, Problem::annotation_field(capacity::GPU_TYPE))],
                 true,
             ),
             (
-                &[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::GPU_TYPE, "nvidia gpu"), (capacity::GPU_COUNT, "2")],
+                &[
+                    (capacity::CPU, "1"),
+                    (capacity::MEMORY, "1Gi"),
+                    (capacity::GPU_TYPE, "nvidia gpu"),
+                    (capacity::GPU_COUNT, "2"),
+                ],
                 &[],
                 vec![(OBJ, Problem::annotation_field(capacity::GPU_TYPE))],
                 true,
@@ -1147,14 +1312,23 @@ mod tests {
             let r = resource(ann, 0);
             let tpl = infra(cap, None, None);
             let out = run(&r, InfraSource::Found(&tpl));
-            let got: Vec<(String, String)> =
-                out.problems.iter().map(|p| (p.object.clone(), p.field.clone())).collect();
-            let want: Vec<(String, String)> = want.iter().map(|(o, f)| (o.to_string(), f.clone())).collect();
+            let got: Vec<(String, String)> = out
+                .problems
+                .iter()
+                .map(|p| (p.object.clone(), p.field.clone()))
+                .collect();
+            let want: Vec<(String, String)> = want
+                .iter()
+                .map(|(o, f)| (o.to_string(), f.clone()))
+                .collect();
             assert_eq!(got, want, "case {i}: {:?}", out.problems);
             assert_eq!(out.template.is_some(), has_template, "case {i}");
             if let Some(t) = out.template {
                 let c = capacity_of(&t);
-                assert!(c.keys().all(|k| k == "cpu" || k == "memory" || k == "pods"), "case {i}: {c:?}");
+                assert!(
+                    c.keys().all(|k| k == "cpu" || k == "memory" || k == "pods"),
+                    "case {i}: {c:?}"
+                );
             }
         }
     }
@@ -1162,23 +1336,42 @@ mod tests {
     #[test]
     fn no_cpu_or_memory_gives_no_template() {
         // (annotations, replicas, problem expected)
-        let cases: [(&[(&str, &str)], i32, bool); 6] = [
+        type Case<'a> = (&'a [(&'a str, &'a str)], i32, bool);
+        let cases: [Case; 6] = [
             (&[], 0, true),
             (&[], 3, false),
             (&[(capacity::CPU, "2")], 0, true),
             (&[(capacity::MEMORY, "2Gi")], 0, true),
             (&[(capacity::CPU, "0"), (capacity::MEMORY, "2Gi")], 0, true),
-            (&[(capacity::CPU, "2"), (capacity::MAX_PODS, "10")], 2, false),
+            (
+                &[(capacity::CPU, "2"), (capacity::MAX_PODS, "10")],
+                2,
+                false,
+            ),
         ];
         for (i, (ann, replicas, problem)) in cases.into_iter().enumerate() {
             let r = resource(ann, replicas);
             let out = run(&r, InfraSource::NoReference);
             assert!(out.template.is_none(), "case {i}");
-            assert_eq!(out.problems.len(), usize::from(problem), "case {i}: {:?}", out.problems);
+            assert_eq!(
+                out.problems.len(),
+                usize::from(problem),
+                "case {i}: {:?}",
+                out.problems
+            );
             if let Some(p) = out.problems.first() {
                 assert_eq!(p.object, OBJ);
-                assert!(p.message.starts_with("zero-size group has no cpu/memory capacity"), "{}", p.message);
-                assert!(p.message.contains("DockerMachineTemplate default/md-0-tpl"), "{}", p.message);
+                assert!(
+                    p.message
+                        .starts_with("zero-size group has no cpu/memory capacity"),
+                    "{}",
+                    p.message
+                );
+                assert!(
+                    p.message.contains("DockerMachineTemplate default/md-0-tpl"),
+                    "{}",
+                    p.message
+                );
             }
         }
     }
@@ -1196,14 +1389,23 @@ mod tests {
         let p = &out.problems[0];
         assert_eq!(p.object, OBJ);
         assert_eq!(p.field, "spec.template.spec.infrastructureRef");
-        assert!(p.message.contains("DockerMachineTemplate default/md-0-tpl"), "{}", p.message);
+        assert!(
+            p.message.contains("DockerMachineTemplate default/md-0-tpl"),
+            "{}",
+            p.message
+        );
         assert!(p.message.contains("forbidden"), "{}", p.message);
         let t = out.template.expect("template from annotations");
         assert_eq!(t.summary.capacity_source, CapacitySource::Annotations);
 
         // and without annotations: two problems, no template
         let r = resource(&[], 0);
-        let out = run(&r, InfraSource::Unavailable { reason: "not found".to_string() });
+        let out = run(
+            &r,
+            InfraSource::Unavailable {
+                reason: "not found".to_string(),
+            },
+        );
         assert!(out.template.is_none());
         assert_eq!(out.problems.len(), 2, "{:?}", out.problems);
     }
@@ -1212,8 +1414,24 @@ mod tests {
     fn arch_and_os() {
         // (template nodeInfo arch, os, default arch, node label arch, want arch, want os, problems)
         let cases = [
-            (Some("arm64"), Some("linux"), None, None, "arm64", "linux", 0),
-            (Some("arm64"), Some("windows"), Some("s390x"), None, "arm64", "windows", 0),
+            (
+                Some("arm64"),
+                Some("linux"),
+                None,
+                None,
+                "arm64",
+                "linux",
+                0,
+            ),
+            (
+                Some("arm64"),
+                Some("windows"),
+                Some("s390x"),
+                None,
+                "arm64",
+                "windows",
+                0,
+            ),
             (None, None, None, None, "amd64", "linux", 0),
             (Some(""), Some(""), None, None, "amd64", "linux", 0),
             (None, None, Some("arm64"), None, "arm64", "linux", 0),
@@ -1222,25 +1440,65 @@ mod tests {
             (None, None, Some("ARM64"), None, "amd64", "linux", 1),
             (None, None, Some("riscv64"), None, "amd64", "linux", 1),
             // an invalid default that is not used is not reported here
-            (Some("arm64"), None, Some("riscv64"), None, "arm64", "linux", 0),
+            (
+                Some("arm64"),
+                None,
+                Some("riscv64"),
+                None,
+                "arm64",
+                "linux",
+                0,
+            ),
             // a real node wins
-            (Some("amd64"), None, None, Some("arm64"), "arm64", "linux", 0),
+            (
+                Some("amd64"),
+                None,
+                None,
+                Some("arm64"),
+                "arm64",
+                "linux",
+                0,
+            ),
         ];
-        for (i, (ta, to, def, node_arch, want_arch, want_os, n_problems)) in cases.into_iter().enumerate() {
+        for (i, (ta, to, def, node_arch, want_arch, want_os, n_problems)) in
+            cases.into_iter().enumerate()
+        {
             let r = resource(&[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi")], 0);
             let tpl = infra(&[], ta, to);
             let node_labels = node_arch.map(|a| map(&[(LABEL_ARCH, a)]));
             let out = run_with(&r, InfraSource::Found(&tpl), node_labels.as_ref(), def);
-            assert_eq!(out.problems.len(), n_problems, "case {i}: {:?}", out.problems);
+            assert_eq!(
+                out.problems.len(),
+                n_problems,
+                "case {i}: {:?}",
+                out.problems
+            );
             if let Some(p) = out.problems.first() {
                 assert_eq!(p.field, "CAPI_SCALE_ZERO_DEFAULT_ARCH");
             }
             let t = out.template.expect("template");
-            assert_eq!((t.summary.arch.as_str(), t.summary.os.as_str()), (want_arch, want_os), "case {i}");
+            assert_eq!(
+                (t.summary.arch.as_str(), t.summary.os.as_str()),
+                (want_arch, want_os),
+                "case {i}"
+            );
             let labels = &t.summary.labels;
-            assert_eq!(labels.get(LABEL_ARCH).map(String::as_str), Some(want_arch), "case {i}");
-            assert_eq!(labels.get(LABEL_OS).map(String::as_str), Some(want_os), "case {i}");
-            let info = t.node.status.as_ref().and_then(|s| s.node_info.as_ref()).expect("nodeInfo");
+            assert_eq!(
+                labels.get(LABEL_ARCH).map(String::as_str),
+                Some(want_arch),
+                "case {i}"
+            );
+            assert_eq!(
+                labels.get(LABEL_OS).map(String::as_str),
+                Some(want_os),
+                "case {i}"
+            );
+            let info = t
+                .node
+                .status
+                .as_ref()
+                .and_then(|s| s.node_info.as_ref())
+                .expect("nodeInfo");
             assert_eq!(info.architecture, want_arch, "case {i}");
         }
         assert_eq!(default_arch(Some("s390x")), ("s390x", None));
@@ -1286,7 +1544,12 @@ mod tests {
         ]);
         let out = run_with(&r, InfraSource::NoReference, Some(&node_labels), None);
         let fields: Vec<&str> = out.problems.iter().map(|p| p.field.as_str()).collect();
-        assert_eq!(fields, vec![Problem::annotation_field(capacity::LABELS).as_str(); 4], "{:?}", out.problems);
+        assert_eq!(
+            fields,
+            vec![Problem::annotation_field(capacity::LABELS).as_str(); 4],
+            "{:?}",
+            out.problems
+        );
         let t = out.template.expect("template");
         let name = t.summary.name.clone();
         let want = map(&[
@@ -1313,11 +1576,22 @@ mod tests {
         // without node labels: the failure domain, overridden by the annotation
         let out = run(&r, InfraSource::NoReference);
         let t = out.template.expect("template");
-        assert_eq!(t.summary.labels.get(LABEL_ZONE).map(String::as_str), Some("ann-zone"));
+        assert_eq!(
+            t.summary.labels.get(LABEL_ZONE).map(String::as_str),
+            Some("ann-zone")
+        );
         r.annotations.remove(capacity::LABELS);
-        let t = run(&r, InfraSource::NoReference).template.expect("template");
-        assert_eq!(t.summary.labels.get(LABEL_ZONE).map(String::as_str), Some("fd-1"));
-        assert_eq!(t.summary.labels.get(LABEL_ARCH).map(String::as_str), Some("amd64"));
+        let t = run(&r, InfraSource::NoReference)
+            .template
+            .expect("template");
+        assert_eq!(
+            t.summary.labels.get(LABEL_ZONE).map(String::as_str),
+            Some("fd-1")
+        );
+        assert_eq!(
+            t.summary.labels.get(LABEL_ARCH).map(String::as_str),
+            Some("amd64")
+        );
     }
 
     #[test]
@@ -1326,21 +1600,42 @@ mod tests {
         let cases = [
             ("nvidia.com/gpu", None, Some("nvidia.com-gpu")),
             ("nvidia-tesla-t4", None, None), // not a valid extended resource name → problem, no GPU
-            ("example.com/nvidia-tesla-t4", Some("cluster-api/accelerator=nvidia-tesla-t4"), Some("nvidia-tesla-t4")),
+            (
+                "example.com/nvidia-tesla-t4",
+                Some("cluster-api/accelerator=nvidia-tesla-t4"),
+                Some("nvidia-tesla-t4"),
+            ),
         ];
         for (gpu_type, labels, want) in cases {
-            let mut ann = vec![(capacity::CPU, "1"), (capacity::MEMORY, "1Gi"), (capacity::GPU_TYPE, gpu_type), (capacity::GPU_COUNT, "1")];
+            let mut ann = vec![
+                (capacity::CPU, "1"),
+                (capacity::MEMORY, "1Gi"),
+                (capacity::GPU_TYPE, gpu_type),
+                (capacity::GPU_COUNT, "1"),
+            ];
             if let Some(l) = labels {
                 ann.push((capacity::LABELS, l));
             }
             let r = resource(&ann, 0);
-            let t = run(&r, InfraSource::NoReference).template.expect("template");
-            assert_eq!(t.summary.labels.get(GPU_LABEL).map(String::as_str), want, "{gpu_type}");
+            let t = run(&r, InfraSource::NoReference)
+                .template
+                .expect("template");
+            assert_eq!(
+                t.summary.labels.get(GPU_LABEL).map(String::as_str),
+                want,
+                "{gpu_type}"
+            );
         }
         // a GPU from the template's capacity is summarised, without a label
         let r = resource(&[], 0);
-        let tpl = infra(&[("cpu", "8"), ("memory", "32Gi"), ("nvidia.com/gpu", "4")], None, None);
-        let t = run(&r, InfraSource::Found(&tpl)).template.expect("template");
+        let tpl = infra(
+            &[("cpu", "8"), ("memory", "32Gi"), ("nvidia.com/gpu", "4")],
+            None,
+            None,
+        );
+        let t = run(&r, InfraSource::Found(&tpl))
+            .template
+            .expect("template");
         assert_eq!(t.summary.gpu, Some(("nvidia.com/gpu".to_string(), 4)));
         assert!(!t.summary.labels.contains_key(GPU_LABEL));
     }
@@ -1404,10 +1699,23 @@ mod tests {
             .into_iter()
             .map(|t| (t.key, t.value, t.effect))
             .collect();
-        assert_eq!(node_taints[1], ("example.com/maintenance".to_string(), None, "NoExecute".to_string()));
+        assert_eq!(
+            node_taints[1],
+            (
+                "example.com/maintenance".to_string(),
+                None,
+                "NoExecute".to_string()
+            )
+        );
         assert_eq!(node_taints.len(), 5);
-        let json = serde_json::to_value(&t.summary.taints.iter().map(taint_string).collect::<Vec<_>>())
-            .unwrap_or_default();
+        let json = serde_json::to_value(
+            t.summary
+                .taints
+                .iter()
+                .map(taint_string)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap_or_default();
         assert_eq!(json[0], "dedicated=gpu:NoSchedule");
         assert_eq!(json[2], "spot:PreferNoSchedule");
     }
@@ -1430,10 +1738,26 @@ mod tests {
 
     #[test]
     fn syntax_helpers() {
-        for ok in ["a", "node-role.kubernetes.io/worker", "example.com/A_b.c-1", "x/y"] {
+        for ok in [
+            "a",
+            "node-role.kubernetes.io/worker",
+            "example.com/A_b.c-1",
+            "x/y",
+        ] {
             assert!(is_qualified_name(ok), "{ok}");
         }
-        for bad in ["", "/a", "a/", "A.com/x", "a b", "-a", "a-", "a/b/c", &"x".repeat(64), "ex_ample.com/a"] {
+        for bad in [
+            "",
+            "/a",
+            "a/",
+            "A.com/x",
+            "a b",
+            "-a",
+            "a-",
+            "a/b/c",
+            &"x".repeat(64),
+            "ex_ample.com/a",
+        ] {
             assert!(!is_qualified_name(bad), "{bad}");
         }
         for ok in ["", "a", "a.b-c_d", &"x".repeat(63)] {
@@ -1459,7 +1783,9 @@ mod tests {
             0,
         );
         r.template.labels = map(&[("node-role.kubernetes.io/worker", "")]);
-        let t = run(&r, InfraSource::NoReference).template.expect("template");
+        let t = run(&r, InfraSource::NoReference)
+            .template
+            .expect("template");
         let bytes = t.to_proto_bytes();
         assert!(!bytes.is_empty());
         assert!(!bytes.starts_with(b"k8s\0"));
@@ -1469,7 +1795,12 @@ mod tests {
         let md = decoded.metadata.clone().unwrap_or_default();
         assert_eq!(md.name.as_deref(), Some(t.summary.name.as_str()));
         assert_eq!(md.labels, t.summary.labels);
-        assert_eq!(md.annotations.get(NODE_GROUP_ANNOTATION).map(String::as_str), Some(GROUP));
+        assert_eq!(
+            md.annotations
+                .get(NODE_GROUP_ANNOTATION)
+                .map(String::as_str),
+            Some(GROUP)
+        );
         let spec = decoded.spec.clone().unwrap_or_default();
         let taints: Vec<(Option<&str>, Option<&str>, Option<&str>)> = spec
             .taints
@@ -1478,7 +1809,10 @@ mod tests {
             .collect();
         assert_eq!(
             taints,
-            vec![(Some("a"), Some("b"), Some("NoSchedule")), (Some("c"), None, Some("NoExecute"))]
+            vec![
+                (Some("a"), Some("b"), Some("NoSchedule")),
+                (Some("c"), None, Some("NoExecute"))
+            ]
         );
         assert_eq!(spec.provider_id, None);
         let status = decoded.status.clone().unwrap_or_default();
@@ -1489,7 +1823,12 @@ mod tests {
             .collect();
         assert_eq!(
             cap,
-            map(&[("cpu", "500m"), ("memory", "2Gi"), ("nvidia.com/gpu", "1"), ("pods", "110")])
+            map(&[
+                ("cpu", "500m"),
+                ("memory", "2Gi"),
+                ("nvidia.com/gpu", "1"),
+                ("pods", "110")
+            ])
         );
         assert_eq!(status.capacity, status.allocatable);
         assert_eq!(status.conditions.len(), 5);
@@ -1503,10 +1842,15 @@ mod tests {
     #[test]
     fn node_serializes_as_yaml() {
         let r = resource(&[(capacity::CPU, "1"), (capacity::MEMORY, "1Gi")], 0);
-        let t = run(&r, InfraSource::NoReference).template.expect("template");
+        let t = run(&r, InfraSource::NoReference)
+            .template
+            .expect("template");
         let yaml = serde_yaml::to_string(&t.node).unwrap_or_default();
         assert!(yaml.contains("kind: Node"), "{yaml}");
-        assert!(yaml.contains("cpu: '1'") || yaml.contains("cpu: \"1\""), "{yaml}");
+        assert!(
+            yaml.contains("cpu: '1'") || yaml.contains("cpu: \"1\""),
+            "{yaml}"
+        );
         let json = serde_json::to_value(&t.summary).unwrap_or_default();
         assert_eq!(json["cpu"], "1");
         assert_eq!(json["memory_gib"], 1.0);
@@ -1515,7 +1859,18 @@ mod tests {
 
     #[test]
     fn hostile_input_does_not_panic() {
-        let weird = ["", ":", "=", "==:", "a=b=c:NoSchedule", "\u{0}", "é=é:é", ",,,", "k=v:NoSchedule:x", "🦀"];
+        let weird = [
+            "",
+            ":",
+            "=",
+            "==:",
+            "a=b=c:NoSchedule",
+            "\u{0}",
+            "é=é:é",
+            ",,,",
+            "k=v:NoSchedule:x",
+            "🦀",
+        ];
         for w in weird {
             let mut r = resource(
                 &[
@@ -1537,7 +1892,14 @@ mod tests {
             let tpl = infra(&[(w, w), ("cpu", w)], Some(w), Some(w));
             let nl = map(&[(LABEL_ARCH, w)]);
             let _ = run_with(&r, InfraSource::Found(&tpl), Some(&nl), Some(w));
-            let _ = run_with(&r, InfraSource::Unavailable { reason: w.to_string() }, None, Some(w));
+            let _ = run_with(
+                &r,
+                InfraSource::Unavailable {
+                    reason: w.to_string(),
+                },
+                None,
+                Some(w),
+            );
         }
     }
 }

@@ -166,9 +166,11 @@ fn read_infra_ref(r: &Value, path: &[&str]) -> Result<InfraRef, ParseError> {
             (Some(g), Some(v.to_string()))
         }
     };
-    let api_group = match (api_group.filter(|g| !g.is_empty()), version_group) {
-        (Some(g), _) => g.to_string(),
-        (None, Some(g)) => g.to_string(),
+    let (api_group, api_version) = match (api_group.filter(|g| !g.is_empty()), version_group) {
+        // An apiVersion of another group says nothing about this group's versions: leave the version
+        // to discovery.
+        (Some(g), vg) => (g.to_string(), version.filter(|_| vg == Some(g))),
+        (None, Some(g)) => (g.to_string(), version),
         (None, None) => {
             return Err(ParseError::new(
                 dotted(path),
@@ -178,7 +180,7 @@ fn read_infra_ref(r: &Value, path: &[&str]) -> Result<InfraRef, ParseError> {
     };
     Ok(InfraRef {
         api_group,
-        api_version: version,
+        api_version,
         kind,
         name,
     })
@@ -285,7 +287,7 @@ impl Machine {
 ///    (`docs/book/src/developer/providers/contracts/infra-machine.md`, "InfraMachine: terminal failures").
 /// 3. v1beta2 condition `InfrastructureReady` with status `False` and reason `ObjectDeleted`, on a Machine
 ///    that is not being deleted (in `status.conditions` of v1beta2 objects, `status.v1beta2.conditions`
-///    of v1beta1 objects served by CAPI ≥ 1.9).
+///    of v1beta1 objects as CAPI v1.14 serves them).
 ///
 ///    Why this condition: the v1beta2 contract drops terminal failures ("there is no more special
 ///    treatment for provider's terminal failures within Cluster API … surfaced using conditions, with a
@@ -302,7 +304,8 @@ impl Machine {
 ///    deletion the same condition is routine, hence the `deleting` guard. Provider-specific reasons
 ///    mirrored from the InfraMachine's Ready condition are not treated as terminal: none is documented
 ///    as such by CAPI, and most (e.g. `NotReady`) are transient.
-/// 4. `status.phase == "Failed"` (set by CAPI < 1.11 controllers, no longer set by v1beta2 ones).
+/// 4. `status.phase == "Failed"`: set by pre-v1beta2 controllers together with the failure fields; the
+///    CAPI v1.14 controller never sets it (`setMachinePhaseAndLastUpdated`).
 ///
 /// Note: upstream's clusterapi provider (kubernetes/autoscaler#10001, after #9961) requires
 /// `failureMessage` *and* phase `Failed`; `phase` is kept in the view so a consumer can apply that rule.
@@ -568,6 +571,7 @@ fn opt_i32(obj: &Value, path: &[&str]) -> Result<Option<i32>, ParseError> {
             Some(i) => i32::try_from(i)
                 .map(Some)
                 .map_err(|_| ParseError::wrong_type(dotted(path), "a 32-bit integer", v)),
+            None if n.is_u64() => Err(ParseError::wrong_type(dotted(path), "a 32-bit integer", v)),
             None => Err(ParseError::wrong_type(dotted(path), "an integer", v)),
         },
         Some(other) => Err(ParseError::wrong_type(dotted(path), "an integer", other)),
@@ -680,6 +684,22 @@ mod tests {
         "machineset-v1beta1-standalone.json",
         "machineset-v1beta2-owned.json",
     ];
+
+    #[test]
+    fn every_fixture_is_listed() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/objects");
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".json"))
+            .collect();
+        on_disk.sort();
+        let listed: Vec<&str> = FIXTURES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            on_disk, listed,
+            "list new fixtures in FIXTURES (sorted) so the fuzz tests see them"
+        );
+    }
 
     fn fixture(name: &str) -> Value {
         let (_, text) = FIXTURES
@@ -1021,6 +1041,16 @@ mod tests {
                 "replicas too large",
                 with(base_md(), &["spec", "replicas"], json!(3_000_000_000_i64)),
                 Err("spec.replicas: expected a 32-bit integer, found 3000000000"),
+            ),
+            (
+                "replicas above i64",
+                with(base_md(), &["spec", "replicas"], json!(u64::MAX)),
+                Err("spec.replicas: expected a 32-bit integer, found 18446744073709551615"),
+            ),
+            (
+                "replicas negative beyond i32",
+                with(base_md(), &["spec", "replicas"], json!(-3_000_000_000_i64)),
+                Err("spec.replicas: expected a 32-bit integer, found -3000000000"),
             ),
             (
                 "replicas object",
@@ -1411,13 +1441,20 @@ mod tests {
                 ))),
             ),
             (
-                "both: the group comes from apiGroup",
+                "both: the group comes from apiGroup, the version only if it is of that group",
                 Some(
                     json!({"apiGroup": "a.example.com", "apiVersion": "b.example.com/v1", "kind": "K", "name": "t"}),
                 ),
+                Some(Ok(infra("a.example.com", None, "K", "t"))),
+            ),
+            (
+                "both, same group",
+                Some(
+                    json!({"apiGroup": "a.example.com", "apiVersion": "a.example.com/v2", "kind": "K", "name": "t"}),
+                ),
                 Some(Ok(infra(
                     "a.example.com",
-                    Some("b.example.com/v1"),
+                    Some("a.example.com/v2"),
                     "K",
                     "t",
                 ))),

@@ -20,7 +20,9 @@ mod tests {
         assert_eq!(normalize("aws:////i-12345678"), "i-12345678");
         assert_eq!(normalize("e2e:///ns/machine-a"), "machine-a");
         assert_eq!(
-            normalize("azure:///subscriptions/s/resourceGroups/r/providers/Microsoft.Compute/virtualMachines/cp-1"),
+            normalize(
+                "azure:///subscriptions/s/resourceGroups/r/providers/Microsoft.Compute/virtualMachines/cp-1"
+            ),
             "cp-1"
         );
     }
