@@ -135,7 +135,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .add_service(health_service)
         .add_service(CloudProviderServer::new(Service::new(store, metrics)))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             shutdown(),
         )
         .await

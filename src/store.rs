@@ -205,6 +205,41 @@ impl Store {
         store
     }
 
+    /// A store over fixed objects, with no watches (benchmarks; `client` is only used by writes).
+    pub fn fixed(
+        client: Client,
+        apis: CapiApis,
+        settings: Settings,
+        index: Index,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Store> {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "capi-autoscaler-provider".into(),
+                instance: None,
+            },
+        );
+        let store = Arc::new(Store {
+            settings,
+            apis,
+            client,
+            index: Mutex::new(index),
+            snapshot: ArcSwap::from_pointee(Snapshot::default()),
+            generation: AtomicU64::new(0),
+            dirty: AtomicBool::new(false),
+            changed: Notify::new(),
+            watches_total: 0,
+            watches_listed: AtomicUsize::new(0),
+            infra_started: Mutex::new(BTreeSet::new()),
+            reported: Mutex::new(BTreeSet::new()),
+            recorder,
+            metrics,
+        });
+        store.rebuild();
+        store
+    }
+
     pub fn apis(&self) -> &CapiApis {
         &self.apis
     }
