@@ -695,7 +695,7 @@ impl<'a> Builder<'a> {
             .values()
             .filter_map(|n| n.provider_id.as_deref().map(|p| (p, &n.labels)))
             .collect();
-        let mut priced: Vec<(f64, f64, f64)> = Vec::new();
+        let mut priced: Vec<(f64, f64, f64, bool)> = Vec::new();
         let ids: Vec<String> = groups.keys().cloned().collect();
         for id in ids {
             let Some(group) = groups.get(&id) else {
@@ -728,16 +728,27 @@ impl<'a> Builder<'a> {
                         price,
                         template.summary.cpu_cores,
                         template.summary.memory_gib,
+                        template.summary.gpu.is_some(),
                     ));
                 }
                 group.template = outcome.template.map(Arc::new);
             }
         }
 
+        // GPU nodes cost more than their CPU and memory: they set pod prices only when nothing else is priced.
+        let reference: Vec<(f64, f64, f64)> = if priced.iter().any(|p| !p.3) {
+            priced
+                .iter()
+                .filter(|p| !p.3)
+                .map(|p| (p.0, p.1, p.2))
+                .collect()
+        } else {
+            priced.iter().map(|p| (p.0, p.1, p.2)).collect()
+        };
         let (reference_prices, reference_sources) = ReferencePrices::resolve(
             self.settings.cpu_hour_price,
             self.settings.gib_hour_price,
-            &priced,
+            &reference,
         );
         self.problems.sort();
         self.problems.dedup();
