@@ -58,7 +58,10 @@ async fn create_md(
 }
 
 fn assert_md_round_trip(read: &DynamicObject, api_version: &str, name: &str) {
-    let types = read.types.as_ref().expect("apiVersion and kind in the answer");
+    let types = read
+        .types
+        .as_ref()
+        .expect("apiVersion and kind in the answer");
     assert_eq!(types.api_version, api_version);
     assert_eq!(types.kind, "MachineDeployment");
     let spec = &read.data["spec"];
@@ -74,8 +77,7 @@ fn assert_md_round_trip(read: &DynamicObject, api_version: &str, name: &str) {
         format!("{name}-bootstrap")
     );
     assert_eq!(
-        read.metadata.annotations.as_ref().expect("annotations")
-            ["cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size"],
+        read.metadata.annotations.as_ref().expect("annotations")["cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size"],
         "3"
     );
 }
@@ -85,12 +87,20 @@ async fn v1beta2_machine_deployment_round_trip() {
     let cp = support::control_plane(SETUP);
     let client = cp.admin_client().await;
     let ns = cp.fresh_namespace().await;
-    let ar = capi_resource(CAPI_GROUP, "v1beta2", "MachineDeployment", "machinedeployments");
+    let ar = capi_resource(
+        CAPI_GROUP,
+        "v1beta2",
+        "MachineDeployment",
+        "machinedeployments",
+    );
     let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &ar);
 
     let created = create_md(&api, &ar, "md-a").await;
     assert_md_round_trip(&created, "cluster.x-k8s.io/v1beta2", "md-a");
-    let read = api.get("md-a").await.expect("read the MachineDeployment back");
+    let read = api
+        .get("md-a")
+        .await
+        .expect("read the MachineDeployment back");
     assert_md_round_trip(&read, "cluster.x-k8s.io/v1beta2", "md-a");
     let listed = api.list(&ListParams::default()).await.expect("list");
     assert_eq!(listed.items.len(), 1);
@@ -100,7 +110,12 @@ async fn v1beta2_machine_deployment_round_trip() {
 async fn v1beta2_schema_rejects_a_machine_deployment_without_required_fields() {
     let cp = support::control_plane(SETUP);
     let ns = cp.fresh_namespace().await;
-    let ar = capi_resource(CAPI_GROUP, "v1beta2", "MachineDeployment", "machinedeployments");
+    let ar = capi_resource(
+        CAPI_GROUP,
+        "v1beta2",
+        "MachineDeployment",
+        "machinedeployments",
+    );
     let api: Api<DynamicObject> = Api::namespaced_with(cp.admin_client().await, &ns, &ar);
     let mut body = machine_deployment_v1beta2("md-bad");
     body["spec"]["template"]["spec"]["infrastructureRef"]
@@ -108,7 +123,10 @@ async fn v1beta2_schema_rejects_a_machine_deployment_without_required_fields() {
         .expect("infrastructureRef object")
         .remove("apiGroup");
     let err = api
-        .create(&PostParams::default(), &DynamicObject::new("md-bad", &ar).data(body))
+        .create(
+            &PostParams::default(),
+            &DynamicObject::new("md-bad", &ar).data(body),
+        )
         .await
         .expect_err("the CRD schema must require infrastructureRef.apiGroup");
     match err {
@@ -135,7 +153,12 @@ async fn machine_deployment_in_the_renamed_group() {
     assert_md_round_trip(&read, "cluster.example.dev/v1beta2", "md-renamed");
 
     // The two groups are separate resources: nothing of it under cluster.x-k8s.io.
-    let upstream = capi_resource(CAPI_GROUP, "v1beta2", "MachineDeployment", "machinedeployments");
+    let upstream = capi_resource(
+        CAPI_GROUP,
+        "v1beta2",
+        "MachineDeployment",
+        "machinedeployments",
+    );
     let upstream_api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &upstream);
     assert!(
         upstream_api
@@ -153,8 +176,18 @@ async fn e2e_machine_template_serves_both_versions_with_status() {
     let ns = cp.fresh_namespace().await;
     let client = cp.admin_client().await;
     let group = "infrastructure.cluster.x-k8s.io";
-    let v1 = capi_resource(group, "v1beta1", "E2EMachineTemplate", "e2emachinetemplates");
-    let v2 = capi_resource(group, "v1beta2", "E2EMachineTemplate", "e2emachinetemplates");
+    let v1 = capi_resource(
+        group,
+        "v1beta1",
+        "E2EMachineTemplate",
+        "e2emachinetemplates",
+    );
+    let v2 = capi_resource(
+        group,
+        "v1beta2",
+        "E2EMachineTemplate",
+        "e2emachinetemplates",
+    );
     let api1: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &v1);
     let api2: Api<DynamicObject> = Api::namespaced_with(client, &ns, &v2);
     let tmpl = DynamicObject::new("tmpl", &v1).data(json!({"spec": {"template": {"spec": {}}}}));
@@ -203,7 +236,12 @@ async fn restricted_identity_is_refused_outside_its_role() {
     let (client, kubeconfig) = cp.restricted_identity(role_name).await;
     assert!(kubeconfig.is_file());
 
-    let md = capi_resource(CAPI_GROUP, "v1beta2", "MachineDeployment", "machinedeployments");
+    let md = capi_resource(
+        CAPI_GROUP,
+        "v1beta2",
+        "MachineDeployment",
+        "machinedeployments",
+    );
     let machines = capi_resource(CAPI_GROUP, "v1beta2", "Machine", "machines");
     let md_api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &md);
     md_api
@@ -231,10 +269,14 @@ async fn restricted_identity_is_refused_outside_its_role() {
 #[tokio::test]
 async fn serve_answers_grpc_health() {
     let cp = support::control_plane(SETUP);
-    let provider = support::start_provider(&[], cp.admin_kubeconfig()).await;
+    let mut provider = support::start_provider(&[], cp.admin_kubeconfig()).await;
     let endpoint = tonic::transport::Endpoint::from_shared(provider.endpoint()).expect("endpoint");
     let status = support::provider::health_status(endpoint, "")
         .await
         .expect("grpc.health.v1 Check");
     assert_eq!(status, ServingStatus::Serving);
+    // The CloudProvider service itself turns SERVING once the provider's caches have listed.
+    provider
+        .wait_serving("clusterautoscaler.cloudprovider.v1.externalgrpc.CloudProvider")
+        .await;
 }

@@ -48,7 +48,12 @@ async fn v1beta1_machine_deployment_round_trip() {
     let cp = support::control_plane(SETUP);
     let ns = cp.fresh_namespace().await;
     let client = cp.admin_client().await;
-    let ar = capi_resource(CAPI_GROUP, "v1beta1", "MachineDeployment", "machinedeployments");
+    let ar = capi_resource(
+        CAPI_GROUP,
+        "v1beta1",
+        "MachineDeployment",
+        "machinedeployments",
+    );
     let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &ar);
     let object = DynamicObject::new("md-v1", &ar).data(machine_deployment_v1beta1("md-v1"));
     api.create(&PostParams::default(), &object)
@@ -68,8 +73,7 @@ async fn v1beta1_machine_deployment_round_trip() {
         })
     );
     assert_eq!(
-        read.metadata.annotations.as_ref().expect("annotations")
-            ["cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size"],
+        read.metadata.annotations.as_ref().expect("annotations")["cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size"],
         "1"
     );
 }
@@ -78,10 +82,15 @@ async fn v1beta1_machine_deployment_round_trip() {
 async fn v1beta2_is_not_served_on_the_v1beta1_set() {
     let cp = support::control_plane(SETUP);
     let ns = cp.fresh_namespace().await;
-    let ar = capi_resource(CAPI_GROUP, "v1beta2", "MachineDeployment", "machinedeployments");
+    let ar = capi_resource(
+        CAPI_GROUP,
+        "v1beta2",
+        "MachineDeployment",
+        "machinedeployments",
+    );
     let api: Api<DynamicObject> = Api::namespaced_with(cp.admin_client().await, &ns, &ar);
     match api.list(&ListParams::default()).await {
-        Err(kube::Error::Api(status)) if status.is_not_found() => {}
+        Err(kube::Error::Api(status)) if status.code == 404 => {}
         other => panic!("expected 404 for v1beta2 on the v1beta1-only CRDs, got {other:?}"),
     }
 }

@@ -1,5 +1,6 @@
 //! One real control plane (etcd + kube-apiserver, Cluster API CRDs) per test binary.
 
+use std::io::Write as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -195,7 +196,7 @@ impl ControlPlane {
                 ..Default::default()
             },
             role_ref: RoleRef {
-                api_group: "rbac.authorization.k8s.io".into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
                 kind: "ClusterRole".into(),
                 name: cluster_role.into(),
             },
@@ -366,6 +367,9 @@ async fn start(setup: Setup) -> Result<ControlPlane, String> {
             "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition".into(),
             "--allow-privileged=true".into(),
             "--profiling=false".into(),
+            // Nothing here could reach 127.0.0.1 as the `kubernetes` Service endpoint (loopback is
+            // rejected, logged as an error every 10 s); no reconciler, no noise.
+            "--endpoint-reconciler-type=none".into(),
             "--v=1".into(),
         ];
         let mut apiserver =
@@ -409,7 +413,9 @@ async fn start(setup: Setup) -> Result<ControlPlane, String> {
         total: t0.elapsed(),
         crd_count: files.len(),
     };
-    eprintln!(
+    // Straight to the process's stderr, past libtest's output capture: always visible.
+    let _ = writeln!(
+        std::io::stderr(),
         "e2e: control plane {server} ({setup:?}) up in {:.1}s: upstream lookup {:.1}s, etcd {:.1}s, \
          kube-apiserver {:.1}s, {} CRDs {:.1}s; logs in {}",
         timings.total.as_secs_f64(),
@@ -500,7 +506,11 @@ fn etcd_health(port: u16) -> std::io::Result<String> {
 
 /// Polls /readyz with the admin identity until it answers "ok" (all post-start hooks, RBAC bootstrap
 /// and etcd checks included).
-async fn wait_apiserver(apiserver: &mut Child, kubeconfig: &Path, log: &Path) -> Result<(), String> {
+async fn wait_apiserver(
+    apiserver: &mut Child,
+    kubeconfig: &Path,
+    log: &Path,
+) -> Result<(), String> {
     let mut config = config_from_kubeconfig(kubeconfig).await;
     config.default_retry = false;
     config.connect_timeout = Some(Duration::from_secs(1));

@@ -13,8 +13,9 @@
 //!
 //! Environment: `CAPI_E2E_KEEP=1` keeps the work directory (certificates, kubeconfigs, logs) even
 //! when every test passed; it is always kept when a test panicked, and its path is printed.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
+pub mod capi;
 pub mod control_plane;
 pub mod crds;
 pub mod pki;

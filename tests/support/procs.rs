@@ -124,7 +124,8 @@ fn install_exit_handler() {
     }));
     extern "C" fn at_exit() {
         if let Ok(mut children) = registry().try_lock() {
-            for child in children.iter_mut() {
+            // Reverse start order: kube-apiserver before etcd.
+            for child in children.iter_mut().rev() {
                 kill_and_reap(child);
             }
             children.clear();

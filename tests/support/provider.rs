@@ -49,6 +49,19 @@ impl ProviderProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits (60 s at most) until grpc.health.v1 answers SERVING for `service`, e.g. the
+    /// CloudProvider service, which the provider reports only once its caches have listed; panics
+    /// with the provider's log otherwise.
+    pub async fn wait_serving(&mut self, service: &str) {
+        if let Err(e) = wait_serving(&mut self.child, &self.address, service).await {
+            panic!(
+                "{e}\n--- provider log {} ---\n{}",
+                self.log.display(),
+                procs::log_tail(&self.log, 6000)
+            );
+        }
+    }
+
     /// The PID of the provider process.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -87,7 +100,7 @@ pub async fn start_provider(args: &[&str], kubeconfig: &Path) -> ProviderProcess
         let started = Instant::now();
         let mut child = procs::spawn_logged(Path::new(PROVIDER_BIN), &argv, &log)
             .unwrap_or_else(|e| panic!("start {PROVIDER_BIN}: {e}"));
-        match wait_serving(&mut child, &address).await {
+        match wait_serving(&mut child, &address, "").await {
             Ok(()) => {
                 let startup = started.elapsed();
                 eprintln!(
@@ -120,13 +133,13 @@ pub async fn start_provider(args: &[&str], kubeconfig: &Path) -> ProviderProcess
     }
 }
 
-async fn wait_serving(child: &mut Child, address: &str) -> Result<(), String> {
+async fn wait_serving(child: &mut Child, address: &str, service: &str) -> Result<(), String> {
     let endpoint = Endpoint::from_shared(format!("http://{address}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(Duration::from_millis(500))
         .timeout(Duration::from_secs(2));
     poll_until(
-        &format!("provider health at {address}"),
+        &format!("provider health of {service:?} at {address}"),
         Duration::from_secs(60),
         Duration::from_millis(50),
         || {
@@ -140,7 +153,7 @@ async fn wait_serving(child: &mut Child, address: &str) -> Result<(), String> {
                 if let Some(gone) = gone {
                     return Check::Fatal(gone);
                 }
-                match health_status(endpoint, "").await {
+                match health_status(endpoint, service).await {
                     Ok(ServingStatus::Serving) => Check::Done(()),
                     Ok(other) => Check::Wait(format!("status {other:?}")),
                     Err(e) => Check::Wait(e),
@@ -153,7 +166,10 @@ async fn wait_serving(child: &mut Child, address: &str) -> Result<(), String> {
 
 /// One grpc.health.v1 `Check` of `service` ("" = the whole server).
 pub async fn health_status(endpoint: Endpoint, service: &str) -> Result<ServingStatus, String> {
-    let channel = endpoint.connect().await.map_err(|e| format!("connect: {e}"))?;
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
     let response = HealthClient::new(channel)
         .check(HealthCheckRequest {
             service: service.to_string(),

@@ -1,0 +1,1599 @@
+//! Node groups end to end on the Cluster API CRDs as shipped (v1beta2 objects): every CloudProvider
+//! RPC and its error paths for MachineDeployment, standalone MachineSet and MachinePool groups,
+//! auto-discovery filters, problem Events, the shipped ClusterRole, concurrency of scale operations,
+//! no API request on the read path, and an unreachable API.
+//!
+//! Every test works in a namespace of its own. Tests share the apiserver, so the one that counts the
+//! apiserver's requests runs alone: it takes [`API_QUIET`] exclusively, every other test shares it.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use capi_autoscaler_provider::proto::instance_status::InstanceState;
+use capi_autoscaler_provider::proto::{
+    CleanupRequest, ExternalGrpcNode, GetAvailableGpuTypesRequest, GpuLabelRequest,
+    NodeGroupAutoscalingOptions, NodeGroupAutoscalingOptionsRequest,
+    NodeGroupTemplateNodeInfoRequest, RefreshRequest,
+};
+use support::capi::{
+    Capi, Kind, Owner, Rpc, SHIPPED_ROLE, Scalable, TcpProxy, apply_shipped_cluster_role,
+    expect_code, growth, grpc_node, kubeconfig_with_server, label_of, request_counts,
+    socket_addr_of,
+};
+use support::{
+    CAPI_GROUP, Check, ControlPlane, ProviderProcess, Setup, poll_until, start_provider,
+};
+use tokio::sync::RwLock;
+use tonic::Code;
+
+const SETUP: Setup = Setup::shipped();
+const VERSION: &str = "v1beta2";
+
+/// Shared by every test; taken exclusively by the one that counts apiserver requests.
+static API_QUIET: RwLock<()> = RwLock::const_new(());
+
+struct Env {
+    cp: &'static ControlPlane,
+    capi: Capi,
+}
+
+async fn env() -> Env {
+    let cp = support::control_plane(SETUP);
+    let ns = cp.fresh_namespace().await;
+    let capi = Capi::new(cp.admin_client().await, &ns, CAPI_GROUP, VERSION);
+    Env { cp, capi }
+}
+
+fn only_namespace(ns: &str) -> String {
+    format!("clusterapi:namespace={ns}")
+}
+
+/// A provider (admin identity) that only looks at the test's namespace, and a client for it.
+async fn provider_for(env: &Env) -> (ProviderProcess, Rpc) {
+    let discovery = only_namespace(&env.capi.ns);
+    let provider = start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        env.cp.admin_kubeconfig(),
+    )
+    .await;
+    let rpc = Rpc::connect(&provider).await;
+    (provider, rpc)
+}
+
+fn ids(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn state(
+    instance: &capi_autoscaler_provider::proto::Instance,
+) -> (InstanceState, Option<(String, i32)>) {
+    let status = instance
+        .status
+        .as_ref()
+        .expect("every instance has a status");
+    (
+        InstanceState::try_from(status.instance_state).expect("a known instance state"),
+        status
+            .error_info
+            .as_ref()
+            .map(|e| (e.error_code.clone(), e.instance_error_class)),
+    )
+}
+
+fn annotated_node(capi: &Capi, machine: &str) -> ExternalGrpcNode {
+    let mut node = grpc_node("", &format!("node-without-provider-id-{machine}"));
+    node.annotations = HashMap::from([
+        (capi.key("machine"), machine.to_string()),
+        (capi.key("cluster-namespace"), capi.ns.clone()),
+    ]);
+    node
+}
+
+/// Whether an object's managedFields record a write through the scale subresource.
+async fn written_through_scale(capi: &Capi, kind: Kind, name: &str) -> bool {
+    let object = capi
+        .api(kind)
+        .get(name)
+        .await
+        .expect("get the scalable resource");
+    object
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .iter()
+        .any(|f| f.subresource.as_deref() == Some("scale"))
+}
+
+#[tokio::test]
+async fn machine_deployment_group_answers_every_read_rpc() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let ns = capi.ns.clone();
+    let md = Owner::Deployment("md".into());
+    // The owned MachineSet carries the bound annotations too: it must still not be a group.
+    capi.create_deployment(&Scalable::md("md").bounds(1, 8).replicas(8), true)
+        .await;
+    capi.create_machine(&capi.running("run-0", md.clone()))
+        .await;
+    capi.create_machine(&capi.running("run-1", md.clone()))
+        .await;
+    capi.create_machine(&capi.running("pend-id", md.clone()).node(None))
+        .await;
+    capi.create_machine(&capi.pending("pend", md.clone())).await;
+    capi.create_machine(&capi.running("del", md.clone()).deleting())
+        .await;
+    capi.create_machine(&capi.pending("del-noid", md.clone()).deleting())
+        .await;
+    capi.create_machine(&capi.pending("fail", md.clone()).failed("quota exceeded"))
+        .await;
+    capi.create_machine(
+        &capi
+            .running("fail-id", md.clone())
+            .node(None)
+            .failed("no capacity"),
+    )
+    .await;
+    // A Machine of a MachineSet that is no node group.
+    capi.create(&Scalable::ms("plain")).await;
+    capi.create_machine(&capi.running("stray", Owner::MachineSet("plain".into())))
+        .await;
+
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    // NodeGroups: the MachineDeployment only, with its bounds.
+    assert_eq!(rpc.ids_in(&ns).await, ids(&[&id]));
+    let group = rpc.group(&id).await.expect("the MachineDeployment group");
+    assert_eq!((group.min_size, group.max_size), (1, 8));
+    assert!(
+        group.debug.contains(&id),
+        "debug {:?} should name the group",
+        group.debug
+    );
+
+    // NodeGroupNodes: ids and states.
+    let instances = rpc.instances(&id).await;
+    let p = |m: &str| capi.provider_id(m);
+    let expected: BTreeMap<String, (InstanceState, Option<(String, i32)>)> = [
+        (p("run-0"), (InstanceState::InstanceRunning, None)),
+        (p("run-1"), (InstanceState::InstanceRunning, None)),
+        (p("pend-id"), (InstanceState::InstanceCreating, None)),
+        (
+            format!("pending-machine-{ns}_pend"),
+            (InstanceState::InstanceCreating, None),
+        ),
+        (p("del"), (InstanceState::InstanceDeleting, None)),
+        (
+            format!("deleting-machine-{ns}_del-noid"),
+            (InstanceState::InstanceDeleting, None),
+        ),
+        (
+            format!("failed-machine-{ns}_fail"),
+            (
+                InstanceState::InstanceCreating,
+                Some(("ProvisioningFailed".to_string(), 99)),
+            ),
+        ),
+        (
+            p("fail-id"),
+            (
+                InstanceState::InstanceCreating,
+                Some(("ProvisioningFailed".to_string(), 99)),
+            ),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let got: BTreeMap<_, _> = instances
+        .iter()
+        .map(|(k, v)| (k.clone(), state(v)))
+        .collect();
+    assert_eq!(got, expected);
+    let failed = &instances[&format!("failed-machine-{ns}_fail")];
+    let message = &failed
+        .status
+        .as_ref()
+        .unwrap()
+        .error_info
+        .as_ref()
+        .unwrap()
+        .error_message;
+    assert!(
+        message.contains("quota exceeded"),
+        "error message {message:?}"
+    );
+
+    // NodeGroupTargetSize = spec.replicas.
+    assert_eq!(rpc.target(&id).await.expect("TargetSize"), 8);
+
+    // NodeGroupForNode, every way a node can be named; the answer carries the bounds.
+    let lookups: Vec<(&str, ExternalGrpcNode)> = vec![
+        ("exact providerID", capi.grpc_node("run-0")),
+        (
+            "normalised providerID",
+            grpc_node(&format!("other:///zone-a/{ns}-run-1"), "n"),
+        ),
+        ("pending id as providerID", {
+            let made_up = format!("pending-machine-{ns}_pend");
+            grpc_node(&made_up, &made_up)
+        }),
+        (
+            "pending id as name only",
+            grpc_node("", &format!("pending-machine-{ns}_pend")),
+        ),
+        ("failed id", {
+            let made_up = format!("failed-machine-{ns}_fail");
+            grpc_node(&made_up, &made_up)
+        }),
+        ("deleting id", {
+            let made_up = format!("deleting-machine-{ns}_del-noid");
+            grpc_node(&made_up, &made_up)
+        }),
+        ("machine annotations", annotated_node(capi, "run-0")),
+        (
+            "machine annotations of a pending Machine",
+            annotated_node(capi, "pend"),
+        ),
+    ];
+    for (how, node) in lookups {
+        let group = rpc.for_node(node).await;
+        assert_eq!(group.id, id, "NodeGroupForNode by {how}");
+        assert_eq!((group.min_size, group.max_size), (1, 8), "bounds by {how}");
+    }
+    for (how, node) in [
+        (
+            "unknown providerID",
+            grpc_node(&format!("e2e:///{ns}/nowhere-{ns}"), "nowhere"),
+        ),
+        ("Machine of no group", capi.grpc_node("stray")),
+        (
+            "annotations naming no Machine",
+            annotated_node(capi, "no-such-machine"),
+        ),
+    ] {
+        let group = rpc.for_node(node).await;
+        assert_eq!(group.id, "", "NodeGroupForNode by {how}: not autoscaled");
+    }
+
+    // Unknown ids.
+    expect_code(
+        "TargetSize(unknown)",
+        rpc.target("MachineDeployment/nope/nope").await,
+        Code::NotFound,
+    );
+    expect_code(
+        "Nodes(unknown)",
+        rpc.nodes("MachineDeployment/nope/nope").await,
+        Code::NotFound,
+    );
+    expect_code(
+        "Nodes(owned MachineSet)",
+        rpc.nodes(&capi.id(Kind::MachineSet, &Capi::set_of("md")))
+            .await,
+        Code::NotFound,
+    );
+
+    // The other read RPCs.
+    let mut client = rpc.client.clone();
+    let label = client
+        .gpu_label(GpuLabelRequest {})
+        .await
+        .expect("GPULabel")
+        .into_inner()
+        .label;
+    assert_eq!(label, "cluster-api/accelerator");
+    client
+        .get_available_gpu_types(GetAvailableGpuTypesRequest {})
+        .await
+        .expect("GetAvailableGPUTypes");
+    client.refresh(RefreshRequest {}).await.expect("Refresh");
+    client.cleanup(CleanupRequest {}).await.expect("Cleanup");
+    let options = client
+        .node_group_get_options(NodeGroupAutoscalingOptionsRequest {
+            id: id.clone(),
+            defaults: Some(NodeGroupAutoscalingOptions {
+                scale_down_utilization_threshold: 0.5,
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("NodeGroupGetOptions")
+        .into_inner();
+    assert!(
+        options.node_group_autoscaling_options.is_none(),
+        "no per-group option annotations: the answer must be empty, got {options:?}"
+    );
+    // Refresh changed nothing.
+    assert_eq!(rpc.ids_in(&ns).await, ids(&[&id]));
+}
+
+/// A Machine whose Node registered (status.nodeRef) but that has no spec.providerID (some
+/// infrastructure providers), with no workload cluster to look the Node up in. Its instance id can
+/// match no Node's providerID, so if it is listed as a running instance CA counts it as a node that
+/// never registered and, after max-node-provision-time (15 min), deletes it through DeleteNodes — the
+/// real, registered node behind it. Upstream lists such a Machine only through its Node's
+/// providerID and skips it when the Node is unknown.
+#[tokio::test]
+async fn machine_with_a_node_but_no_provider_id_is_not_an_unregistered_running_instance() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(0, 5).replicas(2), false)
+        .await;
+    capi.create_machine(&capi.running("with-id", md.clone()))
+        .await;
+    capi.create_machine(&capi.running("no-id", md.clone()).provider_id(None))
+        .await;
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    // The Node is still mapped to its group, through its machine annotations.
+    assert_eq!(rpc.for_node(annotated_node(capi, "no-id")).await.id, id);
+    let instances = rpc.instances(&id).await;
+    assert!(instances.contains_key(&capi.provider_id("with-id")));
+    let made_up_running: Vec<&String> = instances
+        .iter()
+        .filter(|(k, v)| {
+            ["pending-machine-", "failed-machine-", "deleting-machine-"]
+                .iter()
+                .any(|p| k.starts_with(p))
+                && state(v).0 == InstanceState::InstanceRunning
+        })
+        .map(|(k, _)| k)
+        .collect();
+    assert!(
+        made_up_running.is_empty(),
+        "made-up instance ids reported as running (CA will delete them as never registered): {made_up_running:?}; all: {:?}",
+        instances
+            .iter()
+            .map(|(k, v)| (k, state(v)))
+            .collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test]
+async fn standalone_machine_set_group_scales() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let owner = Owner::MachineSet("ms".into());
+    capi.create(&Scalable::ms("ms").bounds(1, 4).replicas(2))
+        .await;
+    capi.create_machine(&capi.running("ms-0", owner.clone()))
+        .await;
+    capi.create_machine(&capi.running("ms-1", owner.clone()))
+        .await;
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineSet, "ms");
+
+    assert_eq!(rpc.ids_in(&capi.ns).await, ids(&[&id]));
+    let group = rpc.for_node(capi.grpc_node("ms-1")).await;
+    assert_eq!(
+        (group.id.as_str(), group.min_size, group.max_size),
+        (id.as_str(), 1, 4)
+    );
+    let instances = rpc.instances(&id).await;
+    assert_eq!(
+        instances.keys().cloned().collect::<BTreeSet<_>>(),
+        ids(&[&capi.provider_id("ms-0"), &capi.provider_id("ms-1")])
+    );
+    assert!(
+        instances
+            .values()
+            .all(|i| state(i).0 == InstanceState::InstanceRunning)
+    );
+
+    rpc.increase(&id, 1).await.expect("IncreaseSize +1");
+    assert_eq!(rpc.target(&id).await.unwrap(), 3, "read-your-writes");
+    assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 3);
+    assert!(written_through_scale(capi, Kind::MachineSet, "ms").await);
+    expect_code(
+        "IncreaseSize above max",
+        rpc.increase(&id, 2).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 3);
+
+    rpc.decrease(&id, -1)
+        .await
+        .expect("DecreaseTargetSize -1 (one not registered)");
+    assert_eq!(rpc.target(&id).await.unwrap(), 2);
+    expect_code(
+        "DecreaseTargetSize below the registered nodes",
+        rpc.decrease(&id, -1).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 2);
+
+    rpc.delete_nodes(&id, vec![capi.grpc_node("ms-0")])
+        .await
+        .expect("DeleteNodes ms-0");
+    assert_eq!(capi.marked_machines().await, ids(&["ms-0"]));
+    assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 1);
+    assert_eq!(rpc.target(&id).await.unwrap(), 1);
+    rpc.delete_nodes(&id, vec![capi.grpc_node("ms-0")])
+        .await
+        .expect("DeleteNodes ms-0 again");
+    assert_eq!(
+        capi.replicas(Kind::MachineSet, "ms").await,
+        1,
+        "a retry must not decrement again"
+    );
+    expect_code(
+        "DeleteNodes below min",
+        rpc.delete_nodes(&id, vec![capi.grpc_node("ms-1")]).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.marked_machines().await, ids(&["ms-0"]));
+    assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 1);
+}
+
+#[tokio::test]
+async fn machine_pool_group_maps_provider_id_list_entries() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let ns = capi.ns.clone();
+    let (a, b, c) = (
+        capi.provider_id("mp-a"),
+        capi.provider_id("mp-b"),
+        capi.provider_id("mp-c"),
+    );
+    capi.create(&Scalable::mp("mp").bounds(2, 6).replicas(3).provider_ids(&[
+        a.clone(),
+        b.clone(),
+        c.clone(),
+    ]))
+    .await;
+    // Only mp-a has a Machine (some infrastructure providers make none).
+    capi.create_machine(&capi.running("mp-a", Owner::MachinePool("mp".into())))
+        .await;
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachinePool, "mp");
+
+    assert_eq!(rpc.ids_in(&ns).await, ids(&[&id]));
+    let group = rpc.group(&id).await.unwrap();
+    assert_eq!((group.min_size, group.max_size), (2, 6));
+    let instances = rpc.instances(&id).await;
+    assert_eq!(
+        instances.keys().cloned().collect::<BTreeSet<_>>(),
+        ids(&[&a, &b, &c])
+    );
+    assert!(
+        instances
+            .values()
+            .all(|i| state(i).0 == InstanceState::InstanceRunning)
+    );
+    for node in [
+        grpc_node(&b, "mp-b"),
+        grpc_node(&format!("other:///x/{ns}-mp-c"), "mp-c"),
+        capi.grpc_node("mp-a"),
+    ] {
+        let group = rpc.for_node(node).await;
+        assert_eq!(
+            (group.id.as_str(), group.min_size, group.max_size),
+            (id.as_str(), 2, 6)
+        );
+    }
+    assert_eq!(rpc.target(&id).await.unwrap(), 3);
+
+    rpc.increase(&id, 1).await.expect("IncreaseSize");
+    assert_eq!(rpc.target(&id).await.unwrap(), 4);
+    assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 4);
+    assert!(written_through_scale(capi, Kind::MachinePool, "mp").await);
+
+    // A providerIDList entry without a Machine: replicas only.
+    rpc.delete_nodes(&id, vec![grpc_node(&b, "mp-b")])
+        .await
+        .expect("DeleteNodes mp-b");
+    assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 3);
+    assert!(capi.marked_machines().await.is_empty());
+    rpc.delete_nodes(&id, vec![grpc_node(&b, "mp-b")])
+        .await
+        .expect("DeleteNodes mp-b again");
+    assert_eq!(
+        capi.replicas(Kind::MachinePool, "mp").await,
+        3,
+        "a retry must not decrement again"
+    );
+    // A node with a Machine: marked and decremented.
+    rpc.delete_nodes(&id, vec![capi.grpc_node("mp-a")])
+        .await
+        .expect("DeleteNodes mp-a");
+    assert_eq!(capi.marked_machines().await, ids(&["mp-a"]));
+    assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 2);
+    assert_eq!(rpc.target(&id).await.unwrap(), 2);
+    // Every listed instance counts as registered: nothing to cancel.
+    expect_code(
+        "DecreaseTargetSize(0)",
+        rpc.decrease(&id, 0).await,
+        Code::InvalidArgument,
+    );
+    expect_code(
+        "DecreaseTargetSize(-1)",
+        rpc.decrease(&id, -1).await,
+        Code::FailedPrecondition,
+    );
+    // At min: a further node is refused and nothing changes.
+    expect_code(
+        "DeleteNodes below min",
+        rpc.delete_nodes(&id, vec![grpc_node(&c, "mp-c")]).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 2);
+    assert_eq!(capi.marked_machines().await, ids(&["mp-a"]));
+}
+
+#[tokio::test]
+async fn increase_size_raises_replicas_within_bounds() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    capi.create_deployment(&Scalable::md("md").bounds(1, 5).replicas(2), false)
+        .await;
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    rpc.increase(&id, 2).await.expect("IncreaseSize +2");
+    assert_eq!(
+        rpc.target(&id).await.unwrap(),
+        4,
+        "TargetSize right after IncreaseSize (read-your-writes)"
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 4);
+    assert!(
+        written_through_scale(capi, Kind::MachineDeployment, "md").await,
+        "replicas must be written through the scale subresource"
+    );
+    for delta in [0, -1] {
+        expect_code(
+            &format!("IncreaseSize({delta})"),
+            rpc.increase(&id, delta).await,
+            Code::InvalidArgument,
+        );
+    }
+    expect_code(
+        "IncreaseSize above max",
+        rpc.increase(&id, 2).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 4);
+    assert_eq!(rpc.target(&id).await.unwrap(), 4);
+    expect_code(
+        "IncreaseSize(unknown group)",
+        rpc.increase(&capi.id(Kind::MachineDeployment, "nope"), 1)
+            .await,
+        Code::NotFound,
+    );
+
+    // A change made behind the provider's back is the base of the next increase.
+    capi.scale(Kind::MachineDeployment, "md", 2).await;
+    rpc.wait_target(&id, 2).await;
+    rpc.increase(&id, 3)
+        .await
+        .expect("IncreaseSize +3 up to max");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 5);
+    assert_eq!(rpc.target(&id).await.unwrap(), 5);
+}
+
+#[tokio::test]
+async fn decrease_target_size_cancels_only_unregistered_capacity() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(1, 10).replicas(5), false)
+        .await;
+    capi.create_machine(&capi.running("r0", md.clone())).await;
+    capi.create_machine(&capi.running("r1", md.clone())).await;
+    capi.create_machine(&capi.pending("p0", md.clone())).await;
+    let floor = Owner::Deployment("floor".into());
+    capi.create_deployment(&Scalable::md("floor").bounds(3, 10).replicas(5), false)
+        .await;
+    capi.create_machine(&capi.running("f0", floor)).await;
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+    let floor_id = capi.id(Kind::MachineDeployment, "floor");
+
+    for delta in [0, 1] {
+        expect_code(
+            &format!("DecreaseTargetSize({delta})"),
+            rpc.decrease(&id, delta).await,
+            Code::InvalidArgument,
+        );
+    }
+    expect_code(
+        "DecreaseTargetSize below the running instances",
+        rpc.decrease(&id, -4).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 5);
+    rpc.decrease(&id, -3)
+        .await
+        .expect("DecreaseTargetSize -3 (down to the 2 running)");
+    assert_eq!(rpc.target(&id).await.unwrap(), 2);
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    expect_code(
+        "DecreaseTargetSize below the running instances",
+        rpc.decrease(&id, -1).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+
+    expect_code(
+        "DecreaseTargetSize below min",
+        rpc.decrease(&floor_id, -3).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "floor").await, 5);
+    rpc.decrease(&floor_id, -2)
+        .await
+        .expect("DecreaseTargetSize down to min");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "floor").await, 3);
+    expect_code(
+        "DecreaseTargetSize(unknown group)",
+        rpc.decrease(&capi.id(Kind::MachineDeployment, "nope"), -1)
+            .await,
+        Code::NotFound,
+    );
+    assert!(
+        capi.marked_machines().await.is_empty(),
+        "DecreaseTargetSize marks no Machine"
+    );
+}
+
+#[tokio::test]
+async fn delete_nodes_marks_each_machine_and_decrements_once() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(2, 10).replicas(6), false)
+        .await;
+    for m in ["m0", "m1", "m2", "m3", "m4"] {
+        capi.create_machine(&capi.running(m, md.clone())).await;
+    }
+    capi.create_machine(&capi.pending("p0", md.clone())).await;
+    capi.create_machine(&capi.running("going", md.clone()).deleting())
+        .await;
+    capi.create_deployment(&Scalable::md("other").bounds(0, 5).replicas(1), false)
+        .await;
+    capi.create_machine(&capi.running("o0", Owner::Deployment("other".into())))
+        .await;
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+    let other_id = capi.id(Kind::MachineDeployment, "other");
+    let replicas = || capi.replicas(Kind::MachineDeployment, "md");
+
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes m0");
+    assert_eq!(capi.marked_machines().await, ids(&["m0"]));
+    assert_eq!(replicas().await, 5);
+    assert_eq!(rpc.target(&id).await.unwrap(), 5, "read-your-writes");
+    let value = capi
+        .api(Kind::Machine)
+        .get("m0")
+        .await
+        .unwrap()
+        .metadata
+        .annotations
+        .unwrap()[&capi.delete_key()]
+        .clone();
+    assert!(!value.is_empty(), "the delete annotation has a value");
+
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes m0, retried");
+    assert_eq!(
+        replicas().await,
+        5,
+        "a retried call must not decrement again"
+    );
+    assert_eq!(capi.marked_machines().await, ids(&["m0"]));
+
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m1"), capi.grpc_node("m1")])
+        .await
+        .expect("DeleteNodes m1 twice in one call");
+    assert_eq!(replicas().await, 4);
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "m1"]));
+
+    // A node of another group anywhere in the call: INVALID_ARGUMENT and nothing changes.
+    expect_code(
+        "DeleteNodes with a node of another group",
+        rpc.delete_nodes(&id, vec![capi.grpc_node("m2"), capi.grpc_node("o0")])
+            .await,
+        Code::InvalidArgument,
+    );
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "m1"]));
+    assert_eq!(replicas().await, 4);
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "other").await, 1);
+    // Unknown node, unknown group.
+    let unknown = grpc_node(&format!("e2e:///{0}/nowhere-{0}", capi.ns), "nowhere");
+    expect_code(
+        "DeleteNodes with an unknown node",
+        rpc.delete_nodes(&id, vec![capi.grpc_node("m2"), unknown])
+            .await,
+        Code::NotFound,
+    );
+    expect_code(
+        "DeleteNodes on an unknown group",
+        rpc.delete_nodes(
+            &capi.id(Kind::MachineDeployment, "nope"),
+            vec![capi.grpc_node("m2")],
+        )
+        .await,
+        Code::NotFound,
+    );
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "m1"]));
+    assert_eq!(replicas().await, 4);
+
+    // A Machine being deleted already: nothing to do, no decrement.
+    rpc.delete_nodes(&id, vec![capi.grpc_node("going")])
+        .await
+        .expect("DeleteNodes of a deleting Machine");
+    assert_eq!(replicas().await, 4);
+
+    // CA's fake node for an instance that never registered (the made-up id).
+    let fake = format!("pending-machine-{}_p0", capi.ns);
+    rpc.delete_nodes(&id, vec![grpc_node(&fake, &fake)])
+        .await
+        .expect("DeleteNodes of a pending Machine");
+    assert_eq!(replicas().await, 3);
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "m1", "p0"]));
+
+    // Would go below min (3 - 2 < 2): FAILED_PRECONDITION, nothing marked, same replicas.
+    expect_code(
+        "DeleteNodes below min",
+        rpc.delete_nodes(&id, vec![capi.grpc_node("m2"), capi.grpc_node("m3")])
+            .await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "m1", "p0"]));
+    assert_eq!(replicas().await, 3);
+
+    // A node known only by its machine annotations.
+    rpc.delete_nodes(&id, vec![annotated_node(capi, "m2")])
+        .await
+        .expect("DeleteNodes by annotations");
+    assert_eq!(replicas().await, 2);
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "m1", "m2", "p0"]));
+    expect_code(
+        "DeleteNodes at min",
+        rpc.delete_nodes(&id, vec![capi.grpc_node("m3")]).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(replicas().await, 2);
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "m1", "m2", "p0"]));
+    assert_eq!(rpc.target(&other_id).await.unwrap(), 1);
+}
+
+/// CA retries DeleteNodes for a node whose first call succeeded; meanwhile a scale-up may have
+/// raised replicas (and no Machine has been created for it yet).
+#[tokio::test]
+async fn delete_nodes_retry_after_an_increase_does_not_decrement_again() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(1, 10).replicas(3), false)
+        .await;
+    for m in ["m0", "m1", "m2"] {
+        capi.create_machine(&capi.running(m, md.clone())).await;
+    }
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes m0");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    rpc.increase(&id, 1).await.expect("IncreaseSize +1");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes m0, retried");
+    assert_eq!(capi.marked_machines().await, ids(&["m0"]));
+    assert_eq!(
+        capi.replicas(Kind::MachineDeployment, "md").await,
+        3,
+        "the retry for m0 decremented replicas a second time (1 marked Machine, 3 initial + 1 increase)"
+    );
+}
+
+#[tokio::test]
+async fn malformed_and_paused_resources_are_not_served_and_problems_become_events() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&Scalable::md("good").bounds(0, 3), false)
+        .await;
+    capi.create_machine(&capi.running("good-0", Owner::Deployment("good".into())))
+        .await;
+    capi.create(&Scalable::md("bad-max").raw_bounds(Some("1"), Some("lots")))
+        .await;
+    capi.create(&Scalable::ms("bad-min").raw_bounds(Some("-1"), Some("3")))
+        .await;
+    capi.create(&Scalable::mp("min-only").raw_bounds(Some("2"), None))
+        .await;
+    capi.create_deployment(
+        &Scalable::md("spec-paused").bounds(0, 3).spec_paused(),
+        false,
+    )
+    .await;
+    capi.create_machine(&capi.running("sp-0", Owner::Deployment("spec-paused".into())))
+        .await;
+    capi.create(
+        &Scalable::ms("paused-ms")
+            .bounds(0, 3)
+            .annotation("cluster.x-k8s.io/paused", ""),
+    )
+    .await;
+    capi.create_machine(&capi.running("pm-0", Owner::MachineSet("paused-ms".into())))
+        .await;
+    capi.create(
+        &Scalable::mp("paused-mp")
+            .bounds(0, 3)
+            .annotation("cluster.x-k8s.io/paused", "true"),
+    )
+    .await;
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let good = capi.id(Kind::MachineDeployment, "good");
+
+    assert_eq!(rpc.ids_in(&ns).await, ids(&[&good]));
+    assert_eq!(rpc.for_node(capi.grpc_node("good-0")).await.id, good);
+    for machine in ["sp-0", "pm-0"] {
+        assert_eq!(
+            rpc.for_node(capi.grpc_node(machine)).await.id,
+            "",
+            "{machine}: paused group"
+        );
+    }
+    for (kind, name) in [
+        (Kind::MachineDeployment, "bad-max"),
+        (Kind::MachineSet, "bad-min"),
+        (Kind::MachinePool, "min-only"),
+        (Kind::MachineDeployment, "spec-paused"),
+    ] {
+        let id = capi.id(kind, name);
+        expect_code(
+            &format!("TargetSize({id})"),
+            rpc.target(&id).await,
+            Code::NotFound,
+        );
+        expect_code(
+            &format!("IncreaseSize({id})"),
+            rpc.increase(&id, 1).await,
+            Code::NotFound,
+        );
+    }
+
+    // One Event per malformed object, naming the annotation.
+    for (name, key) in [
+        ("bad-max", capi.max_key()),
+        ("bad-min", capi.min_key()),
+        ("min-only", capi.max_key()),
+    ] {
+        wait_for_problem_event(capi, name, &key).await;
+    }
+
+    // Fixed: served from then on.
+    capi.patch(
+        Kind::MachineDeployment,
+        "bad-max",
+        serde_json::json!({"metadata": {"annotations": {capi.max_key(): "4"}}}),
+    )
+    .await;
+    let fixed = capi.id(Kind::MachineDeployment, "bad-max");
+    rpc.wait_ids(&ns, &ids(&[&good, &fixed])).await;
+    let group = rpc.group(&fixed).await.unwrap();
+    assert_eq!((group.min_size, group.max_size), (1, 4));
+    // Resumed: served too.
+    capi.patch(
+        Kind::MachineDeployment,
+        "spec-paused",
+        serde_json::json!({"spec": {"paused": false}}),
+    )
+    .await;
+    let resumed = capi.id(Kind::MachineDeployment, "spec-paused");
+    rpc.wait_ids(&ns, &ids(&[&good, &fixed, &resumed])).await;
+    assert_eq!(rpc.for_node(capi.grpc_node("sp-0")).await.id, resumed);
+}
+
+/// Polls until an `AutoscalerConfigProblem` Event about `name` mentions `key`.
+async fn wait_for_problem_event(capi: &Capi, name: &str, key: &str) {
+    poll_until(
+        &format!("an AutoscalerConfigProblem Event on {name} naming {key}"),
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || async move {
+            let events = capi.events_about(name).await;
+            let found = events.iter().find(|e| {
+                e.reason.as_deref() == Some("AutoscalerConfigProblem")
+                    && e.note.as_deref().is_some_and(|n| n.contains(key))
+            });
+            match found {
+                Some(e) => {
+                    assert_eq!(e.type_.as_deref(), Some("Warning"), "{e:?}");
+                    Check::Done(())
+                }
+                None => Check::Wait(format!(
+                    "events about {name}: {:?}",
+                    events
+                        .iter()
+                        .map(|e| (&e.reason, &e.note))
+                        .collect::<Vec<_>>()
+                )),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[tokio::test]
+async fn discovery_filters_select_groups_per_provider() {
+    let _shared = API_QUIET.read().await;
+    let one = env().await;
+    let two = env().await;
+    let (a, b) = (&one.capi, &two.capi);
+    a.create_deployment(&Scalable::md("a").bounds(0, 3).cluster("c1"), false)
+        .await;
+    a.create_machine(&a.running("a-0", Owner::Deployment("a".into())))
+        .await;
+    b.create_deployment(
+        &Scalable::md("b")
+            .bounds(0, 3)
+            .cluster("c2")
+            .label("pool", "blue"),
+        false,
+    )
+    .await;
+    b.create_machine(&b.running("b-0", Owner::Deployment("b".into())))
+        .await;
+    b.create(
+        &Scalable::md("c")
+            .bounds(0, 3)
+            .cluster("c2")
+            .label("pool", "green"),
+    )
+    .await;
+    b.create(
+        &Scalable::md("d")
+            .bounds(0, 3)
+            .cluster("c3")
+            .label("pool", "blue"),
+    )
+    .await;
+    b.create(
+        &Scalable::mp("e")
+            .bounds(0, 3)
+            .cluster("c2")
+            .label("pool", "blue"),
+    )
+    .await;
+    b.create(&Scalable::ms("f").bounds(0, 3).cluster("c2"))
+        .await;
+
+    let only_one = only_namespace(&a.ns);
+    let first = start_provider(
+        &["--node-group-auto-discovery", &only_one],
+        one.cp.admin_kubeconfig(),
+    )
+    .await;
+    let blue_c2 = format!("clusterapi:namespace={},clusterName=c2,pool=blue", b.ns);
+    let second = start_provider(
+        &[
+            "--node-group-auto-discovery",
+            &blue_c2,
+            "--node-group-auto-discovery",
+            "clusterapi:clusterName=c3",
+        ],
+        one.cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut rpc1 = Rpc::connect(&first).await;
+    let mut rpc2 = Rpc::connect(&second).await;
+
+    let all = |rpc: &mut Rpc| {
+        let mut rpc = rpc.clone();
+        async move {
+            rpc.groups()
+                .await
+                .into_iter()
+                .map(|g| g.id)
+                .collect::<BTreeSet<_>>()
+        }
+    };
+    let a_id = a.id(Kind::MachineDeployment, "a");
+    let b_id = b.id(Kind::MachineDeployment, "b");
+    assert_eq!(all(&mut rpc1).await, ids(&[&a_id]));
+    assert_eq!(
+        all(&mut rpc2).await,
+        ids(&[
+            &b_id,
+            &b.id(Kind::MachineDeployment, "d"),
+            &b.id(Kind::MachinePool, "e")
+        ])
+    );
+    assert_eq!(rpc1.for_node(a.grpc_node("a-0")).await.id, a_id);
+    assert_eq!(rpc1.for_node(b.grpc_node("b-0")).await.id, "");
+    assert_eq!(rpc2.for_node(b.grpc_node("b-0")).await.id, b_id);
+    assert_eq!(rpc2.for_node(a.grpc_node("a-0")).await.id, "");
+    expect_code(
+        "IncreaseSize outside the discovery filter",
+        rpc1.increase(&b_id, 1).await,
+        Code::NotFound,
+    );
+    expect_code(
+        "TargetSize outside the discovery filter",
+        rpc2.target(&a_id).await,
+        Code::NotFound,
+    );
+    assert_eq!(b.replicas(Kind::MachineDeployment, "b").await, 1);
+}
+
+#[tokio::test]
+async fn every_rpc_works_with_exactly_the_shipped_cluster_role() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let ns = capi.ns.clone();
+    apply_shipped_cluster_role(&capi.client).await;
+    let (_client, kubeconfig) = env.cp.restricted_identity(SHIPPED_ROLE).await;
+
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(1, 5).replicas(4), false)
+        .await;
+    capi.create_machine(&capi.running("r0", md.clone())).await;
+    capi.create_machine(&capi.running("r1", md.clone())).await;
+    capi.create_machine(&capi.pending("p0", md.clone())).await;
+    capi.create(&Scalable::ms("ms").bounds(0, 3).replicas(1))
+        .await;
+    capi.create_machine(&capi.running("s0", Owner::MachineSet("ms".into())))
+        .await;
+    let (pa, pb) = (capi.provider_id("mp-a"), capi.provider_id("mp-b"));
+    capi.create(
+        &Scalable::mp("mp")
+            .bounds(0, 4)
+            .replicas(2)
+            .provider_ids(&[pa.clone(), pb.clone()]),
+    )
+    .await;
+    capi.create_machine(&capi.running("mp-a", Owner::MachinePool("mp".into())))
+        .await;
+    capi.create(&Scalable::md("bad").raw_bounds(Some("0"), Some("x")))
+        .await;
+
+    // No discovery filter: cluster-wide watches, as deployed.
+    let provider = start_provider(&[], &kubeconfig).await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let md_id = capi.id(Kind::MachineDeployment, "md");
+    let ms_id = capi.id(Kind::MachineSet, "ms");
+    let mp_id = capi.id(Kind::MachinePool, "mp");
+
+    assert_eq!(rpc.ids_in(&ns).await, ids(&[&md_id, &ms_id, &mp_id]));
+    assert_eq!(rpc.for_node(capi.grpc_node("r0")).await.id, md_id);
+    assert_eq!(rpc.for_node(grpc_node(&pb, "mp-b")).await.id, mp_id);
+    assert_eq!(rpc.instances(&md_id).await.len(), 3);
+    assert_eq!(rpc.target(&md_id).await.unwrap(), 4);
+    let mut client = rpc.client.clone();
+    client
+        .node_group_get_options(NodeGroupAutoscalingOptionsRequest {
+            id: md_id.clone(),
+            defaults: Some(NodeGroupAutoscalingOptions::default()),
+        })
+        .await
+        .expect("NodeGroupGetOptions");
+    match client
+        .node_group_template_node_info(NodeGroupTemplateNodeInfoRequest { id: md_id.clone() })
+        .await
+    {
+        Ok(r) => assert!(
+            !r.into_inner().node_bytes.is_empty(),
+            "OK must carry a node"
+        ),
+        Err(s) => assert_eq!(s.code(), Code::Unimplemented, "TemplateNodeInfo: {s:?}"),
+    }
+    client
+        .gpu_label(GpuLabelRequest {})
+        .await
+        .expect("GPULabel");
+    client
+        .get_available_gpu_types(GetAvailableGpuTypesRequest {})
+        .await
+        .expect("GetAvailableGPUTypes");
+    client.refresh(RefreshRequest {}).await.expect("Refresh");
+
+    rpc.increase(&md_id, 1)
+        .await
+        .expect("IncreaseSize under the shipped role");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 5);
+    rpc.decrease(&md_id, -1)
+        .await
+        .expect("DecreaseTargetSize under the shipped role");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 4);
+    rpc.delete_nodes(&md_id, vec![capi.grpc_node("r0")])
+        .await
+        .expect("DeleteNodes (MachineDeployment)");
+    rpc.delete_nodes(&ms_id, vec![capi.grpc_node("s0")])
+        .await
+        .expect("DeleteNodes (MachineSet)");
+    rpc.delete_nodes(&mp_id, vec![grpc_node(&pb, "mp-b")])
+        .await
+        .expect("DeleteNodes (MachinePool, no Machine)");
+    rpc.delete_nodes(&mp_id, vec![capi.grpc_node("mp-a")])
+        .await
+        .expect("DeleteNodes (MachinePool Machine)");
+    assert_eq!(capi.marked_machines().await, ids(&["mp-a", "r0", "s0"]));
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 0);
+    assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 0);
+    client.cleanup(CleanupRequest {}).await.expect("Cleanup");
+
+    // Problems are reported as Events by the restricted identity.
+    wait_for_problem_event(capi, "bad", &capi.max_key()).await;
+    let log = provider.log_contents();
+    assert!(
+        !log.to_lowercase().contains("forbidden"),
+        "the shipped role lacks a permission:\n{log}"
+    );
+}
+
+/// Many DeleteNodes (different nodes, and repeats of the same node) and IncreaseSize calls at once
+/// on one group: replicas and marked Machines must agree exactly afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_scale_operations_keep_replicas_and_marks_consistent() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    const MACHINES: usize = 12;
+    const MIN: i64 = 2;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(
+        &Scalable::md("md").bounds(MIN, 40).replicas(MACHINES as i64),
+        false,
+    )
+    .await;
+    let names: Vec<String> = (0..MACHINES).map(|i| format!("m{i}")).collect();
+    for name in &names {
+        capi.create_machine(&capi.running(name, md.clone())).await;
+    }
+    let (_provider, rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    enum Op {
+        Delete(Vec<String>),
+        Increase(i32),
+    }
+    let mut ops: Vec<Op> = Vec::new();
+    for name in &names {
+        ops.push(Op::Delete(vec![name.clone()]));
+        ops.push(Op::Delete(vec![name.clone()]));
+    }
+    for pair in names.chunks(2).take(3) {
+        ops.push(Op::Delete(pair.to_vec()));
+    }
+    for _ in 0..6 {
+        ops.push(Op::Increase(1));
+    }
+    ops.push(Op::Increase(2));
+    // A fixed shuffle (xorshift), so a failure can be replayed.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in (1..ops.len()).rev() {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ops.swap(i, (seed % (i as u64 + 1)) as usize);
+    }
+
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for op in ops {
+        let mut rpc = rpc.clone();
+        let id = id.clone();
+        let capi = capi.clone();
+        tasks.spawn(async move {
+            match op {
+                Op::Delete(machines) => {
+                    let nodes = machines.iter().map(|m| capi.grpc_node(m)).collect();
+                    (
+                        format!("DeleteNodes{machines:?}"),
+                        0,
+                        machines,
+                        rpc.delete_nodes(&id, nodes).await,
+                    )
+                }
+                Op::Increase(delta) => (
+                    format!("IncreaseSize({delta})"),
+                    delta,
+                    Vec::new(),
+                    rpc.increase(&id, delta).await,
+                ),
+            }
+        });
+    }
+    let mut increased: i64 = 0;
+    let mut deleted: BTreeSet<String> = BTreeSet::new();
+    let mut outcomes: Vec<String> = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        let (what, delta, machines, result) = joined.expect("an RPC task");
+        match &result {
+            Ok(()) => {
+                increased += delta as i64;
+                deleted.extend(machines);
+            }
+            Err(s) if matches!(s.code(), Code::FailedPrecondition | Code::Aborted) => {}
+            Err(s) => panic!("{what}: unexpected {s:?}"),
+        }
+        outcomes.push(format!("{what}: {:?}", result.map_err(|s| s.code())));
+    }
+    eprintln!("concurrent operations took {:?}", started.elapsed());
+
+    let replicas = capi.replicas(Kind::MachineDeployment, "md").await;
+    let marked = capi.marked_machines().await;
+    let report = format!(
+        "replicas {replicas}, marked {marked:?}, successful increases {increased}, outcomes:\n  {}",
+        outcomes.join("\n  ")
+    );
+    assert!(replicas >= MIN, "replicas below min: {report}");
+    assert!(
+        deleted.is_subset(&marked),
+        "every node of a successful DeleteNodes is marked: {report}"
+    );
+    assert_eq!(
+        marked.len() as i64,
+        MACHINES as i64 + increased - replicas,
+        "marked Machines and replicas disagree: {report}"
+    );
+    assert_eq!(
+        rpc.clone().target(&id).await.unwrap() as i64,
+        replicas,
+        "TargetSize: {report}"
+    );
+}
+
+/// Read RPCs answer from memory: 2000 of them add no request to the apiserver's counters beyond
+/// what the scrapes themselves add.
+#[tokio::test]
+async fn read_rpcs_make_no_api_requests() {
+    let _alone = API_QUIET.write().await;
+    let env = env().await;
+    let capi = &env.capi;
+    apply_shipped_cluster_role(&capi.client).await;
+    let (_client, kubeconfig) = env.cp.restricted_identity(SHIPPED_ROLE).await;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(1, 5).replicas(3), false)
+        .await;
+    capi.create_machine(&capi.running("r0", md.clone())).await;
+    capi.create_machine(&capi.running("r1", md.clone())).await;
+    capi.create_machine(&capi.pending("p0", md.clone())).await;
+    let discovery = only_namespace(&capi.ns);
+    let provider = start_provider(&["--node-group-auto-discovery", &discovery], &kubeconfig).await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+    assert_eq!(rpc.ids_in(&capi.ns).await, ids(&[&id]));
+
+    // The apiserver's own housekeeping is not ours to count: measured on an idle control plane, it
+    // renews its identity lease every 10 s and fetches /openapi/v3 every 5 s.
+    let ours = |series: &str| {
+        label_of(series, "group") != Some("coordination.k8s.io")
+            && label_of(series, "subresource") != Some("openapi/v3")
+    };
+    let total = |growth: &BTreeMap<String, f64>| -> f64 {
+        growth.iter().filter(|(k, _)| ours(k)).map(|(_, v)| v).sum()
+    };
+    let admin = capi.client.clone();
+    // What one scrape costs, once the provider has settled (its start-up Events, if any, are out).
+    let cost = poll_until(
+        "two back-to-back scrapes that cost the same",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || {
+            let admin = admin.clone();
+            async move {
+                let s1 = request_counts(&admin).await;
+                let s2 = request_counts(&admin).await;
+                let s3 = request_counts(&admin).await;
+                let (c1, c2) = (total(&growth(&s1, &s2)), total(&growth(&s2, &s3)));
+                if c1 == c2 {
+                    Check::Done(c1)
+                } else {
+                    Check::Wait(format!("{c1} then {c2}: {:?}", growth(&s2, &s3)))
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    let before = request_counts(&admin).await;
+    let started = Instant::now();
+    let node = capi.grpc_node("r0");
+    let mut client = rpc.client.clone();
+    for i in 0..2000 {
+        match i % 5 {
+            0 => drop(rpc.groups().await),
+            1 => assert_eq!(rpc.for_node(node.clone()).await.id, id),
+            2 => assert_eq!(rpc.target(&id).await.unwrap(), 3),
+            3 => assert_eq!(rpc.nodes(&id).await.unwrap().len(), 3),
+            _ => drop(
+                client
+                    .node_group_get_options(NodeGroupAutoscalingOptionsRequest {
+                        id: id.clone(),
+                        defaults: Some(NodeGroupAutoscalingOptions::default()),
+                    })
+                    .await
+                    .expect("NodeGroupGetOptions"),
+            ),
+        }
+    }
+    let elapsed = started.elapsed();
+    let after = request_counts(&admin).await;
+    let grew = growth(&before, &after);
+    eprintln!("2000 read RPCs in {elapsed:?}; one scrape costs {cost} request(s); growth {grew:?}");
+    assert!(
+        total(&grew) <= cost,
+        "read RPCs caused API requests (a scrape costs {cost}): {:?}",
+        grew.iter().filter(|(k, _)| ours(k)).collect::<Vec<_>>()
+    );
+
+    // The counters do see the provider: a scale operation shows up.
+    rpc.increase(&id, 1).await.expect("IncreaseSize");
+    let later = request_counts(&admin).await;
+    let scale_writes: f64 = growth(&after, &later)
+        .iter()
+        .filter(|(k, _)| {
+            label_of(k, "resource") == Some("machinedeployments")
+                && label_of(k, "subresource") == Some("scale")
+                && label_of(k, "verb") == Some("PATCH")
+        })
+        .map(|(_, v)| v)
+        .sum();
+    assert!(
+        scale_writes >= 1.0,
+        "the scale write is counted: {:?}",
+        growth(&after, &later)
+    );
+}
+
+/// The API goes away after the provider has listed: reads still answer from the snapshot, writes
+/// fail UNAVAILABLE (in time for CA's 5 s deadline) and change nothing; when the API is back the
+/// provider follows changes and writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_unreachable_reads_answer_from_the_snapshot_and_writes_are_unavailable() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(1, 5).replicas(3), false)
+        .await;
+    capi.create_machine(&capi.running("r0", md.clone())).await;
+    capi.create_machine(&capi.running("r1", md.clone())).await;
+    capi.create_machine(&capi.pending("p0", md.clone())).await;
+
+    let apiserver = socket_addr_of(&env.cp.server);
+    let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let mut proxy = TcpProxy::start(any_port, apiserver)
+        .await
+        .expect("start the proxy");
+    let proxy_addr = proxy.addr;
+    let kubeconfig = kubeconfig_with_server(
+        env.cp.admin_kubeconfig(),
+        &env.cp.server,
+        &format!("https://{proxy_addr}"),
+    );
+    let discovery = only_namespace(&capi.ns);
+    let _provider = start_provider(&["--node-group-auto-discovery", &discovery], &kubeconfig).await;
+    let mut rpc = Rpc::connect(&_provider).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+    assert_eq!(rpc.ids_in(&capi.ns).await, ids(&[&id]));
+
+    proxy.stop().await;
+
+    let started = Instant::now();
+    let message = expect_code(
+        "IncreaseSize without API",
+        rpc.increase(&id, 1).await,
+        Code::Unavailable,
+    );
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "IncreaseSize took {took:?}: {message}"
+    );
+    expect_code(
+        "DeleteNodes without API",
+        rpc.delete_nodes(&id, vec![capi.grpc_node("r0")]).await,
+        Code::Unavailable,
+    );
+    // Reads, from the snapshot.
+    let group = rpc.group(&id).await.expect("NodeGroups without API");
+    assert_eq!((group.min_size, group.max_size), (1, 5));
+    assert_eq!(rpc.target(&id).await.expect("TargetSize without API"), 3);
+    assert_eq!(rpc.instances(&id).await.len(), 3);
+    assert_eq!(rpc.for_node(capi.grpc_node("r1")).await.id, id);
+    // Nothing changed.
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    assert!(capi.marked_machines().await.is_empty());
+
+    // The API is back (same address): the provider follows a change and writes again.
+    let restarted = poll_until(
+        &format!("listen on {proxy_addr} again"),
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async move {
+            match TcpProxy::start(proxy_addr, apiserver).await {
+                Ok(p) => Check::Done(p),
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let _proxy = restarted;
+    capi.scale(Kind::MachineDeployment, "md", 2).await;
+    // Generous: the watches reconnect with backoff.
+    poll_until(
+        "the provider sees replicas 2 after the API is back",
+        Duration::from_secs(90),
+        Duration::from_millis(200),
+        || {
+            let mut rpc = rpc.clone();
+            let id = id.clone();
+            async move {
+                match rpc.target(&id).await {
+                    Ok(2) => Check::Done(()),
+                    other => Check::Wait(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    rpc.increase(&id, 1)
+        .await
+        .expect("IncreaseSize with the API back");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+}
+
+/// grpc.health.v1 reports SERVING only once every watch has listed — for the CloudProvider service
+/// and for the whole server (service ""), which is what a plain gRPC readiness probe asks.
+#[tokio::test]
+async fn health_is_not_serving_until_every_watch_has_listed() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule};
+    use kube::api::{ObjectMeta, Patch, PatchParams};
+    use tonic_health::pb::health_check_response::ServingStatus;
+
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    capi.create_deployment(&Scalable::md("md").bounds(0, 3), false)
+        .await;
+    // The shipped role, except that Machines cannot be listed: their watch never lists.
+    let role_name = format!("e2e-no-machine-list-{}", capi.ns);
+    let rule = |groups: &[&str], resources: &[&str], verbs: &[&str]| PolicyRule {
+        api_groups: Some(groups.iter().map(|s| s.to_string()).collect()),
+        resources: Some(resources.iter().map(|s| s.to_string()).collect()),
+        verbs: verbs.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    let role = |machines_readable: bool| {
+        let mut readable = vec!["machinedeployments", "machinesets", "machinepools"];
+        if machines_readable {
+            readable.push("machines");
+        }
+        ClusterRole {
+            metadata: ObjectMeta {
+                name: Some(role_name.clone()),
+                ..Default::default()
+            },
+            rules: Some(vec![
+                rule(&[CAPI_GROUP], &readable, &["get", "list", "watch"]),
+                rule(
+                    &[CAPI_GROUP],
+                    &[
+                        "machinedeployments/scale",
+                        "machinesets/scale",
+                        "machinepools/scale",
+                    ],
+                    &["get", "patch"],
+                ),
+                rule(&[CAPI_GROUP], &["machines"], &["patch"]),
+                rule(
+                    &["infrastructure.cluster.x-k8s.io"],
+                    &["*"],
+                    &["get", "list", "watch"],
+                ),
+                rule(&["events.k8s.io"], &["events"], &["create", "patch"]),
+            ]),
+            ..Default::default()
+        }
+    };
+    let roles: kube::Api<ClusterRole> = kube::Api::all(capi.client.clone());
+    let apply = PatchParams::apply("e2e-nodegroups").force();
+    roles
+        .patch(&role_name, &apply, &Patch::Apply(&role(false)))
+        .await
+        .expect("apply the role");
+    let (_client, kubeconfig) = env.cp.restricted_identity(&role_name).await;
+
+    let discovery = only_namespace(&capi.ns);
+    let mut provider = support::capi::spawn_provider(
+        &["--node-group-auto-discovery", &discovery],
+        &kubeconfig,
+        &[],
+    );
+    // Up, and it has tried to list Machines and been refused.
+    poll_until(
+        "the provider answers health checks and has been refused Machines",
+        Duration::from_secs(60),
+        Duration::from_millis(50),
+        || {
+            let gone = provider.exited();
+            let answered = provider.health("");
+            let log = provider.log_contents();
+            async move {
+                if let Some(status) = gone {
+                    return Check::Fatal(format!("the provider exited with {status}:\n{log}"));
+                }
+                if let Err(e) = answered.await {
+                    return Check::Wait(e);
+                }
+                let refused = log
+                    .lines()
+                    .any(|l| l.contains("machines") && l.to_lowercase().contains("forbidden"));
+                if refused {
+                    Check::Done(())
+                } else {
+                    Check::Wait("no refused Machine list in the log yet".into())
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    for service in [support::capi::CLOUD_PROVIDER_SERVICE, ""] {
+        let status = provider.health(service).await.expect("health check");
+        assert_ne!(
+            status,
+            ServingStatus::Serving,
+            "health of {service:?} while the Machine watch has not listed"
+        );
+    }
+
+    // Allowed to list Machines: SERVING, and the group is there.
+    roles
+        .patch(&role_name, &apply, &Patch::Apply(&role(true)))
+        .await
+        .expect("widen the role");
+    for service in [support::capi::CLOUD_PROVIDER_SERVICE, ""] {
+        poll_until(
+            &format!("health of {service:?} SERVING once Machines can be listed"),
+            Duration::from_secs(90),
+            Duration::from_millis(100),
+            || {
+                let status = provider.health(service);
+                async move {
+                    match status.await {
+                        Ok(ServingStatus::Serving) => Check::Done(()),
+                        other => Check::Wait(format!("{other:?}")),
+                    }
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut rpc = Rpc::connect(&provider).await;
+    assert_eq!(
+        rpc.ids_in(&capi.ns).await,
+        ids(&[&capi.id(Kind::MachineDeployment, "md")])
+    );
+}
