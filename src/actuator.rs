@@ -363,6 +363,13 @@ impl Actuator {
         let _guard = lock.lock().await;
         let (snapshot, group) = self.group(id)?;
         let keys = &self.store.settings().keys;
+        if group.kind() == ScalableKind::MachinePool {
+            let listed: BTreeSet<&String> = group.resource.provider_id_list.iter().collect();
+            self.pool_decrements
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|(g, provider_id)| g != id || listed.contains(provider_id));
+        }
 
         // Resolve every node before touching anything.
         let mut plan: Vec<(NodeToDelete, Option<ObjectKey>)> = Vec::new();
@@ -472,37 +479,11 @@ impl Actuator {
         if cached.deleting {
             return Removal::Skip;
         }
-        if !cached.annotations.contains_key(delete_key) {
-            return Removal::MarkAndDecrement;
-        }
-        // Marked already: by an earlier call of ours (then replicas were lowered) or by someone else.
-        // Machines beyond replicas are removed marked-first, so the mark is covered when the marked
-        // Machines are no more than that excess.
-        let Ok(current) = self.cached(group) else {
-            return Removal::Skip;
-        };
-        let mut alive = 0;
-        let mut marked = 0;
-        for instance in &group.instances {
-            let Some(m) = instance
-                .machine
-                .as_ref()
-                .and_then(|k| self.store.cached_machine(k))
-            else {
-                continue;
-            };
-            if m.deleting {
-                continue;
-            }
-            alive += 1;
-            if m.annotations.contains_key(delete_key) {
-                marked += 1;
-            }
-        }
-        if marked <= alive - current.replicas {
-            Removal::Skip
-        } else {
-            Removal::DecrementOnly
+        // Our own mark is only ever left in place together with its decrement (a failed decrement takes
+        // it back), so it means this node was already counted. A mark someone else set was not.
+        match cached.annotations.get(delete_key) {
+            Some(value) if is_our_mark(value) => Removal::Skip,
+            _ => Removal::MarkAndDecrement,
         }
     }
 
@@ -514,21 +495,28 @@ impl Actuator {
         key: &ObjectKey,
     ) -> Result<(), ActuatorError> {
         let delete_key = self.store.settings().keys.delete_machine.clone();
+        // A mark someone else set is restored, not removed, if our decrement fails.
+        let previous = self
+            .store
+            .cached_machine(key)
+            .and_then(|m| m.annotations.get(&delete_key).cloned());
         let api = self.machine_api(&key.namespace);
         let what = format!("marking Machine {key} for deletion");
-        let mark = json!({"metadata": {"annotations": {delete_key.as_str(): now_string()}}});
-        let marked = call(
+        let mark = json!({"metadata": {"annotations": {delete_key.as_str(): our_mark()}}});
+        let marked = match call(
             &what,
             api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&mark)),
         )
         .await
-        .map_err(|e| other(e, &what));
-        let marked = match marked {
+        {
             Ok(obj) => obj,
             Err(e) => {
                 self.metrics.api_write("mark-machine", "error");
+                let e = other(e, &what);
                 // The mark may have landed although the answer was lost; take it back to be sure.
-                self.unmark(key, &delete_key).await;
+                if matches!(e, ActuatorError::Unavailable(_)) {
+                    self.unmark(key, &delete_key, previous.as_deref()).await;
+                }
                 return Err(e);
             }
         };
@@ -540,17 +528,17 @@ impl Actuator {
         {
             Ok(_) => Ok(()),
             Err(e) => {
-                tracing::warn!(group = %group.id, machine = %key, "decrement failed, removing the delete mark: {e}");
-                self.unmark(key, &delete_key).await;
+                tracing::warn!(group = %group.id, machine = %key, "decrement failed, taking the delete mark back: {e}");
+                self.unmark(key, &delete_key, previous.as_deref()).await;
                 Err(e)
             }
         }
     }
 
-    async fn unmark(&self, key: &ObjectKey, delete_key: &str) {
+    async fn unmark(&self, key: &ObjectKey, delete_key: &str, previous: Option<&str>) {
         let api = self.machine_api(&key.namespace);
-        let what = format!("removing the delete mark of Machine {key}");
-        let unmark = json!({"metadata": {"annotations": {delete_key: null}}});
+        let what = format!("taking back the delete mark of Machine {key}");
+        let unmark = json!({"metadata": {"annotations": {delete_key: previous}}});
         match call(
             &what,
             api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&unmark)),
@@ -564,7 +552,10 @@ impl Actuator {
             Err(ApiFailure::Other(ActuatorError::NotFound(_))) => {}
             Err(e) => {
                 self.metrics.api_write("unmark-machine", "error");
-                tracing::error!(machine = %key, "{what} failed: {:?}; the next DeleteNodes for it lowers replicas", e);
+                tracing::error!(
+                    machine = %key,
+                    "{what} failed: {e:?}; it stays marked without its replica decrement until the mark is removed"
+                );
             }
         }
     }
@@ -577,10 +568,52 @@ enum Removal {
     DecrementOnly,
 }
 
-/// The annotation value: only presence matters to Cluster API; a readable time helps people.
-fn now_string() -> String {
+/// Marks written by this provider end with this, so a retried DeleteNodes recognises them.
+const MARK_SUFFIX: &str = " by capi-autoscaler-provider";
+
+/// The annotation value: only presence matters to Cluster API; the time and the writer help people,
+/// and the writer tells this provider's marks (each one paid for by a decrement) from others'.
+fn our_mark() -> String {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
-    format!("{} (unix seconds, cluster-autoscaler)", now.as_secs())
+    format!("unix {}{MARK_SUFFIX}", now.as_secs())
+}
+
+fn is_our_mark(value: &str) -> bool {
+    value.ends_with(MARK_SUFFIX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn our_marks_are_told_from_others() {
+        assert!(is_our_mark(&our_mark()));
+        assert!(!is_our_mark(
+            "2024-01-02 15:04:05.123456789 +0000 UTC m=+12.3"
+        ));
+        assert!(!is_our_mark(""));
+    }
+
+    #[test]
+    fn api_errors_map_to_grpc_codes() {
+        let api = |code: u16| {
+            kube::Error::Api(
+                kube::core::Status::failure("boom", "Reason")
+                    .with_code(code)
+                    .boxed(),
+            )
+        };
+        assert!(matches!(classify("x", api(409)), ApiFailure::Conflict));
+        let code = |c: u16| match classify("x", api(c)) {
+            ApiFailure::Other(e) => tonic::Status::from(e).code(),
+            ApiFailure::Conflict => tonic::Code::Aborted,
+        };
+        assert_eq!(code(404), tonic::Code::NotFound);
+        assert_eq!(code(403), tonic::Code::PermissionDenied);
+        assert_eq!(code(422), tonic::Code::FailedPrecondition);
+        assert_eq!(code(503), tonic::Code::Unavailable);
+    }
 }
