@@ -491,3 +491,203 @@ impl CloudProvider for Service {
         self.observe("NodeGroupGetOptions", started, result)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    /// NodeGroupTemplateNodeInfoResponse as CA ≤ 1.34.1 declares it: `k8s.io.api.core.v1.Node nodeInfo = 1`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct OldTemplateResponse {
+        #[prost(message, optional, tag = "1")]
+        node_info: Option<k8s_pb::api::core::v1::Node>,
+    }
+
+    /// meta.v1.Duration: `optional int64 duration = 1` (nanoseconds).
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct OldDuration {
+        #[prost(int64, optional, tag = "1")]
+        duration: Option<i64>,
+    }
+
+    /// NodeGroupAutoscalingOptions as CA ≤ 1.34.1 declares it.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct OldOptions {
+        #[prost(double, tag = "1")]
+        scale_down_utilization_threshold: f64,
+        #[prost(double, tag = "2")]
+        scale_down_gpu_utilization_threshold: f64,
+        #[prost(message, optional, tag = "3")]
+        scale_down_unneeded_time: Option<OldDuration>,
+        #[prost(message, optional, tag = "4")]
+        scale_down_unready_time: Option<OldDuration>,
+        #[prost(message, optional, tag = "5")]
+        max_node_provision_time: Option<OldDuration>,
+    }
+
+    /// meta.v1.Time: `optional int64 seconds = 1; optional int32 nanos = 2`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct OldTime {
+        #[prost(int64, optional, tag = "1")]
+        seconds: Option<i64>,
+        #[prost(int32, optional, tag = "2")]
+        nanos: Option<i32>,
+    }
+
+    /// PricingPodPriceRequest as CA ≤ 1.34.1 sends it.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct OldPodPriceRequest {
+        #[prost(message, optional, tag = "1")]
+        pod: Option<k8s_pb::api::core::v1::Pod>,
+        #[prost(message, optional, tag = "2")]
+        start_time: Option<OldTime>,
+        #[prost(message, optional, tag = "3")]
+        end_time: Option<OldTime>,
+    }
+
+    fn node() -> k8s_pb::api::core::v1::Node {
+        k8s_pb::api::core::v1::Node {
+            metadata: Some(k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: Some("template".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_old_ca_reads_the_template_from_the_legacy_field() {
+        let bytes = node().encode_to_vec();
+        let response = NodeGroupTemplateNodeInfoResponse {
+            node_info: bytes.clone(),
+            node_bytes: bytes,
+        };
+        let old = OldTemplateResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(old.node_info, Some(node()));
+        let new =
+            NodeGroupTemplateNodeInfoResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(
+            k8s_pb::api::core::v1::Node::decode(new.node_bytes.as_slice()).unwrap(),
+            node()
+        );
+    }
+
+    fn defaults() -> NodeGroupAutoscalingOptions {
+        NodeGroupAutoscalingOptions {
+            scale_down_utilization_threshold: 0.5,
+            scale_down_gpu_utilization_threshold: 0.5,
+            scale_down_unneeded_duration: Some(wire_duration(Duration::from_secs(600))),
+            scale_down_unready_duration: Some(wire_duration(Duration::from_secs(1200))),
+            max_node_provision_duration: Some(wire_duration(Duration::from_secs(900))),
+            zero_or_max_node_scaling: true,
+            ignore_daemon_sets_utilization: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn options_without_annotations_answer_empty_so_ca_keeps_its_defaults() {
+        let r = options_response(None, Some(&defaults())).unwrap();
+        assert_eq!(r.node_group_autoscaling_options, None);
+        assert!(r.encode_to_vec().is_empty());
+    }
+
+    #[test]
+    fn options_override_their_field_and_echo_every_other_default_in_both_layouts() {
+        let overrides = GroupOptions {
+            scale_down_unneeded_time: Some(Duration::from_secs(300)),
+            scale_down_utilization_threshold: Some(0.7),
+            ..Default::default()
+        };
+        let r = options_response(Some(&overrides), Some(&defaults())).unwrap();
+        let o = r.node_group_autoscaling_options.clone().unwrap();
+        assert_eq!(o.scale_down_utilization_threshold, 0.7);
+        assert_eq!(o.scale_down_gpu_utilization_threshold, 0.5);
+        assert_eq!(
+            o.scale_down_unneeded_duration,
+            Some(wire_duration(Duration::from_secs(300)))
+        );
+        assert_eq!(
+            o.scale_down_unready_duration,
+            Some(wire_duration(Duration::from_secs(1200)))
+        );
+        assert_eq!(
+            o.max_node_provision_duration,
+            Some(wire_duration(Duration::from_secs(900)))
+        );
+        assert!(o.zero_or_max_node_scaling && o.ignore_daemon_sets_utilization);
+        // An old CA reads fields 3/4/5 as meta.v1.Duration.
+        let old = OldOptions::decode(o.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(old.scale_down_utilization_threshold, 0.7);
+        assert_eq!(
+            old.scale_down_unneeded_time.and_then(|d| d.duration),
+            Some(300_000_000_000)
+        );
+        assert_eq!(
+            old.scale_down_unready_time.and_then(|d| d.duration),
+            Some(1_200_000_000_000)
+        );
+        assert_eq!(
+            old.max_node_provision_time.and_then(|d| d.duration),
+            Some(900_000_000_000)
+        );
+        assert!(options_response(Some(&overrides), None).is_err());
+    }
+
+    #[test]
+    fn defaults_from_an_old_ca_are_read_from_the_legacy_durations() {
+        let old = OldOptions {
+            scale_down_utilization_threshold: 0.4,
+            scale_down_unneeded_time: Some(OldDuration {
+                duration: Some(60_000_000_000),
+            }),
+            max_node_provision_time: Some(OldDuration {
+                duration: Some(120_000_000_000),
+            }),
+            ..Default::default()
+        };
+        let wire = NodeGroupAutoscalingOptions::decode(old.encode_to_vec().as_slice()).unwrap();
+        let d = defaults_from_wire(&wire);
+        assert_eq!(d.scale_down_utilization_threshold, 0.4);
+        assert_eq!(d.scale_down_unneeded_time, Duration::from_secs(60));
+        assert_eq!(d.max_node_provision_time, Duration::from_secs(120));
+        assert_eq!(d.scale_down_unready_time, Duration::ZERO);
+    }
+
+    #[test]
+    fn an_old_pod_price_request_is_understood() {
+        let pod = k8s_pb::api::core::v1::Pod::default();
+        let old = OldPodPriceRequest {
+            pod: Some(pod.clone()),
+            start_time: Some(OldTime {
+                seconds: Some(1_000),
+                nanos: None,
+            }),
+            end_time: Some(OldTime {
+                seconds: Some(4_600),
+                nanos: None,
+            }),
+        };
+        let r = PricingPodPriceRequest::decode(old.encode_to_vec().as_slice()).unwrap();
+        assert!(r.pod_bytes.is_empty());
+        assert_eq!(
+            k8s_pb::api::core::v1::Pod::decode(r.pod.as_slice()).unwrap(),
+            pod
+        );
+        let (start, end) = period(
+            (r.start_timestamp.as_ref(), r.start_time.as_ref()),
+            (r.end_timestamp.as_ref(), r.end_time.as_ref()),
+        )
+        .unwrap();
+        assert_eq!(pricing::hours_between(start, end), 1.0);
+    }
+
+    #[test]
+    fn a_price_request_without_times_is_invalid() {
+        assert_eq!(
+            period((None, None), (None, None)).unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+    }
+}
