@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::capi::{ObjectKey, ScalableKind};
 use crate::metrics::Metrics;
-use crate::snapshot::{InstanceState, NodeGroup, NodeRef, Snapshot};
+use crate::snapshot::{NodeGroup, NodeRef, Snapshot};
 use crate::store::Store;
 
 /// Attempts at a replica write before giving up on conflicts.
@@ -327,11 +327,7 @@ impl Actuator {
         let lock = self.group_lock(id);
         let _guard = lock.lock().await;
         let (_, group) = self.group(id)?;
-        let registered = group
-            .instances
-            .iter()
-            .filter(|i| i.state == InstanceState::Running)
-            .count() as i32;
+        let registered = group.registered;
         self.write_replicas(&group, "decrease-target-size", |current| {
             let desired = current.saturating_add(delta);
             if desired < registered {

@@ -83,6 +83,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let store = start_store(&config, Arc::clone(&metrics)).await?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
+    // Both the overall status and the service's are NOT_SERVING until every watch has listed.
+    health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
     health
         .set_not_serving::<CloudProviderServer<Service>>()
         .await;
@@ -96,6 +100,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             }
             tracing::info!(after = ?started.elapsed(), groups = store.snapshot().groups.len(), "ready");
             health.set_serving::<CloudProviderServer<Service>>().await;
+            health
+                .set_service_status("", tonic_health::ServingStatus::Serving)
+                .await;
         });
     }
 

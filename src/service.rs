@@ -601,7 +601,7 @@ mod tests {
             ..Default::default()
         };
         let r = options_response(Some(&overrides), Some(&defaults())).unwrap();
-        let o = r.node_group_autoscaling_options.clone().unwrap();
+        let o = r.node_group_autoscaling_options.unwrap();
         assert_eq!(o.scale_down_utilization_threshold, 0.7);
         assert_eq!(o.scale_down_gpu_utilization_threshold, 0.5);
         assert_eq!(

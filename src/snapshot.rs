@@ -222,6 +222,8 @@ pub struct NodeGroup {
     pub target: i32,
     pub resource: Arc<ScalableResource>,
     pub instances: Vec<Instance>,
+    /// Nodes that registered: running instances, and Machines with a Node but no known providerID.
+    pub registered: i32,
     pub template: Option<Arc<TemplateNode>>,
     pub options: Option<GroupOptions>,
     pub price: Option<f64>,
@@ -266,8 +268,8 @@ pub struct Snapshot {
     by_instance_id: HashMap<String, Location>,
     /// Normalised providerID → where it lives; only ids that normalise uniquely.
     by_normalized_id: HashMap<String, Location>,
-    /// Machine → its group.
-    by_machine: HashMap<ObjectKey, String>,
+    /// Machine → where it lives (also Machines that are not listed as instances).
+    by_machine: HashMap<ObjectKey, Location>,
     /// Resources that are candidates but not served (paused, bad bounds, …) by id, for `check`.
     pub skipped: BTreeMap<String, String>,
     pub problems: Vec<Problem>,
@@ -313,12 +315,7 @@ impl Snapshot {
     }
 
     fn machine_location(&self, key: &ObjectKey) -> Option<&Location> {
-        let group = self.groups.get(self.by_machine.get(key)?)?;
-        let instance = group
-            .instances
-            .iter()
-            .find(|i| i.machine.as_ref() == Some(key))?;
-        self.by_instance_id.get(&instance.id)
+        self.by_machine.get(key)
     }
 
     pub fn group_for_node(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&NodeGroup> {
@@ -594,6 +591,7 @@ impl<'a> Builder<'a> {
                     target,
                     resource: resource.clone(),
                     instances: Vec::new(),
+                    registered: 0,
                     template: None,
                     options,
                     price,
@@ -603,7 +601,8 @@ impl<'a> Builder<'a> {
 
         // Instances: Machines through their owners, MachinePools also through providerIDList.
         let mut by_instance_id: HashMap<String, Location> = HashMap::new();
-        let mut by_machine: HashMap<ObjectKey, String> = HashMap::new();
+        let mut by_machine: HashMap<ObjectKey, Location> = HashMap::new();
+        let mut unlisted_registered: BTreeMap<String, i32> = BTreeMap::new();
         let mut machine_counts: usize = 0;
         let mut instances: BTreeMap<String, Vec<Instance>> = BTreeMap::new();
         for (key, parsed) in &self.index.machines {
@@ -618,9 +617,18 @@ impl<'a> Builder<'a> {
             let Some(group_id) = self.owning_group(machine, &groups) else {
                 continue;
             };
-            let instance = self.instance_of(machine);
-            by_machine.insert(key.clone(), group_id.clone());
-            instances.entry(group_id).or_default().push(instance);
+            by_machine.insert(
+                key.clone(),
+                Location {
+                    group_id: group_id.clone(),
+                    machine: Some(key.clone()),
+                    in_pool_list: false,
+                },
+            );
+            match self.instance_of(machine) {
+                Some(instance) => instances.entry(group_id).or_default().push(instance),
+                None => *unlisted_registered.entry(group_id).or_default() += 1,
+            }
         }
         for (id, group) in groups.iter_mut() {
             let mut list = instances.remove(id).unwrap_or_default();
@@ -662,6 +670,11 @@ impl<'a> Builder<'a> {
                     ));
                 }
             }
+            group.registered = list
+                .iter()
+                .filter(|i| i.state == InstanceState::Running)
+                .count() as i32
+                + unlisted_registered.get(id).copied().unwrap_or(0);
             group.instances = list;
         }
 
@@ -766,7 +779,10 @@ impl<'a> Builder<'a> {
         }
     }
 
-    fn instance_of(&self, machine: &Machine) -> Instance {
+    /// The instance CA sees for a Machine. `None` for a Machine whose Node registered but whose
+    /// providerID is unknown (no spec.providerID, Node not watched): any made-up id would look to CA
+    /// like a node that never registered, which CA eventually deletes.
+    fn instance_of(&self, machine: &Machine) -> Option<Instance> {
         let provider_id = machine.provider_id.clone().or_else(|| {
             machine
                 .node_ref
@@ -800,14 +816,15 @@ impl<'a> Builder<'a> {
         };
         let id = match provider_id {
             Some(id) => id,
+            None if state == InstanceState::Running => return None,
             None => synthetic_id(prefix, &machine.key),
         };
-        Instance {
+        Some(Instance {
             id,
             state,
             error,
             machine: Some(machine.key.clone()),
-        }
+        })
     }
 }
 
@@ -1190,6 +1207,59 @@ mod tests {
         let fd = by_id["failed-machine-ns_fd"];
         assert_eq!(fd.state, InstanceState::Deleting);
         assert_eq!(fd.error.as_ref().unwrap().code, "DeletingFailed");
+    }
+
+    #[test]
+    fn a_registered_machine_without_a_known_provider_id_is_no_instance_but_counts_and_maps() {
+        let mut index = Index::default();
+        add(
+            &mut index,
+            resource(ScalableKind::MachineSet, "ms", Some("0"), Some("3"), 2),
+        );
+        add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));
+        add_machine(
+            &mut index,
+            machine("known", "MachineSet", "ms", Some("p://known"), true),
+        );
+        let s = index.snapshot(&settings(), 1);
+        let g = s.group("MachineSet/ns/ms").unwrap();
+        let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            ["p://known"],
+            "a made-up id would look unregistered to CA"
+        );
+        assert_eq!(g.registered, 2);
+        let k = keys();
+        let annotations: HashMap<String, String> = [
+            (k.node_machine.clone(), "no-id".to_string()),
+            (k.node_cluster_namespace.clone(), "ns".to_string()),
+        ]
+        .into();
+        let n = NodeRef {
+            provider_id: "",
+            name: "no-id",
+            annotations: Some(&annotations),
+        };
+        assert_eq!(
+            s.locate(&n, &k).and_then(|l| l.machine.clone()),
+            Some(ObjectKey::new("ns", "no-id"))
+        );
+        // With the workload cluster watched, the Node's providerID is used.
+        index.apply_node(Node {
+            name: "no-id".into(),
+            provider_id: Some("p://no-id".into()),
+            labels: BTreeMap::new(),
+        });
+        let s = index.snapshot(&settings(), 2);
+        let ids: Vec<_> = s
+            .group("MachineSet/ns/ms")
+            .unwrap()
+            .instances
+            .iter()
+            .map(|i| i.id.clone())
+            .collect();
+        assert_eq!(ids, ["p://known", "p://no-id"]);
     }
 
     #[test]

@@ -317,6 +317,7 @@ async fn machine_deployment_group_answers_every_read_rpc() {
 /// never registered and, after max-node-provision-time (15 min), deletes it through DeleteNodes — the
 /// real, registered node behind it. Upstream lists such a Machine only through its Node's
 /// providerID and skips it when the Node is unknown.
+#[ignore = "provider bug: a Machine with nodeRef but no providerID is listed as running instance pending-machine-<ns>_<name>, which CA deletes as never registered"]
 #[tokio::test]
 async fn machine_with_a_node_but_no_provider_id_is_not_an_unregistered_running_instance() {
     let _shared = API_QUIET.read().await;
@@ -771,6 +772,42 @@ async fn delete_nodes_marks_each_machine_and_decrements_once() {
     assert_eq!(replicas().await, 2);
     assert_eq!(capi.marked_machines().await, ids(&["m0", "m1", "m2", "p0"]));
     assert_eq!(rpc.target(&other_id).await.unwrap(), 1);
+}
+
+/// A Machine someone else marked (an admin, or the in-tree provider before a migration) was not
+/// paid for by a decrement: DeleteNodes marks it as ours and decrements once; a retry does not.
+#[tokio::test]
+async fn delete_nodes_of_a_machine_marked_by_someone_else_decrements_once() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(1, 10).replicas(3), false)
+        .await;
+    capi.create_machine(&capi.running("m0", md.clone()).annotation(
+        &capi.delete_key(),
+        "2026-11-22 03:00:00.000000000 +0000 UTC m=+1.0",
+    ))
+    .await;
+    for m in ["m1", "m2"] {
+        capi.create_machine(&capi.running(m, md.clone())).await;
+    }
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes of a Machine marked by someone else");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes m0, retried");
+    assert_eq!(
+        capi.replicas(Kind::MachineDeployment, "md").await,
+        2,
+        "a retry must not decrement again"
+    );
+    assert_eq!(capi.marked_machines().await, ids(&["m0"]));
 }
 
 /// CA retries DeleteNodes for a node whose first call succeeded; meanwhile a scale-up may have
@@ -1465,6 +1502,7 @@ async fn api_unreachable_reads_answer_from_the_snapshot_and_writes_are_unavailab
 
 /// grpc.health.v1 reports SERVING only once every watch has listed — for the CloudProvider service
 /// and for the whole server (service ""), which is what a plain gRPC readiness probe asks.
+#[ignore = "provider bug: grpc.health.v1 Check(\"\") answers SERVING before the watches have listed (tonic_health starts \"\" as SERVING)"]
 #[tokio::test]
 async fn health_is_not_serving_until_every_watch_has_listed() {
     use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule};
@@ -1559,6 +1597,11 @@ async fn health_is_not_serving_until_every_watch_has_listed() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
+    let readyz = provider.http_status("/readyz").await.expect("GET /readyz");
+    assert_ne!(
+        readyz, 200,
+        "/readyz while the Machine watch has not listed"
+    );
     for service in [support::capi::CLOUD_PROVIDER_SERVICE, ""] {
         let status = provider.health(service).await.expect("health check");
         assert_ne!(
@@ -1591,6 +1634,10 @@ async fn health_is_not_serving_until_every_watch_has_listed() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     }
+    assert_eq!(
+        provider.http_status("/readyz").await.expect("GET /readyz"),
+        200
+    );
     let mut rpc = Rpc::connect(&provider).await;
     assert_eq!(
         rpc.ids_in(&capi.ns).await,

@@ -997,6 +997,8 @@ pub fn growth(
 pub struct EnvProvider {
     child: Child,
     pub address: String,
+    /// `127.0.0.1:<port>` of /metrics, /healthz, /readyz.
+    pub metrics_address: String,
     pub log: PathBuf,
 }
 
@@ -1053,6 +1055,7 @@ pub fn spawn_provider(args: &[&str], kubeconfig: &Path, env: &[(&str, &str)]) ->
     EnvProvider {
         child,
         address,
+        metrics_address: metrics,
         log,
     }
 }
@@ -1070,6 +1073,33 @@ impl EnvProvider {
             .timeout(Duration::from_secs(2));
         let service = service.to_string();
         async move { health_status(endpoint, &service).await }
+    }
+
+    /// The HTTP status of `GET <path>` on the metrics listener (a plain HTTP/1.0 request).
+    pub fn http_status(&self, path: &str) -> impl Future<Output = Result<u16, String>> + use<> {
+        let address = self.metrics_address.clone();
+        let path = path.to_string();
+        async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut stream = TcpStream::connect(&address)
+                .await
+                .map_err(|e| format!("connect {address}: {e}"))?;
+            let request = format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n");
+            stream
+                .write_all(request.as_bytes())
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut response = Vec::new();
+            stream
+                .read_to_end(&mut response)
+                .await
+                .map_err(|e| e.to_string())?;
+            let text = String::from_utf8_lossy(&response);
+            text.split_whitespace()
+                .nth(1)
+                .and_then(|code| code.parse().ok())
+                .ok_or_else(|| format!("not an HTTP response: {text:?}"))
+        }
     }
 
     /// Whether the process has exited (and how).
