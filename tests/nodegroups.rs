@@ -317,7 +317,6 @@ async fn machine_deployment_group_answers_every_read_rpc() {
 /// never registered and, after max-node-provision-time (15 min), deletes it through DeleteNodes — the
 /// real, registered node behind it. Upstream lists such a Machine only through its Node's
 /// providerID and skips it when the Node is unknown.
-#[ignore = "provider bug: a Machine with nodeRef but no providerID is listed as running instance pending-machine-<ns>_<name>, which CA deletes as never registered"]
 #[tokio::test]
 async fn machine_with_a_node_but_no_provider_id_is_not_an_unregistered_running_instance() {
     let _shared = API_QUIET.read().await;
@@ -1502,7 +1501,6 @@ async fn api_unreachable_reads_answer_from_the_snapshot_and_writes_are_unavailab
 
 /// grpc.health.v1 reports SERVING only once every watch has listed — for the CloudProvider service
 /// and for the whole server (service ""), which is what a plain gRPC readiness probe asks.
-#[ignore = "provider bug: grpc.health.v1 Check(\"\") answers SERVING before the watches have listed (tonic_health starts \"\" as SERVING)"]
 #[tokio::test]
 async fn health_is_not_serving_until_every_watch_has_listed() {
     use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule};
