@@ -23,6 +23,9 @@ use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
 
+/// Least time between two snapshot builds triggered by watch events.
+const REBUILD_SPACING: Duration = Duration::from_millis(100);
+
 /// The Cluster API resources this provider reads and writes, at the version in use.
 #[derive(Clone, Debug)]
 pub struct CapiApis {
@@ -371,8 +374,10 @@ impl Store {
     async fn rebuild_loop(self: Arc<Self>) {
         loop {
             self.changed.notified().await;
-            // Coalesce a burst of events (a relist, a rollout) into one build.
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            // Coalesce a burst of events (a relist, a rollout) into one build, and leave at least
+            // REBUILD_SPACING between builds so constant churn in a large cluster costs a bounded share
+            // of a core. Refresh (once per CA loop) and the provider's own writes rebuild at once.
+            tokio::time::sleep(REBUILD_SPACING).await;
             if self.dirty.swap(false, Ordering::AcqRel) {
                 self.rebuild();
             }
