@@ -337,8 +337,10 @@ impl CloudProvider for Service {
             .groups
             .values()
             .filter_map(|g| g.template.as_ref())
-            .filter_map(|t| t.summary.gpu.as_ref())
-            .map(|(gpu_type, _)| (gpu_type.clone(), prost_types::Any::default()))
+            .filter(|t| t.summary.gpu.is_some())
+            // CA looks the GPU label value of a node up in these keys.
+            .filter_map(|t| t.summary.labels.get(GPU_LABEL))
+            .map(|gpu_type| (gpu_type.clone(), prost_types::Any::default()))
             .collect();
         self.observe(
             "GetAvailableGPUTypes",

@@ -23,6 +23,9 @@ use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
 
+/// Longest wait between two looks for an infrastructure template kind that is not served.
+const INFRA_RETRY_MAX: Duration = Duration::from_secs(30);
+
 /// Least time between two snapshot builds triggered by watch events.
 const REBUILD_SPACING: Duration = Duration::from_millis(100);
 
@@ -368,7 +371,10 @@ impl Store {
         for kind in wanted {
             self.start_infra_watch(kind);
         }
-        self.report(&snapshot);
+        // Until everything has listed, missing objects are just not seen yet: not problems to report.
+        if self.is_ready() {
+            self.report(&snapshot);
+        }
     }
 
     async fn rebuild_loop(self: Arc<Self>) {
@@ -409,7 +415,9 @@ impl Store {
                             &format!("{}: {}", problem.field, problem.message),
                             1000,
                         )),
-                        action: "Autoscale".into(),
+                        // Events aggregate by reason and action: one action per distinct problem keeps a
+                        // later problem on the same object from only bumping an older event's count.
+                        action: format!("Check-{:016x}", problem_hash(&problem)),
                         secondary: None,
                     };
                     if let Err(e) = recorder.publish(&event, &reference).await {
@@ -454,21 +462,32 @@ impl Store {
         lock(&self.index).set_infra_kind_state(kind.clone(), InfraKindState::Syncing);
         let store = Arc::clone(self);
         tokio::spawn(async move {
-            match store.infra_resource(&kind).await {
-                Ok(resource) => {
-                    let api = match crate::discovery::watch_namespace(&store.settings.discovery) {
-                        Some(ns) => Api::namespaced_with(store.client.clone(), &ns, &resource),
-                        None => Api::all_with(store.client.clone(), &resource),
-                    };
-                    store.watch(Watched::Infra(kind), api).await;
+            // The kind may be served later (its CRD installed after the reference): keep looking.
+            let mut delay = Duration::from_secs(1);
+            let resource = loop {
+                match store.infra_resource(&kind).await {
+                    Ok(resource) => break resource,
+                    Err(reason) => {
+                        tracing::warn!(kind = %kind.kind, group = %kind.api_group, retry_in = ?delay, "infrastructure templates unavailable: {reason}");
+                        let changed = lock(&store.index).infra_kind_state(&kind)
+                            != Some(&InfraKindState::Unavailable(reason.clone()));
+                        if changed {
+                            lock(&store.index).set_infra_kind_state(
+                                kind.clone(),
+                                InfraKindState::Unavailable(reason),
+                            );
+                            store.mark_dirty();
+                        }
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(INFRA_RETRY_MAX);
+                    }
                 }
-                Err(reason) => {
-                    tracing::warn!(kind = %kind.kind, group = %kind.api_group, "infrastructure templates unavailable: {reason}");
-                    lock(&store.index)
-                        .set_infra_kind_state(kind, InfraKindState::Unavailable(reason));
-                    store.mark_dirty();
-                }
-            }
+            };
+            let api = match crate::discovery::watch_namespace(&store.settings.discovery) {
+                Some(ns) => Api::namespaced_with(store.client.clone(), &ns, &resource),
+                None => Api::all_with(store.client.clone(), &resource),
+            };
+            store.watch(Watched::Infra(kind), api).await;
         });
     }
 
@@ -523,14 +542,13 @@ impl Store {
                 }
                 Err(e) => {
                     self.metrics.watch_event(label(&what), "error");
-                    tracing::warn!(watch = label(&what), "watch error: {e}");
+                    let text = watch_error_text(&e);
+                    tracing::warn!(watch = label(&what), "watch error: {text}");
                     if let Watched::Infra(kind) = &what
                         && !listed_once
                     {
-                        lock(&self.index).set_infra_kind_state(
-                            kind.clone(),
-                            InfraKindState::Unavailable(e.to_string()),
-                        );
+                        lock(&self.index)
+                            .set_infra_kind_state(kind.clone(), InfraKindState::Unavailable(text));
                         self.mark_dirty();
                     }
                 }
@@ -665,6 +683,27 @@ fn parse_infra(obj: &DynamicObject) -> Result<Arc<InfraTemplate>, Problem> {
 fn parse_node(obj: &DynamicObject) -> Option<Node> {
     let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(to_json(obj)).ok()?;
     Some(Node::from_k8s(&node))
+}
+
+fn problem_hash(problem: &Problem) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (&problem.field, &problem.message).hash(&mut hasher);
+    hasher.finish()
+}
+
+/// The part of a watch error a person needs: the API's message rather than the whole status dump.
+fn watch_error_text(e: &watcher::Error) -> String {
+    let source = match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => e,
+        other => return other.to_string(),
+    };
+    match source {
+        kube::Error::Api(status) => format!("{} ({})", status.message, status.code),
+        other => other.to_string(),
+    }
 }
 
 fn truncate(s: &str, max: usize) -> String {

@@ -237,6 +237,12 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
                 continue;
             }
             match parse_quantity(raw) {
+                // The apiserver rejects a Node with a fractional count of pods or of an extended resource.
+                Ok(v) if must_be_whole(res) && v.fract() != 0.0 => problems.push(Problem::new(
+                    tobj,
+                    field,
+                    format!("{raw:?} is not a whole number, which {res} must be; ignored"),
+                )),
                 Ok(v) => {
                     cap.insert(res.clone(), (raw.trim().to_string(), v, Origin::Template));
                 }
@@ -425,9 +431,9 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     {
         labels.insert(LABEL_ZONE.to_string(), fd.to_string());
     }
-    if let Some(g) = &gpu
-        && gpu_type == g.0
-    {
+    // GPUs declared by the annotations or published by the infrastructure template both label the node,
+    // so CA's GPU accounting sees them; a `cluster-api/accelerator` in the labels annotation wins below.
+    if let Some(g) = &gpu {
         labels.insert(GPU_LABEL.to_string(), gpu_label_value(&g.0));
     }
     for (k, v) in &r.template.labels {
@@ -650,6 +656,11 @@ fn fnv1a32(bytes: &[u8]) -> u32 {
 /// The GPU label value for a GPU resource: itself when it is a valid label value, else with every invalid
 /// character replaced by `-` (`nvidia.com/gpu` → `nvidia.com-gpu`). Users who need a specific value
 /// (`--gpu-total` matches on it) set `cluster-api/accelerator` in the labels annotation, which wins.
+/// Pods and extended resources (`vendor.example/name`) are counted in whole units.
+fn must_be_whole(resource: &str) -> bool {
+    resource == "pods" || (resource.contains('/') && !resource.starts_with("kubernetes.io/"))
+}
+
 fn gpu_label_value(resource: &str) -> String {
     if is_label_value(resource) {
         return resource.to_string();
@@ -1626,7 +1637,7 @@ mod tests {
                 "{gpu_type}"
             );
         }
-        // a GPU from the template's capacity is summarised, without a label
+        // a GPU from the template's capacity is summarised and labelled too
         let r = resource(&[], 0);
         let tpl = infra(
             &[("cpu", "8"), ("memory", "32Gi"), ("nvidia.com/gpu", "4")],
@@ -1637,7 +1648,32 @@ mod tests {
             .template
             .expect("template");
         assert_eq!(t.summary.gpu, Some(("nvidia.com/gpu".to_string(), 4)));
-        assert!(!t.summary.labels.contains_key(GPU_LABEL));
+        assert_eq!(
+            t.summary.labels.get(GPU_LABEL).map(String::as_str),
+            Some("nvidia.com-gpu")
+        );
+        // fractional counts of whole-unit resources are problems, and left out
+        let tpl = infra(
+            &[
+                ("cpu", "1500m"),
+                ("memory", "1Gi"),
+                ("nvidia.com/gpu", "1500m"),
+                ("pods", "10500m"),
+            ],
+            None,
+            None,
+        );
+        let out = run(&r, InfraSource::Found(&tpl));
+        let t = out.template.expect("template");
+        assert_eq!(t.summary.gpu, None);
+        assert_eq!(t.summary.pods, DEFAULT_MAX_PODS);
+        assert_eq!(t.summary.cpu, "1500m");
+        let fields: Vec<&str> = out.problems.iter().map(|p| p.field.as_str()).collect();
+        assert!(
+            fields.contains(&"status.capacity[nvidia.com/gpu]"),
+            "{fields:?}"
+        );
+        assert!(fields.contains(&"status.capacity[pods]"), "{fields:?}");
     }
 
     fn taint(k: &str, v: &str, e: &str) -> Taint {

@@ -18,6 +18,7 @@
 pub mod capi;
 pub mod control_plane;
 pub mod crds;
+pub mod infra;
 pub mod pki;
 pub mod procs;
 pub mod provider;

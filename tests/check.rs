@@ -1,0 +1,331 @@
+//! The one-shot commands against the real apiserver (shipped CRDs): `check` (JSON and table) lists
+//! the groups and every problem by object and field, exits 1 with problems and 0 without; a template
+//! the identity may not read (the shipped ClusterRole without its infrastructure rule) is a problem
+//! that says so, and `check` still returns promptly; `template <ID>` prints the Node as YAML.
+//!
+//! Every test works in a namespace of its own and runs the commands with a namespace filter.
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use serde::Deserialize as _;
+use serde_json::Value;
+use support::capi::{Capi, Kind, SHIPPED_ROLE, Scalable};
+use support::infra::{CliRun, connection_args, run_cli, template_status};
+use support::{CAPI_GROUP, ControlPlane, Setup};
+
+const SETUP: Setup = Setup::shipped();
+const VERSION: &str = "v1beta2";
+
+const CPU: &str = "capacity.cluster-autoscaler.kubernetes.io/cpu";
+const MEMORY: &str = "capacity.cluster-autoscaler.kubernetes.io/memory";
+const PRICE: &str = "capi-autoscaler-provider/hourly-price";
+
+/// A one-shot command never takes longer than this (the provider's own listing timeout is 60 s,
+/// so a command that waits for something it cannot read would show here).
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+async fn capi() -> (&'static ControlPlane, Capi) {
+    let cp = support::control_plane(SETUP);
+    let ns = cp.fresh_namespace().await;
+    let capi = Capi::new(cp.admin_client().await, &ns, CAPI_GROUP, VERSION);
+    (cp, capi)
+}
+
+/// `capi-autoscaler-provider <command> <extra…> --cloud-config <kubeconfig> --node-group-auto-discovery clusterapi:namespace=<ns>`.
+async fn run(command: &str, extra: &[&str], kubeconfig: &Path, ns: &str) -> CliRun {
+    let mut args: Vec<String> = vec![command.to_string()];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(connection_args(kubeconfig, ns));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_cli(&args, COMMAND_TIMEOUT).await
+}
+
+/// A group CA can scale from zero: capacity annotations, a price and an option.
+fn good(name: &str) -> Scalable {
+    Scalable::md(name)
+        .bounds(0, 5)
+        .replicas(1)
+        .annotation(CPU, "4")
+        .annotation(MEMORY, "16Gi")
+        .annotation(PRICE, "0.25")
+        .annotation(
+            &format!("{CAPI_GROUP}/autoscaling-options-scaledownunneededtime"),
+            "5m",
+        )
+}
+
+fn group<'a>(report: &'a Value, id: &str) -> Option<&'a Value> {
+    report["groups"]
+        .as_array()
+        .expect("groups is a list")
+        .iter()
+        .find(|g| g["id"] == id)
+}
+
+fn problems(report: &Value) -> Vec<(String, String, String)> {
+    report["problems"]
+        .as_array()
+        .expect("problems is a list")
+        .iter()
+        .map(|p| {
+            let s = |k: &str| p[k].as_str().unwrap_or_default().to_string();
+            (s("object"), s("field"), s("message"))
+        })
+        .collect()
+}
+
+/// The problem about `object` at `field`; panics with the whole report otherwise.
+fn problem(report: &Value, object: &str, field: &str) -> String {
+    problems(report)
+        .into_iter()
+        .find(|(o, f, _)| o == object && f == field)
+        .map(|(_, _, m)| m)
+        .unwrap_or_else(|| {
+            panic!(
+                "no problem about {object} at {field}:\n{}",
+                serde_json::to_string_pretty(&report["problems"]).unwrap()
+            )
+        })
+}
+
+#[tokio::test]
+async fn check_lists_groups_and_problems_naming_object_and_field() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("good"), false).await;
+    // max below min
+    capi.create_deployment(
+        &Scalable::md("bad-bounds").raw_bounds(Some("5"), Some("2")),
+        false,
+    )
+    .await;
+    // zero-size, no capacity anywhere
+    capi.create_deployment(&Scalable::md("empty").bounds(0, 3).replicas(0), false)
+        .await;
+    capi.create_deployment(&Scalable::md("paused").bounds(1, 3).spec_paused(), false)
+        .await;
+    let id = |name: &str| capi.id(Kind::MachineDeployment, name);
+    let object = |name: &str| format!("MachineDeployment {ns}/{name}");
+
+    let run_json = run("check", &["-o", "json"], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(run_json.code, Some(1), "{}", run_json.describe());
+    let report = run_json.json();
+
+    // Served groups: the good one (with its template) and the empty one (without).
+    let g = group(&report, &id("good")).unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(
+        (&g["min"], &g["max"], &g["target"]),
+        (&Value::from(0), &Value::from(5), &Value::from(1))
+    );
+    assert_eq!(g["template"]["cpu"], "4", "{g:#}");
+    assert_eq!(g["template"]["memory"], "16Gi", "{g:#}");
+    assert_eq!(g["template"]["source"], "annotations", "{g:#}");
+    assert_eq!(g["hourly_price"], 0.25, "{g:#}");
+    assert!(!g["options"].is_null(), "{g:#}");
+    let e = group(&report, &id("empty")).unwrap_or_else(|| panic!("{report:#}"));
+    assert!(e["template"].is_null(), "{e:#}");
+    assert!(group(&report, &id("bad-bounds")).is_none(), "{report:#}");
+    assert!(group(&report, &id("paused")).is_none(), "{report:#}");
+    // The malformed and the paused groups are not served, and say why.
+    let skipped = report["skipped"].as_object().expect("skipped is a map");
+    assert!(skipped.contains_key(&id("bad-bounds")), "{skipped:?}");
+    assert!(skipped.contains_key(&id("paused")), "{skipped:?}");
+
+    // Every problem names its object and field.
+    let max_key = format!("metadata.annotations[{}]", capi.max_key());
+    let m = problem(&report, &object("bad-bounds"), &max_key);
+    assert!(m.contains("below min"), "{m}");
+    let m = problem(
+        &report,
+        &object("empty"),
+        &format!("metadata.annotations[{CPU}]"),
+    );
+    assert!(
+        m.contains("no cpu/memory capacity") && m.contains(MEMORY),
+        "{m}"
+    );
+    let m = problem(&report, &object("paused"), "spec.paused");
+    assert!(m.contains("paused"), "{m}");
+    assert!(
+        problems(&report)
+            .iter()
+            .all(|(o, _, _)| o != &object("good")),
+        "the good group has no problem: {:#}",
+        report["problems"]
+    );
+
+    // The table: every group id, and the problems.
+    let table = run("check", &[], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(table.code, Some(1), "{}", table.describe());
+    eprintln!("--- check (table) ---\n{}", table.stdout);
+    for name in ["good", "empty"] {
+        assert!(table.stdout.contains(&id(name)), "{}", table.stdout);
+    }
+    assert!(table.stdout.contains("NODE GROUP"), "{}", table.stdout);
+    assert!(table.stdout.contains("PROBLEMS ("), "{}", table.stdout);
+    assert!(
+        table.stdout.contains(&object("bad-bounds")),
+        "{}",
+        table.stdout
+    );
+    assert!(table.stdout.contains(&max_key), "{}", table.stdout);
+    assert!(table.stdout.contains("NOT SERVED"), "{}", table.stdout);
+}
+
+#[tokio::test]
+async fn check_exits_zero_without_problems() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("one"), false).await;
+    capi.create_deployment(&Scalable::md("two").bounds(0, 2).replicas(0), false)
+        .await;
+    support::infra::set_template_status(
+        &capi.client,
+        &ns,
+        "two-tmpl",
+        template_status(&[("cpu", "2"), ("memory", "4Gi")], Some(("arm64", "linux"))),
+    )
+    .await;
+
+    let run_json = run("check", &["-o", "json"], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(run_json.code, Some(0), "{}", run_json.describe());
+    let report = run_json.json();
+    assert_eq!(problems(&report), vec![], "{report:#}");
+    let two = group(&report, &capi.id(Kind::MachineDeployment, "two"))
+        .unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(two["template"]["arch"], "arm64", "{two:#}");
+    assert_eq!(
+        two["template"]["source"], "template E2EMachineTemplate/two-tmpl",
+        "{two:#}"
+    );
+    assert!(group(&report, &capi.id(Kind::MachineDeployment, "one")).is_some());
+
+    let table = run("check", &[], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(table.code, Some(0), "{}", table.describe());
+    assert!(table.stdout.contains("no problems"), "{}", table.stdout);
+    assert!(!table.stdout.contains("PROBLEMS"), "{}", table.stdout);
+}
+
+/// The ClusterRole of deploy/base/rbac.yaml without its infrastructure.cluster.x-k8s.io rule,
+/// under another name.
+async fn apply_role_without_infra(admin: &kube::Client, name: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/base/rbac.yaml");
+    let text = std::fs::read_to_string(&path).expect("read deploy/base/rbac.yaml");
+    let mut role = serde_yaml::Deserializer::from_str(&text)
+        .filter_map(|doc| serde_yaml::Value::deserialize(doc).ok())
+        .filter(|v| v["kind"].as_str() == Some("ClusterRole"))
+        .map(|v| serde_yaml::from_value::<ClusterRole>(v).expect("a ClusterRole"))
+        .find(|r| r.metadata.name.as_deref() == Some(SHIPPED_ROLE))
+        .expect("the shipped ClusterRole");
+    let rules = role.rules.take().unwrap_or_default();
+    let before = rules.len();
+    let rules: Vec<_> = rules
+        .into_iter()
+        .filter(|r| {
+            !r.api_groups
+                .iter()
+                .flatten()
+                .any(|g| g == support::capi::INFRA_GROUP)
+        })
+        .collect();
+    assert_eq!(rules.len(), before - 1, "exactly one infrastructure rule");
+    role.rules = Some(rules);
+    role.metadata.name = Some(name.to_string());
+    Api::<ClusterRole>::all(admin.clone())
+        .patch(
+            name,
+            &PatchParams::apply("e2e-check").force(),
+            &Patch::Apply(&role),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("apply ClusterRole {name}: {e}"));
+}
+
+#[tokio::test]
+async fn an_unreadable_template_is_a_forbidden_problem_and_check_returns() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("denied"), false).await;
+    capi.create_deployment(&Scalable::md("denied-zero").bounds(0, 3).replicas(0), false)
+        .await;
+    let role = "capi-autoscaler-provider-without-infra";
+    apply_role_without_infra(&capi.client, role).await;
+    let (_client, kubeconfig) = cp.restricted_identity(role).await;
+
+    let run_json = run("check", &["-o", "json"], &kubeconfig, &ns).await;
+    assert!(
+        run_json.elapsed < COMMAND_TIMEOUT,
+        "{}",
+        run_json.describe()
+    );
+    assert_eq!(run_json.code, Some(1), "{}", run_json.describe());
+    let report = run_json.json();
+    for name in ["denied", "denied-zero"] {
+        let m = problem(
+            &report,
+            &format!("MachineDeployment {ns}/{name}"),
+            "spec.template.spec.infrastructureRef",
+        );
+        assert!(
+            m.contains(&format!("E2EMachineTemplate {ns}/{name}-tmpl")),
+            "the problem names the template: {m}"
+        );
+        assert!(m.contains("cannot read"), "{m}");
+        assert!(m.to_lowercase().contains("forbidden"), "{m}");
+    }
+    // The annotated group is still described by its annotations; the other one cannot be.
+    let denied = group(&report, &capi.id(Kind::MachineDeployment, "denied"))
+        .unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(denied["template"]["source"], "annotations", "{denied:#}");
+    let zero = group(&report, &capi.id(Kind::MachineDeployment, "denied-zero"))
+        .unwrap_or_else(|| panic!("{report:#}"));
+    assert!(zero["template"].is_null(), "{zero:#}");
+}
+
+#[tokio::test]
+async fn template_prints_the_node_as_yaml() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("good"), false).await;
+    capi.create_deployment(&Scalable::md("empty").bounds(0, 3).replicas(0), false)
+        .await;
+
+    let id = capi.id(Kind::MachineDeployment, "good");
+    let out = run("template", &[&id], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(out.code, Some(0), "{}", out.describe());
+    let node: serde_yaml::Value =
+        serde_yaml::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", out.describe()));
+    let name = node["metadata"]["name"].as_str().unwrap_or_default();
+    assert!(name.starts_with("good-template-"), "{}", out.stdout);
+    assert_eq!(node["status"]["capacity"]["cpu"].as_str(), Some("4"));
+    assert_eq!(node["status"]["capacity"]["memory"].as_str(), Some("16Gi"));
+    assert_eq!(node["status"]["capacity"]["pods"].as_str(), Some("110"));
+    assert_eq!(
+        node["metadata"]["labels"]["kubernetes.io/hostname"].as_str(),
+        Some(name)
+    );
+
+    // No template: exit 1 and the reason on stderr.
+    let empty = capi.id(Kind::MachineDeployment, "empty");
+    let out = run("template", &[&empty], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(out.code, Some(1), "{}", out.describe());
+    assert!(out.stdout.is_empty(), "{}", out.describe());
+    assert!(
+        out.stderr.contains("has no scale-from-zero template")
+            && out.stderr.contains("no cpu/memory capacity"),
+        "{}",
+        out.describe()
+    );
+
+    // No such group: exit 2, naming it.
+    let unknown = capi.id(Kind::MachineDeployment, "nope");
+    let out = run("template", &[&unknown], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(out.code, Some(2), "{}", out.describe());
+    assert!(out.stderr.contains(&unknown), "{}", out.describe());
+}
