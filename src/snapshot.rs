@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::capi::{
-    InfraRef, InfraTemplate, Keys, Machine, Node, ObjectKey, ScalableKind, ScalableResource,
-    providerid,
+    ClusterTopology, InfraRef, InfraTemplate, Keys, Machine, Node, ObjectKey, ScalableKind,
+    ScalableResource, providerid,
 };
 use crate::discovery::{self, DiscoverySpec};
 use crate::options::{self, GroupOptions};
@@ -68,6 +68,8 @@ pub struct Index {
     nodes: HashMap<String, Arc<Node>>,
     infra_kinds: BTreeMap<InfraKind, InfraKindState>,
     infra: HashMap<(InfraKind, ObjectKey), Parsed<InfraTemplate>>,
+    /// Clusters by namespace/name, for the topology check.
+    clusters: HashMap<ObjectKey, Arc<ClusterTopology>>,
 }
 
 impl Index {
@@ -161,6 +163,21 @@ impl Index {
         for (key, parsed) in objects {
             self.infra.insert((kind.clone(), key), parsed);
         }
+    }
+
+    pub fn apply_cluster(&mut self, cluster: ClusterTopology) {
+        self.clusters.insert(cluster.key.clone(), Arc::new(cluster));
+    }
+
+    pub fn delete_cluster(&mut self, key: &ObjectKey) {
+        self.clusters.remove(key);
+    }
+
+    pub fn reset_clusters(&mut self, clusters: impl IntoIterator<Item = ClusterTopology>) {
+        self.clusters = clusters
+            .into_iter()
+            .map(|c| (c.key.clone(), Arc::new(c)))
+            .collect();
     }
 
     pub fn machine_count(&self) -> usize {
@@ -465,6 +482,41 @@ impl<'a> Builder<'a> {
         None
     }
 
+    /// An autoscaled group whose replicas its Cluster's managed topology also sets: the topology
+    /// controller would undo every scale the autoscaler makes.
+    fn topology_conflict(&self, resource: &ScalableResource) -> Option<Problem> {
+        let name = resource.topology.as_ref()?;
+        let cluster_key = ObjectKey::new(
+            resource.key.namespace.as_str(),
+            resource.cluster_name.as_str(),
+        );
+        let cluster = self.index.clusters.get(&cluster_key)?;
+        let kind = match resource.kind {
+            ScalableKind::MachinePool => ScalableKind::MachinePool,
+            _ => ScalableKind::MachineDeployment,
+        };
+        let (position, worker) = cluster
+            .workers
+            .iter()
+            .filter(|w| w.kind == kind)
+            .enumerate()
+            .find(|(_, w)| &w.name == name)?;
+        let replicas = worker.replicas?;
+        let list = match kind {
+            ScalableKind::MachinePool => "machinePools",
+            _ => "machineDeployments",
+        };
+        Some(Problem::new(
+            format!("Cluster {cluster_key}"),
+            format!("spec.topology.workers.{list}[{position}].replicas"),
+            format!(
+                "sets replicas ({replicas}) of {} {}, which the autoscaler manages: remove it, \
+                 or the topology controller undoes every scale",
+                resource.kind, resource.key
+            ),
+        ))
+    }
+
     fn infra_source(&self, resource: &ScalableResource) -> Result<InfraSource<'a>, Problem> {
         let index = self.index;
         match &resource.template.infrastructure_ref {
@@ -565,13 +617,8 @@ impl<'a> Builder<'a> {
                 self.problems.push(problem);
                 continue;
             };
-            if resource.topology_owned {
-                self.problems.push(Problem::new(
-                    &object,
-                    "metadata.labels[topology.cluster.x-k8s.io/owned]",
-                    "managed by a ClusterClass topology: leave replicas unset in the Cluster topology for this group, \
-                     or the topology controller and the autoscaler fight over spec.replicas",
-                ));
+            if let Some(problem) = self.topology_conflict(resource) {
+                self.problems.push(problem);
             }
             let (options, option_problems) = options::parse(&keys, &object, &resource.annotations);
             self.problems.extend(option_problems);
@@ -883,7 +930,7 @@ mod tests {
             owners: Vec::new(),
             template: MachineTemplate::default(),
             provider_id_list: Vec::new(),
-            topology_owned: false,
+            topology: None,
         }
     }
 
@@ -1260,6 +1307,59 @@ mod tests {
             .map(|i| i.id.clone())
             .collect();
         assert_eq!(ids, ["p://known", "p://no-id"]);
+    }
+
+    #[test]
+    fn a_cluster_topology_that_sets_an_autoscaled_groups_replicas_is_a_problem_on_the_cluster() {
+        use crate::capi::TopologyWorker;
+        let mut index = Index::default();
+        let mut md = resource(
+            ScalableKind::MachineDeployment,
+            "c1-md-0-x",
+            Some("0"),
+            Some("5"),
+            1,
+        );
+        md.topology = Some("md-0".into());
+        add(&mut index, md);
+        let mut quiet = resource(
+            ScalableKind::MachineDeployment,
+            "c1-md-1-y",
+            Some("0"),
+            Some("5"),
+            1,
+        );
+        quiet.topology = Some("md-1".into());
+        add(&mut index, quiet);
+        let worker = |name: &str, replicas: Option<i32>| TopologyWorker {
+            kind: ScalableKind::MachineDeployment,
+            name: name.into(),
+            replicas,
+        };
+        index.apply_cluster(ClusterTopology {
+            key: ObjectKey::new("ns", "c1"),
+            workers: vec![worker("md-0", Some(3)), worker("md-1", None)],
+        });
+        let s = index.snapshot(&settings(), 1);
+        let topology: Vec<_> = s
+            .problems
+            .iter()
+            .filter(|p| p.object == "Cluster ns/c1")
+            .collect();
+        assert_eq!(topology.len(), 1, "{:?}", s.problems);
+        assert_eq!(
+            topology[0].field,
+            "spec.topology.workers.machineDeployments[0].replicas"
+        );
+        assert!(
+            topology[0]
+                .message
+                .contains("MachineDeployment ns/c1-md-0-x")
+        );
+        // Still served: the conflict is the Cluster's to fix.
+        assert_eq!(s.groups.len(), 2);
+        index.delete_cluster(&ObjectKey::new("ns", "c1"));
+        assert!(index.snapshot(&settings(), 2).problems.is_empty());
     }
 
     #[test]

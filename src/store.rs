@@ -18,7 +18,9 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Client, ResourceExt};
 use tokio::sync::Notify;
 
-use crate::capi::{InfraTemplate, Machine, Node, ObjectKey, ScalableKind, ScalableResource};
+use crate::capi::{
+    ClusterTopology, InfraTemplate, Machine, Node, ObjectKey, ScalableKind, ScalableResource,
+};
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
@@ -37,6 +39,8 @@ pub struct CapiApis {
     /// Only the kinds the API serves (MachinePools may be absent).
     pub scalable: BTreeMap<ScalableKind, ApiResource>,
     pub machine: ApiResource,
+    /// Clusters, when served: only read for their managed topology.
+    pub cluster: Option<ApiResource>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,11 +98,13 @@ impl CapiApis {
                 what: format!("machinesets at {version}"),
             });
         }
+        let cluster = find("Cluster");
         Ok(CapiApis {
             group: group.to_string(),
             version,
             scalable,
             machine,
+            cluster,
         })
     }
 
@@ -115,6 +121,7 @@ impl CapiApis {
                 .map(|k| (k, resource(k.as_str(), k.plural())))
                 .collect(),
             machine: resource("Machine", "machines"),
+            cluster: Some(resource("Cluster", "clusters")),
         }
     }
 }
@@ -126,6 +133,8 @@ enum Watched {
     Machine,
     Node,
     Infra(InfraKind),
+    /// Optional: readiness does not wait for it (older RBAC may not allow it).
+    Cluster,
 }
 
 pub struct Store {
@@ -177,6 +186,9 @@ impl Store {
             watches.push((Watched::Scalable(*kind), api(resource)));
         }
         watches.push((Watched::Machine, api(&apis.machine)));
+        if let Some(cluster) = &apis.cluster {
+            watches.push((Watched::Cluster, api(cluster)));
+        }
         if let Some(workload) = &workload {
             let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
             watches.push((Watched::Node, Api::all_with(workload.clone(), &nodes)));
@@ -197,7 +209,10 @@ impl Store {
             generation: AtomicU64::new(0),
             dirty: AtomicBool::new(false),
             changed: Notify::new(),
-            watches_total: watches.len(),
+            watches_total: watches
+                .iter()
+                .filter(|(w, _)| !matches!(w, Watched::Cluster))
+                .count(),
             watches_listed: AtomicUsize::new(0),
             infra_started: Mutex::new(BTreeSet::new()),
             reported: Mutex::new(BTreeSet::new()),
@@ -524,7 +539,7 @@ impl Store {
                     self.reset(&what, objects);
                     if !listed_once {
                         listed_once = true;
-                        if !matches!(what, Watched::Infra(_)) {
+                        if !matches!(what, Watched::Infra(_) | Watched::Cluster) {
                             self.watches_listed.fetch_add(1, Ordering::AcqRel);
                         }
                     }
@@ -574,6 +589,7 @@ impl Store {
                 (key, parsed)
             })),
             Watched::Node => index.reset_nodes(objects.iter().filter_map(parse_node)),
+            Watched::Cluster => index.reset_clusters(objects.iter().filter_map(parse_cluster)),
             Watched::Infra(kind) => {
                 index.reset_infra(
                     kind,
@@ -618,6 +634,11 @@ impl Store {
                 }
             }
             Watched::Infra(kind) => index.apply_infra(kind.clone(), key, parse_infra(obj)),
+            Watched::Cluster => {
+                if let Some(cluster) = parse_cluster(obj) {
+                    index.apply_cluster(cluster);
+                }
+            }
         }
     }
 
@@ -629,6 +650,7 @@ impl Store {
             Watched::Machine => index.delete_machine(&key),
             Watched::Node => index.delete_node(&key.name),
             Watched::Infra(kind) => index.delete_infra(kind, &key),
+            Watched::Cluster => index.delete_cluster(&key),
         }
     }
 }
@@ -639,6 +661,7 @@ fn label(what: &Watched) -> &'static str {
         Watched::Machine => "machines",
         Watched::Node => "nodes",
         Watched::Infra(_) => "infrastructure-templates",
+        Watched::Cluster => "clusters",
     }
 }
 
@@ -678,6 +701,17 @@ fn parse_infra(obj: &DynamicObject) -> Result<Arc<InfraTemplate>, Problem> {
     InfraTemplate::from_json(&to_json(obj))
         .map(Arc::new)
         .map_err(|e| Problem::new(format!("{kind} {}", object_key(obj)), e.field, e.message))
+}
+
+/// A Cluster whose topology cannot be read is left out: it only feeds an advisory check.
+fn parse_cluster(obj: &DynamicObject) -> Option<ClusterTopology> {
+    match ClusterTopology::from_json(&to_json(obj)) {
+        Ok(cluster) => Some(cluster),
+        Err(e) => {
+            tracing::debug!(cluster = %object_key(obj), "topology not read: {e}");
+            None
+        }
+    }
 }
 
 fn parse_node(obj: &DynamicObject) -> Option<Node> {

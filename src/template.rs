@@ -953,7 +953,7 @@ mod tests {
                 failure_domain: None,
             },
             provider_id_list: Vec::new(),
-            topology_owned: false,
+            topology: None,
         }
     }
 

@@ -189,8 +189,9 @@ pub struct ScalableResource {
     pub template: MachineTemplate,
     /// MachinePool `spec.providerIDList`, verbatim.
     pub provider_id_list: Vec<String>,
-    /// Managed by a ClusterClass topology (label `topology.cluster.x-k8s.io/owned`).
-    pub topology_owned: bool,
+    /// Managed by a ClusterClass topology (label `topology.cluster.x-k8s.io/owned`): the name of its
+    /// entry in the Cluster's `spec.topology.workers` (label `…/deployment-name` or `…/pool-name`).
+    pub topology: Option<String>,
 }
 
 /// Why a Machine counts as failed, from v1beta1 fields or v1beta2 conditions.
@@ -239,4 +240,20 @@ pub struct Node {
     pub name: String,
     pub provider_id: Option<String>,
     pub labels: BTreeMap<String, String>,
+}
+
+/// A worker entry of a Cluster's managed topology (`spec.topology.workers`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TopologyWorker {
+    /// `MachineDeployment` for `machineDeployments[]`, `MachinePool` for `machinePools[]`.
+    pub kind: ScalableKind,
+    pub name: String,
+    pub replicas: Option<i32>,
+}
+
+/// What the provider needs of a Cluster: the workers its topology declares.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClusterTopology {
+    pub key: ObjectKey,
+    pub workers: Vec<TopologyWorker>,
 }

@@ -15,8 +15,8 @@ use std::fmt;
 use serde_json::{Map, Value};
 
 use super::{
-    InfraRef, InfraTemplate, Keys, Machine, MachineFailure, MachineTemplate, Node, ObjectKey,
-    OwnerRef, PAUSED_ANNOTATION, ScalableKind, ScalableResource, Taint,
+    ClusterTopology, InfraRef, InfraTemplate, Keys, Machine, MachineFailure, MachineTemplate, Node,
+    ObjectKey, OwnerRef, PAUSED_ANNOTATION, ScalableKind, ScalableResource, Taint, TopologyWorker,
 };
 
 /// A field of an object that could not be read.
@@ -63,6 +63,8 @@ const ROOT: &str = "object";
 
 /// Label on objects managed by a ClusterClass topology.
 const TOPOLOGY_OWNED_LABEL: &str = "topology.cluster.x-k8s.io/owned";
+const TOPOLOGY_DEPLOYMENT_LABEL: &str = "topology.cluster.x-k8s.io/deployment-name";
+const TOPOLOGY_POOL_LABEL: &str = "topology.cluster.x-k8s.io/pool-name";
 
 /// v1beta2 Machine condition type that mirrors the infrastructure machine's readiness.
 const INFRASTRUCTURE_READY_CONDITION: &str = "InfrastructureReady";
@@ -107,7 +109,13 @@ impl ScalableResource {
             ScalableKind::MachinePool => string_list(obj, &["spec", "providerIDList"])?,
             _ => Vec::new(),
         };
-        let topology_owned = meta.labels.contains_key(TOPOLOGY_OWNED_LABEL);
+        let topology = meta.labels.contains_key(TOPOLOGY_OWNED_LABEL).then(|| {
+            let name_label = match kind {
+                ScalableKind::MachinePool => TOPOLOGY_POOL_LABEL,
+                _ => TOPOLOGY_DEPLOYMENT_LABEL,
+            };
+            meta.labels.get(name_label).cloned().unwrap_or_default()
+        });
         Ok(ScalableResource {
             kind,
             key: meta.key,
@@ -121,7 +129,7 @@ impl ScalableResource {
             owners: meta.owners,
             template,
             provider_id_list,
-            topology_owned,
+            topology,
         })
     }
 }
@@ -364,6 +372,39 @@ fn machine_failure(
 
 // ---------------------------------------------------------------------------------------------------
 // Infrastructure machine templates
+
+impl ClusterTopology {
+    /// A v1beta1 or v1beta2 Cluster: the workers of `spec.topology.workers` (absent: none).
+    pub fn from_json(obj: &Value) -> Result<Self, ParseError> {
+        root(obj)?;
+        let meta = Meta::read(obj)?;
+        let mut workers = Vec::new();
+        for (kind, list) in [
+            (ScalableKind::MachineDeployment, "machineDeployments"),
+            (ScalableKind::MachinePool, "machinePools"),
+        ] {
+            let path = ["spec", "topology", "workers", list];
+            for (i, entry) in opt_array(obj, &path)?.into_iter().flatten().enumerate() {
+                let at = |field: &str| format!("{}[{i}].{field}", dotted(&path));
+                let name = opt_str(entry, &["name"])
+                    .map_err(|e| ParseError::new(at("name"), e.message))?;
+                let replicas = opt_i32(entry, &["replicas"])
+                    .map_err(|e| ParseError::new(at("replicas"), e.message))?;
+                if let Some(name) = name {
+                    workers.push(TopologyWorker {
+                        kind,
+                        name: name.to_string(),
+                        replicas,
+                    });
+                }
+            }
+        }
+        Ok(ClusterTopology {
+            key: meta.key,
+            workers,
+        })
+    }
+}
 
 impl InfraTemplate {
     /// Reads an infrastructure machine template (any provider). `apiVersion` and `kind` are required:
@@ -659,6 +700,54 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    #[test]
+    fn cluster_topology_workers_and_their_replicas() {
+        let cluster = json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "metadata": {"name": "c1", "namespace": "ns"},
+            "spec": {"topology": {"classRef": {"name": "cc"}, "workers": {
+                "machineDeployments": [{"class": "default", "name": "md-0", "replicas": 3}, {"class": "default", "name": "md-1"}],
+                "machinePools": [{"class": "default", "name": "mp-0", "replicas": 1}]
+            }}}
+        });
+        let t = ClusterTopology::from_json(&cluster).unwrap();
+        assert_eq!(t.key, ObjectKey::new("ns", "c1"));
+        assert_eq!(
+            t.workers,
+            vec![
+                TopologyWorker {
+                    kind: ScalableKind::MachineDeployment,
+                    name: "md-0".into(),
+                    replicas: Some(3)
+                },
+                TopologyWorker {
+                    kind: ScalableKind::MachineDeployment,
+                    name: "md-1".into(),
+                    replicas: None
+                },
+                TopologyWorker {
+                    kind: ScalableKind::MachinePool,
+                    name: "mp-0".into(),
+                    replicas: Some(1)
+                },
+            ]
+        );
+        let plain = json!({"metadata": {"name": "c2", "namespace": "ns"}, "spec": {}});
+        assert!(
+            ClusterTopology::from_json(&plain)
+                .unwrap()
+                .workers
+                .is_empty()
+        );
+        let bad = json!({"metadata": {"name": "c3", "namespace": "ns"},
+            "spec": {"topology": {"workers": {"machineDeployments": [{"name": "md-0", "replicas": "three"}]}}}});
+        let e = ClusterTopology::from_json(&bad).unwrap_err();
+        assert_eq!(
+            e.field,
+            "spec.topology.workers.machineDeployments[0].replicas"
+        );
+    }
+
     macro_rules! fixtures {
         ($($name:literal),* $(,)?) => {
             &[$(($name, include_str!(concat!("../../tests/fixtures/objects/", $name)))),*]
@@ -836,7 +925,7 @@ mod tests {
                     failure_domain: Some("fd-a".into()),
                 },
                 provider_id_list: vec![],
-                topology_owned: false,
+                topology: None,
             }
         );
     }
@@ -855,7 +944,7 @@ mod tests {
             infra: Option<InfraRef>,
             template_labels: usize,
             provider_ids: usize,
-            topology_owned: bool,
+            topology: Option<&'static str>,
         }
         let rows = [
             Row {
@@ -875,7 +964,7 @@ mod tests {
                 )),
                 template_labels: 1,
                 provider_ids: 0,
-                topology_owned: false,
+                topology: None,
             },
             Row {
                 file: "machinedeployment-v1beta2-topology-paused.json",
@@ -893,7 +982,7 @@ mod tests {
                 )),
                 template_labels: 0,
                 provider_ids: 0,
-                topology_owned: true,
+                topology: Some("gpu"),
             },
             Row {
                 file: "machineset-v1beta2-owned.json",
@@ -911,7 +1000,7 @@ mod tests {
                 )),
                 template_labels: 2,
                 provider_ids: 0,
-                topology_owned: false,
+                topology: None,
             },
             Row {
                 file: "machineset-v1beta1-standalone.json",
@@ -929,7 +1018,7 @@ mod tests {
                 )),
                 template_labels: 1,
                 provider_ids: 0,
-                topology_owned: false,
+                topology: None,
             },
             Row {
                 file: "machinepool-v1beta2.json",
@@ -947,7 +1036,7 @@ mod tests {
                 )),
                 template_labels: 1,
                 provider_ids: 2,
-                topology_owned: false,
+                topology: None,
             },
             Row {
                 file: "machinepool-v1beta1.json",
@@ -965,7 +1054,7 @@ mod tests {
                 )),
                 template_labels: 0,
                 provider_ids: 1,
-                topology_owned: false,
+                topology: None,
             },
         ];
         for row in rows {
@@ -982,7 +1071,7 @@ mod tests {
             assert_eq!(r.template.infrastructure_ref, row.infra.map(Ok), "{f}");
             assert_eq!(r.template.labels.len(), row.template_labels, "{f}");
             assert_eq!(r.provider_id_list.len(), row.provider_ids, "{f}");
-            assert_eq!(r.topology_owned, row.topology_owned, "{f}");
+            assert_eq!(r.topology.as_deref(), row.topology, "{f}");
         }
     }
 
@@ -1327,7 +1416,7 @@ mod tests {
                     &["metadata", "labels"],
                     json!({"topology.cluster.x-k8s.io/owned": ""}),
                 ),
-                ok(|r| r.topology_owned),
+                ok(|r| r.topology.as_deref() == Some("")),
             ),
             (
                 "no kind is fine",
