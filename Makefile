@@ -1,4 +1,5 @@
-# make demo   run the main job locally (control plane, CAPI CRDs, this provider, the real cluster-autoscaler)
+# make demo   the main job locally: control plane, CAPI CRDs, the examples, this provider, driven
+#             over externalgrpc through a scale-up from zero and back down (CA cannot be built here)
 # make test   everything CI runs: format check, clippy, all tests
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -32,5 +33,8 @@ upstream:
 unit:
 	$(CARGO) test --lib --bins
 
+# The real cluster-autoscaler cannot be built here (k8s.io/autoscaler: 403 from the module proxy), so the
+# demo plays CA over the provider's gRPC; it finds the provider binary in target/debug.
 demo: upstream
+	$(CARGO) build --bin capi-autoscaler-provider
 	$(CARGO) run --example demo

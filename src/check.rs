@@ -286,7 +286,8 @@ async fn ready_snapshot(
     connection: &crate::config::ConnectionArgs,
 ) -> anyhow::Result<Arc<Snapshot>> {
     let config = connection.config()?;
-    let store = start_store(&config, Arc::new(Metrics::new())).await?;
+    // Read-only: no Events, no writes.
+    let store = start_store(&config, Arc::new(Metrics::new()), false).await?;
     if !store.wait_ready(READY_TIMEOUT).await {
         anyhow::bail!(
             "the Cluster API objects could not be listed within {READY_TIMEOUT:?} (RBAC? API unreachable?); the provider's log says why"

@@ -45,7 +45,12 @@ pub fn settings(config: &Config) -> Settings {
 }
 
 /// Connects to the clusters, discovers the Cluster API version and starts the watches.
-pub async fn start_store(config: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Arc<Store>> {
+/// `events`: record problems as Events on the objects (the server does; read-only `check` does not).
+pub async fn start_store(
+    config: &Config,
+    metrics: Arc<Metrics>,
+    events: bool,
+) -> anyhow::Result<Arc<Store>> {
     let management = client_for(&config.management)
         .await
         .context("management cluster")?;
@@ -70,6 +75,7 @@ pub async fn start_store(config: &Config, metrics: Arc<Metrics>) -> anyhow::Resu
         apis,
         settings(config),
         metrics,
+        events,
     ))
 }
 
@@ -80,7 +86,7 @@ fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.connection.config()?;
     let metrics = Arc::new(Metrics::new());
-    let store = start_store(&config, Arc::clone(&metrics)).await?;
+    let store = start_store(&config, Arc::clone(&metrics), true).await?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     // Both the overall status and the service's are NOT_SERVING until every watch has listed.

@@ -150,7 +150,8 @@ pub struct Store {
     watches_listed: AtomicUsize,
     infra_started: Mutex<BTreeSet<InfraKind>>,
     reported: Mutex<BTreeSet<Problem>>,
-    recorder: Recorder,
+    /// Problems become Events on their objects; `None` for read-only uses (`check`).
+    recorder: Option<Recorder>,
     metrics: Arc<Metrics>,
 }
 
@@ -168,13 +169,15 @@ fn to_json(obj: &DynamicObject) -> serde_json::Value {
 }
 
 impl Store {
-    /// Starts the watches. Returns at once; `wait_ready` tells when everything has listed.
+    /// Starts the watches. Returns at once; `wait_ready` tells when everything has listed. With `events`,
+    /// problems are also recorded as Events on their objects.
     pub fn start(
         client: Client,
         workload: Option<Client>,
         apis: CapiApis,
         settings: Settings,
         metrics: Arc<Metrics>,
+        events: bool,
     ) -> Arc<Store> {
         let watch_namespace = crate::discovery::watch_namespace(&settings.discovery);
         let mut watches: Vec<(Watched, Api<DynamicObject>)> = Vec::new();
@@ -193,13 +196,15 @@ impl Store {
             let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
             watches.push((Watched::Node, Api::all_with(workload.clone(), &nodes)));
         }
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "capi-autoscaler-provider".into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
+        let recorder = events.then(|| {
+            Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "capi-autoscaler-provider".into(),
+                    instance: std::env::var("POD_NAME").ok(),
+                },
+            )
+        });
         let store = Arc::new(Store {
             settings,
             apis,
@@ -234,13 +239,7 @@ impl Store {
         index: Index,
         metrics: Arc<Metrics>,
     ) -> Arc<Store> {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "capi-autoscaler-provider".into(),
-                instance: None,
-            },
-        );
+        let recorder = None;
         let store = Arc::new(Store {
             settings,
             apis,
@@ -420,8 +419,10 @@ impl Store {
         }
         for problem in new {
             tracing::warn!(object = %problem.object, field = %problem.field, "{}", problem.message);
-            if let Some(reference) = self.event_reference(&problem) {
-                let recorder = self.recorder.clone();
+            if let (Some(recorder), Some(reference)) =
+                (&self.recorder, self.event_reference(&problem))
+            {
+                let recorder = recorder.clone();
                 tokio::spawn(async move {
                     let event = KubeEvent {
                         type_: EventType::Warning,

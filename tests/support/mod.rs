@@ -22,6 +22,7 @@ pub mod infra;
 pub mod pki;
 pub mod procs;
 pub mod provider;
+pub mod reconciler;
 
 pub use control_plane::{ControlPlane, CrdSet, Setup, client_from_kubeconfig, control_plane};
 pub use procs::{Check, poll_until};

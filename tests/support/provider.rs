@@ -12,8 +12,15 @@ use tonic_health::pb::health_client::HealthClient;
 
 use super::procs::{self, Check, poll_until};
 
-/// The provider binary built by cargo for this test run.
-pub const PROVIDER_BIN: &str = env!("CARGO_BIN_EXE_capi-autoscaler-provider");
+/// The provider binary: the one cargo built for this test run; from an example (where cargo sets no
+/// `CARGO_BIN_EXE_*`) `target/debug/capi-autoscaler-provider`, which `make demo` builds first.
+pub const PROVIDER_BIN: &str = match option_env!("CARGO_BIN_EXE_capi-autoscaler-provider") {
+    Some(path) => path,
+    None => concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/target/debug/capi-autoscaler-provider"
+    ),
+};
 
 /// A running provider; killed (SIGKILL) and reaped on drop.
 pub struct ProviderProcess {
