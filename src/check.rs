@@ -19,7 +19,7 @@ use crate::pricing::{PriceSource, ReferencePrices};
 use crate::problem::Problem;
 use crate::server::start_store;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
-use crate::template::{CapacitySource, taint_string};
+use crate::template::{TemplateSummary, taint_string};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -42,37 +42,15 @@ pub struct Instances {
 }
 
 #[derive(Debug, Serialize)]
-pub struct TemplateReport {
-    pub source: String,
-    pub cpu: String,
-    pub memory: String,
-    pub ephemeral_storage: Option<String>,
-    pub gpu: Option<(String, i64)>,
-    pub pods: i64,
-    pub arch: String,
-    pub os: String,
-    pub labels: BTreeMap<String, String>,
-    pub taints: Vec<String>,
-}
-
-#[derive(Debug, Serialize)]
 pub struct GroupReport {
     pub id: String,
     pub min: i32,
     pub max: i32,
     pub target: i32,
     pub instances: Instances,
-    pub template: Option<TemplateReport>,
+    pub template: Option<TemplateSummary>,
     pub options: Option<GroupOptions>,
     pub hourly_price: Option<f64>,
-}
-
-fn source_name(source: &CapacitySource) -> String {
-    match source {
-        CapacitySource::Annotations => "annotations".into(),
-        CapacitySource::InfraTemplate(t) => format!("template {t}"),
-        CapacitySource::Both(t) => format!("annotations over template {t}"),
-    }
 }
 
 fn group_report(group: &NodeGroup) -> GroupReport {
@@ -91,21 +69,7 @@ fn group_report(group: &NodeGroup) -> GroupReport {
         max: group.max,
         target: group.target,
         instances,
-        template: group.template.as_ref().map(|t| {
-            let s = &t.summary;
-            TemplateReport {
-                source: source_name(&s.capacity_source),
-                cpu: s.cpu.clone(),
-                memory: s.memory.clone(),
-                ephemeral_storage: s.ephemeral_storage.clone(),
-                gpu: s.gpu.clone(),
-                pods: s.pods,
-                arch: s.arch.clone(),
-                os: s.os.clone(),
-                labels: s.labels.clone(),
-                taints: s.taints.iter().map(taint_string).collect(),
-            }
-        }),
+        template: group.template.as_ref().map(|t| t.summary.clone()),
         options: group.options.clone(),
         hourly_price: group.price,
     }
@@ -182,7 +146,7 @@ pub fn render_table(report: &Report) -> String {
                 },
                 g.template
                     .as_ref()
-                    .map(|t| t.source.clone())
+                    .map(|t| t.capacity_source.to_string())
                     .unwrap_or_else(|| "-".into()),
                 g.hourly_price
                     .map(|p| format!("{p}"))
@@ -235,7 +199,10 @@ pub fn render_table(report: &Report) -> String {
             g.template
                 .as_ref()
                 .filter(|t| !t.taints.is_empty())
-                .map(|t| format!("taints: {}", t.taints.join(","))),
+                .map(|t| {
+                    let taints: Vec<String> = t.taints.iter().map(taint_string).collect();
+                    format!("taints: {}", taints.join(","))
+                }),
             g.options
                 .as_ref()
                 .map(|o| format!("options: {}", options_text(o))),

@@ -106,14 +106,31 @@ pub struct TemplateNode {
     pub summary: TemplateSummary,
 }
 
-/// Where the capacity came from (the default `pods` does not count).
+/// Where the capacity came from (the default `pods` does not count). Serialized as its text.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(into = "String")]
 pub enum CapacitySource {
     Annotations,
     /// `Kind/name` of the infrastructure template.
     InfraTemplate(String),
     /// Both; `Kind/name` of the infrastructure template.
     Both(String),
+}
+
+impl std::fmt::Display for CapacitySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CapacitySource::Annotations => f.write_str("annotations"),
+            CapacitySource::InfraTemplate(t) => write!(f, "template {t}"),
+            CapacitySource::Both(t) => write!(f, "annotations over template {t}"),
+        }
+    }
+}
+
+impl From<CapacitySource> for String {
+    fn from(source: CapacitySource) -> String {
+        source.to_string()
+    }
 }
 
 /// What `check` shows of a template, and what pricing needs of it.

@@ -125,7 +125,7 @@ async fn check_lists_groups_and_problems_naming_object_and_field() {
     );
     assert_eq!(g["template"]["cpu"], "4", "{g:#}");
     assert_eq!(g["template"]["memory"], "16Gi", "{g:#}");
-    assert_eq!(g["template"]["source"], "annotations", "{g:#}");
+    assert_eq!(g["template"]["capacity_source"], "annotations", "{g:#}");
     assert_eq!(g["hourly_price"], 0.25, "{g:#}");
     assert!(!g["options"].is_null(), "{g:#}");
     let e = group(&report, &id("empty")).unwrap_or_else(|| panic!("{report:#}"));
@@ -201,7 +201,7 @@ async fn check_exits_zero_without_problems() {
         .unwrap_or_else(|| panic!("{report:#}"));
     assert_eq!(two["template"]["arch"], "arm64", "{two:#}");
     assert_eq!(
-        two["template"]["source"], "template E2EMachineTemplate/two-tmpl",
+        two["template"]["capacity_source"], "template E2EMachineTemplate/two-tmpl",
         "{two:#}"
     );
     assert!(group(&report, &capi.id(Kind::MachineDeployment, "one")).is_some());
@@ -282,7 +282,10 @@ async fn an_unreadable_template_is_a_forbidden_problem_and_check_returns() {
     // The annotated group is still described by its annotations; the other one cannot be.
     let denied = group(&report, &capi.id(Kind::MachineDeployment, "denied"))
         .unwrap_or_else(|| panic!("{report:#}"));
-    assert_eq!(denied["template"]["source"], "annotations", "{denied:#}");
+    assert_eq!(
+        denied["template"]["capacity_source"], "annotations",
+        "{denied:#}"
+    );
     let zero = group(&report, &capi.id(Kind::MachineDeployment, "denied-zero"))
         .unwrap_or_else(|| panic!("{report:#}"));
     assert!(zero["template"].is_null(), "{zero:#}");
