@@ -1907,7 +1907,7 @@ mod tests {
         let json = serde_json::to_value(&t.summary).unwrap_or_default();
         assert_eq!(json["cpu"], "1");
         assert_eq!(json["memory_gib"], 1.0);
-        assert_eq!(json["capacity_source"], "Annotations");
+        assert_eq!(json["capacity_source"], "annotations");
     }
 
     #[test]
