@@ -863,3 +863,89 @@ async fn integer_resources_from_the_infra_template_make_a_valid_node() {
     // simulates must be one Kubernetes accepts.
     assert_valid_node(&env, &t).await;
 }
+
+/// With `--kubeconfig` (the workload cluster; here the same apiserver), a Node of the group gives the
+/// template its instance type, region and zone, over the failure domain and the annotations.
+#[tokio::test]
+async fn well_known_labels_come_from_an_existing_node_of_the_group_with_a_workload_kubeconfig() {
+    use support::capi::Owner;
+    let env = env().await;
+    let capi = &env.capi;
+    let id = capi.id(Kind::MachineDeployment, "wl");
+    capi.create_deployment(
+        &Scalable::md("wl")
+            .bounds(0, 5)
+            .replicas(1)
+            .annotation(CPU, "2")
+            .annotation(MEMORY, "8Gi")
+            .annotation(LABELS, "topology.kubernetes.io/zone=from-annotation"),
+        false,
+    )
+    .await;
+    capi.create_machine(&capi.running("wl-0", Owner::Deployment("wl".into())))
+        .await;
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> =
+        kube::Api::all(env.cp.admin_client().await);
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(json!({
+        "metadata": {"name": capi.node_name("wl-0"), "labels": {
+            "node.kubernetes.io/instance-type": "m5.large",
+            "topology.kubernetes.io/region": "eu-west-1",
+            "topology.kubernetes.io/zone": "eu-west-1b",
+            "kubernetes.io/arch": "arm64",
+            "unrelated": "not-copied",
+        }},
+        "spec": {"providerID": capi.provider_id("wl-0")}
+    }))
+    .expect("a Node");
+    nodes
+        .create(&kube::api::PostParams::default(), &node)
+        .await
+        .expect("create the workload Node");
+
+    let discovery = format!("clusterapi:namespace={}", capi.ns);
+    let kubeconfig = env.cp.admin_kubeconfig().display().to_string();
+    let provider = start_provider(
+        &[
+            "--node-group-auto-discovery",
+            &discovery,
+            "--kubeconfig",
+            &kubeconfig,
+        ],
+        env.cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let t = template_node(&mut rpc, &id)
+        .await
+        .unwrap_or_else(|e| panic!("NodeGroupTemplateNodeInfo({id}): {e:?}"));
+    let labels = t.labels();
+    for (key, value) in [
+        ("node.kubernetes.io/instance-type", "m5.large"),
+        ("topology.kubernetes.io/region", "eu-west-1"),
+        ("topology.kubernetes.io/zone", "eu-west-1b"),
+        ("kubernetes.io/arch", "arm64"),
+    ] {
+        assert_eq!(
+            labels.get(key).map(String::as_str),
+            Some(value),
+            "{key} in {labels:?}"
+        );
+    }
+    assert!(!labels.contains_key("unrelated"), "{labels:?}");
+    assert_valid_node(&env, &t).await;
+
+    // Without the workload cluster, the annotation's zone stands.
+    drop(rpc);
+    drop(provider);
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let t = template_node(&mut rpc, &id)
+        .await
+        .unwrap_or_else(|e| panic!("NodeGroupTemplateNodeInfo({id}): {e:?}"));
+    assert_eq!(
+        t.labels()
+            .get("topology.kubernetes.io/zone")
+            .map(String::as_str),
+        Some("from-annotation")
+    );
+    assert!(!t.labels().contains_key("node.kubernetes.io/instance-type"));
+}
