@@ -591,7 +591,7 @@ impl<'a> Builder<'a> {
                 Ok(Some(bounds)) => bounds,
                 Ok(None) => continue,
                 Err(problem) => {
-                    self.skip(id, problem.to_string());
+                    self.skip(id, format!("{}: {}", problem.field, problem.message));
                     self.problems.push(problem);
                     continue;
                 }
@@ -613,7 +613,7 @@ impl<'a> Builder<'a> {
                     "spec.replicas",
                     "not set: the group has no target size",
                 );
-                self.skip(id, problem.to_string());
+                self.skip(id, format!("{}: {}", problem.field, problem.message));
                 self.problems.push(problem);
                 continue;
             };
