@@ -45,14 +45,21 @@ pub struct CapiApis {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("discovering API group {group:?}: {source}")]
+    #[error("discovering API group {group:?}{}: {reason}", at_version(version))]
     Discovery {
         group: String,
-        #[source]
-        source: kube::Error,
+        version: Option<String>,
+        reason: String,
     },
     #[error("API group {group:?} does not serve {what}")]
     NotServed { group: String, what: String },
+}
+
+fn at_version(version: &Option<String>) -> String {
+    version
+        .as_deref()
+        .map(|v| format!(" at version {v} (CAPI_VERSION)"))
+        .unwrap_or_default()
 }
 
 impl CapiApis {
@@ -62,9 +69,16 @@ impl CapiApis {
         group: &str,
         version: Option<&str>,
     ) -> Result<Self, StoreError> {
-        let discovery_error = |source| StoreError::Discovery {
+        let discovery_error = |e: kube::Error| StoreError::Discovery {
             group: group.to_string(),
-            source,
+            version: version.map(str::to_string),
+            reason: match e {
+                kube::Error::Api(status) if status.code == 404 => {
+                    "not served by this API server (404)".to_string()
+                }
+                kube::Error::Api(status) => format!("{} ({})", status.message, status.code),
+                other => other.to_string(),
+            },
         };
         let api_group: ApiGroup = match version {
             Some(v) => discovery::pinned_group(client, &kube::core::GroupVersion::gv(group, v))

@@ -274,3 +274,85 @@ async fn v1beta1_increase_size_and_delete_nodes() {
     assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 0);
     assert_eq!(capi.marked_machines().await, ids(&["m0"]));
 }
+
+/// `CAPI_VERSION` picks the version instead of discovery: v1beta1 is served here; v1beta2 is not, and
+/// the provider stops at start with an error that names the group and version.
+#[tokio::test]
+async fn capi_version_selects_the_served_version_and_an_unserved_one_fails_at_start() {
+    use std::time::Duration;
+    use support::capi::{spawn_provider, start_provider_with_env};
+    use support::procs::{Check, poll_until};
+
+    let (cp, capi) = capi().await;
+    capi.create_deployment(&Scalable::md("md").bounds(0, 3).replicas(0), false)
+        .await;
+    let discovery = format!("clusterapi:namespace={}", capi.ns);
+    let provider = start_provider_with_env(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+        &[("CAPI_VERSION", "v1beta1")],
+    )
+    .await;
+    let mut rpc = Rpc::connect(&provider).await;
+    assert_eq!(
+        rpc.ids_in(&capi.ns).await,
+        ids(&[&capi.id(Kind::MachineDeployment, "md")])
+    );
+
+    let mut wrong = spawn_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+        &[("CAPI_VERSION", "v1beta2")],
+    );
+    let status = poll_until(
+        "the provider to stop on an unserved CAPI_VERSION",
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || {
+            let exited = wrong.exited();
+            async move {
+                match exited {
+                    Some(status) => Check::Done(status),
+                    None => Check::Wait("still running".to_string()),
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!status.success(), "{status}");
+    let log = wrong.log_contents();
+    assert!(
+        log.contains("\"cluster.x-k8s.io\" at version v1beta2") && log.contains("not served"),
+        "the error names the group and version: {log}"
+    );
+
+    // A CAPI_GROUP the API server does not serve stops the start the same way.
+    let mut missing = spawn_provider(
+        &[],
+        cp.admin_kubeconfig(),
+        &[("CAPI_GROUP", "nowhere.example.dev")],
+    );
+    let status = poll_until(
+        "the provider to stop on an unserved CAPI_GROUP",
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || {
+            let exited = missing.exited();
+            async move {
+                match exited {
+                    Some(status) => Check::Done(status),
+                    None => Check::Wait("still running".to_string()),
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!status.success(), "{status}");
+    let log = missing.log_contents();
+    assert!(
+        log.contains("nowhere.example.dev"),
+        "the error names the group: {log}"
+    );
+}
