@@ -62,6 +62,8 @@ impl ParseError {
 const ROOT: &str = "object";
 
 /// Label on objects managed by a ClusterClass topology.
+/// A copy of the whole object that `kubectl apply` leaves; never read, often the largest annotation.
+const LAST_APPLIED_ANNOTATION: &str = "kubectl.kubernetes.io/last-applied-configuration";
 const TOPOLOGY_OWNED_LABEL: &str = "topology.cluster.x-k8s.io/owned";
 const TOPOLOGY_DEPLOYMENT_LABEL: &str = "topology.cluster.x-k8s.io/deployment-name";
 const TOPOLOGY_POOL_LABEL: &str = "topology.cluster.x-k8s.io/pool-name";
@@ -92,7 +94,8 @@ impl ScalableResource {
                 format!("expected {:?}, found {}", kind.as_str(), quote(found)),
             ));
         }
-        let meta = Meta::read(obj)?;
+        let mut meta = Meta::read(obj)?;
+        meta.annotations.remove(LAST_APPLIED_ANNOTATION);
         let cluster_name = cluster_name(obj, keys, &meta.labels)?;
         let replicas = opt_i32(obj, &["spec", "replicas"])?;
         let paused = opt_bool(obj, &["spec", "paused"])?.unwrap_or(false)
@@ -270,12 +273,19 @@ impl Machine {
         let node_ref = non_empty(opt_str(obj, &["status", "nodeRef", "name"])?);
         let phase = non_empty(opt_str(obj, &["status", "phase"])?);
         let failure = machine_failure(obj, meta.deleting, phase.as_deref())?;
+        // Machines are the many objects: keep only the keys decisions read (all under the group), so
+        // e.g. a kubectl last-applied-configuration annotation is not cached ten thousand times.
+        let prefix = format!("{}/", keys.group);
+        let mut labels = meta.labels;
+        labels.retain(|k, _| k.starts_with(&prefix));
+        let mut annotations = meta.annotations;
+        annotations.retain(|k, _| k.starts_with(&prefix));
         Ok(Machine {
             key: meta.key,
             uid: meta.uid,
             resource_version: meta.resource_version,
-            labels: meta.labels,
-            annotations: meta.annotations,
+            labels,
+            annotations,
             cluster_name,
             provider_id,
             node_ref,
@@ -699,6 +709,43 @@ fn quote(s: &str) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn machines_keep_only_the_group_keys_and_resources_drop_the_last_applied_copy() {
+        let keys = Keys::default();
+        let machine = json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": {"name": "m", "namespace": "ns",
+                "labels": {"cluster.x-k8s.io/set-name": "ms", "app": "x"},
+                "annotations": {"cluster.x-k8s.io/delete-machine": "t", "kubectl.kubernetes.io/last-applied-configuration": "{}"}},
+            "spec": {"clusterName": "c"}
+        });
+        let m = Machine::from_json(&keys, &machine).unwrap();
+        assert_eq!(
+            m.labels.keys().collect::<Vec<_>>(),
+            ["cluster.x-k8s.io/set-name"]
+        );
+        assert_eq!(
+            m.annotations.keys().collect::<Vec<_>>(),
+            ["cluster.x-k8s.io/delete-machine"]
+        );
+        let md = json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineDeployment",
+            "metadata": {"name": "md", "namespace": "ns", "labels": {"team": "a"},
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}", "capacity.cluster-autoscaler.kubernetes.io/cpu": "2"}},
+            "spec": {"clusterName": "c", "replicas": 1}
+        });
+        let r = ScalableResource::from_json(ScalableKind::MachineDeployment, &keys, &md).unwrap();
+        assert_eq!(
+            r.annotations.keys().collect::<Vec<_>>(),
+            ["capacity.cluster-autoscaler.kubernetes.io/cpu"]
+        );
+        assert_eq!(
+            r.labels.get("team").map(String::as_str),
+            Some("a"),
+            "labels feed discovery selectors"
+        );
+    }
 
     #[test]
     fn cluster_topology_workers_and_their_replicas() {
