@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::capi::names::is_dns1123_subdomain;
 use crate::capi::{DEFAULT_GROUP, Keys};
 use crate::discovery::DiscoverySpec;
 
@@ -158,7 +159,7 @@ impl ConnectionArgs {
         } else {
             self.capi_group.clone()
         };
-        if !is_dns_subdomain(&group) {
+        if !is_dns1123_subdomain(&group) {
             return Err(ConfigError::Group(group));
         }
         for (flag, value) in [
@@ -194,20 +195,6 @@ impl ConnectionArgs {
             gib_hour_price: self.gib_hour_price,
         })
     }
-}
-
-fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube_quantity::ParsedQuantity;
 use prost::Message;
 
+use crate::capi::names::{is_label_value, is_qualified_name};
 use crate::capi::{GPU_LABEL, InfraTemplate, Keys, ScalableResource, Taint, capacity};
 use crate::problem::Problem;
 
@@ -897,43 +898,6 @@ fn validate_taint(t: &Taint) -> Result<(), String> {
     Ok(())
 }
 
-/// Kubernetes `IsQualifiedName`: `[prefix/]name`, prefix a DNS-1123 subdomain, name 1–63 of
-/// `[A-Za-z0-9_.-]` with alphanumeric ends.
-pub fn is_qualified_name(s: &str) -> bool {
-    let (prefix, name) = match s.split_once('/') {
-        Some((p, n)) => (Some(p), n),
-        None => (None, s),
-    };
-    prefix.is_none_or(is_dns_subdomain) && !name.is_empty() && is_label_value(name)
-}
-
-/// Kubernetes `IsValidLabelValue`: empty, or up to 63 of `[A-Za-z0-9_.-]` with alphanumeric ends.
-pub fn is_label_value(s: &str) -> bool {
-    let b = s.as_bytes();
-    if b.is_empty() {
-        return true;
-    }
-    b.len() <= 63
-        && b.first().is_some_and(u8::is_ascii_alphanumeric)
-        && b.last().is_some_and(u8::is_ascii_alphanumeric)
-        && b.iter()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-}
-
-fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            let b = label.as_bytes();
-            !b.is_empty()
-                && b.len() <= 63
-                && b.iter()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-                && b.first().is_some_and(|c| *c != b'-')
-                && b.last().is_some_and(|c| *c != b'-')
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1783,42 +1747,17 @@ mod tests {
         assert_eq!(a, node_name("md-0", "MachineDeployment/default/md-0"));
         let long = node_name(&"x".repeat(253), "g");
         assert_eq!(long.len(), 63);
-        assert!(is_label_value(&long) && is_dns_subdomain(&long), "{long}");
+        assert!(
+            is_label_value(&long) && crate::capi::names::is_dns1123_subdomain(&long),
+            "{long}"
+        );
         let odd = node_name("-.Weird_Name.-", "g");
         assert!(odd.starts_with("weirdname-template-"), "{odd}");
         assert!(node_name("", "g").starts_with("node-template-"));
     }
 
     #[test]
-    fn syntax_helpers() {
-        for ok in [
-            "a",
-            "node-role.kubernetes.io/worker",
-            "example.com/A_b.c-1",
-            "x/y",
-        ] {
-            assert!(is_qualified_name(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            "/a",
-            "a/",
-            "A.com/x",
-            "a b",
-            "-a",
-            "a-",
-            "a/b/c",
-            &"x".repeat(64),
-            "ex_ample.com/a",
-        ] {
-            assert!(!is_qualified_name(bad), "{bad}");
-        }
-        for ok in ["", "a", "a.b-c_d", &"x".repeat(63)] {
-            assert!(is_label_value(ok), "{ok}");
-        }
-        for bad in ["-a", "a-", "a/b", "a b", &"x".repeat(64), "é"] {
-            assert!(!is_label_value(bad), "{bad}");
-        }
+    fn gpu_label_values() {
         assert_eq!(gpu_label_value("nvidia.com/gpu"), "nvidia.com-gpu");
         assert_eq!(gpu_label_value("nvidia-t4"), "nvidia-t4");
     }

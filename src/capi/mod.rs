@@ -4,6 +4,7 @@
 //! Views keep only what decisions need, so the caches stay small; they are parsed from the JSON of the
 //! objects (`parse.rs`) and never talk to the API.
 
+pub mod names;
 mod parse;
 pub mod providerid;
 
