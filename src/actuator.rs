@@ -295,6 +295,33 @@ impl Actuator {
     }
 
     pub async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
+        let result = self.increase(id, delta).await;
+        self.store.refresh();
+        result
+    }
+
+    /// Cancels capacity that has not become nodes yet; never removes a registered node.
+    pub async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
+        let result = self.decrease(id, delta).await;
+        self.store.refresh();
+        result
+    }
+
+    /// Marks each node's Machine for deletion and lowers replicas by one per node, node by node. A node
+    /// whose removal is already under way (Machine deleting, or marked by this provider) is skipped, so
+    /// CA's retries do not lower replicas twice.
+    pub async fn delete_nodes(
+        &self,
+        id: &str,
+        nodes: &[NodeToDelete],
+    ) -> Result<(), ActuatorError> {
+        let result = self.delete(id, nodes).await;
+        // One snapshot build for the whole operation: every write above went into the index already.
+        self.store.refresh();
+        result
+    }
+
+    async fn increase(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
         if delta <= 0 {
             return Err(ActuatorError::InvalidArgument(format!(
                 "size increase must be positive, got delta {delta}"
@@ -317,8 +344,7 @@ impl Actuator {
         .map(|_| ())
     }
 
-    /// Cancels capacity that has not become nodes yet; never removes a registered node.
-    pub async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
+    async fn decrease(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
         if delta >= 0 {
             return Err(ActuatorError::InvalidArgument(format!(
                 "size decrease must be negative, got delta {delta}"
@@ -347,14 +373,7 @@ impl Actuator {
         .map(|_| ())
     }
 
-    /// Marks each node's Machine for deletion and lowers replicas by one per node, node by node. A node
-    /// whose removal is already under way (Machine deleting, or marked and covered by a decrement) is
-    /// skipped, so CA's retries do not lower replicas twice.
-    pub async fn delete_nodes(
-        &self,
-        id: &str,
-        nodes: &[NodeToDelete],
-    ) -> Result<(), ActuatorError> {
+    async fn delete(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError> {
         let lock = self.group_lock(id);
         let _guard = lock.lock().await;
         let (snapshot, group) = self.group(id)?;

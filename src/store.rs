@@ -328,7 +328,8 @@ impl Store {
         }
     }
 
-    /// Read-your-writes: the replicas a successful write returned, before the watch delivers them.
+    /// Read-your-writes: the replicas a successful write returned, before the watch delivers them. The
+    /// index sees it at once; the snapshot with the next `refresh` (the actuator's, after each operation).
     pub fn record_replicas(
         self: &Arc<Self>,
         kind: ScalableKind,
@@ -345,7 +346,7 @@ impl Store {
                 index.apply_resource(kind, key.clone(), Ok(Arc::new(updated)));
             }
         }
-        self.rebuild();
+        self.mark_dirty();
     }
 
     /// Read-your-writes for a Machine the actuator patched.
@@ -359,7 +360,7 @@ impl Store {
                 parsed.map(Arc::new).map_err(|e| machine_problem(&key, &e)),
             );
         }
-        self.rebuild();
+        self.mark_dirty();
     }
 
     /// Replicas and resourceVersion of a resource as cached.
