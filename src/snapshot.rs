@@ -180,10 +180,6 @@ impl Index {
             .collect();
     }
 
-    pub fn machine_count(&self) -> usize {
-        self.machines.len()
-    }
-
     /// Infrastructure template kinds referenced by candidate groups that nobody watches yet.
     pub fn wanted_infra_kinds(&self) -> BTreeSet<InfraKind> {
         self.resources
@@ -328,11 +324,8 @@ impl Snapshot {
         let annotations = node.annotations?;
         let name = annotations.get(&keys.node_machine)?;
         let namespace = annotations.get(&keys.node_cluster_namespace)?;
-        self.machine_location(&ObjectKey::new(namespace.as_str(), name.as_str()))
-    }
-
-    fn machine_location(&self, key: &ObjectKey) -> Option<&Location> {
-        self.by_machine.get(key)
+        self.by_machine
+            .get(&ObjectKey::new(namespace.as_str(), name.as_str()))
     }
 
     pub fn group_for_node(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&NodeGroup> {
@@ -342,7 +335,7 @@ impl Snapshot {
 }
 
 /// The made-up instance id of a Machine without a providerID.
-pub fn synthetic_id(prefix: &str, key: &ObjectKey) -> String {
+fn synthetic_id(prefix: &str, key: &ObjectKey) -> String {
     // `_` cannot occur in a namespace, so the first one separates namespace and name.
     format!("{prefix}{}_{}", key.namespace, key.name)
 }
@@ -650,10 +643,8 @@ impl<'a> Builder<'a> {
         let mut by_instance_id: HashMap<String, Location> = HashMap::new();
         let mut by_machine: HashMap<ObjectKey, Location> = HashMap::new();
         let mut unlisted_registered: BTreeMap<String, i32> = BTreeMap::new();
-        let mut machine_counts: usize = 0;
         let mut instances: BTreeMap<String, Vec<Instance>> = BTreeMap::new();
         for (key, parsed) in &self.index.machines {
-            machine_counts += 1;
             let machine = match parsed {
                 Ok(m) => m,
                 Err(problem) => {
@@ -822,7 +813,7 @@ impl<'a> Builder<'a> {
             problems: self.problems,
             reference_prices,
             reference_sources,
-            machines: machine_counts,
+            machines: self.index.machines.len(),
         }
     }
 
@@ -883,7 +874,7 @@ fn failure_message(machine: &Machine, default: &str) -> String {
     }
 }
 
-pub fn is_synthetic(id: &str) -> bool {
+fn is_synthetic(id: &str) -> bool {
     [PENDING_PREFIX, FAILED_PREFIX, DELETING_PREFIX]
         .iter()
         .any(|p| id.starts_with(p))
@@ -1374,7 +1365,7 @@ mod tests {
                 .is_some()
         );
         index.reset_machines(Vec::new());
-        assert_eq!(index.machine_count(), 0);
+        assert_eq!(index.snapshot(&settings(), 3).machines, 0);
         index.delete_resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"));
         assert!(
             index

@@ -153,6 +153,8 @@ enum Watched {
 
 pub struct Store {
     settings: Settings,
+    /// The one namespace discovery specs allow, when they all name the same.
+    watch_namespace: Option<String>,
     apis: CapiApis,
     client: Client,
     index: Mutex<Index>,
@@ -183,6 +185,34 @@ fn to_json(obj: &DynamicObject) -> serde_json::Value {
 }
 
 impl Store {
+    fn new(
+        client: Client,
+        apis: CapiApis,
+        settings: Settings,
+        index: Index,
+        metrics: Arc<Metrics>,
+        recorder: Option<Recorder>,
+        watches_total: usize,
+    ) -> Store {
+        Store {
+            watch_namespace: crate::discovery::watch_namespace(&settings.discovery),
+            settings,
+            apis,
+            client,
+            index: Mutex::new(index),
+            snapshot: ArcSwap::from_pointee(Snapshot::default()),
+            generation: AtomicU64::new(0),
+            dirty: AtomicBool::new(false),
+            changed: Notify::new(),
+            watches_total,
+            watches_listed: AtomicUsize::new(0),
+            infra_started: Mutex::new(BTreeSet::new()),
+            reported: Mutex::new(BTreeSet::new()),
+            recorder,
+            metrics,
+        }
+    }
+
     /// Starts the watches. Returns at once; `wait_ready` tells when everything has listed. With `events`,
     /// problems are also recorded as Events on their objects.
     pub fn start(
@@ -193,23 +223,6 @@ impl Store {
         metrics: Arc<Metrics>,
         events: bool,
     ) -> Arc<Store> {
-        let watch_namespace = crate::discovery::watch_namespace(&settings.discovery);
-        let mut watches: Vec<(Watched, Api<DynamicObject>)> = Vec::new();
-        let api = |resource: &ApiResource| match &watch_namespace {
-            Some(ns) => Api::<DynamicObject>::namespaced_with(client.clone(), ns, resource),
-            None => Api::<DynamicObject>::all_with(client.clone(), resource),
-        };
-        for (kind, resource) in &apis.scalable {
-            watches.push((Watched::Scalable(*kind), api(resource)));
-        }
-        watches.push((Watched::Machine, api(&apis.machine)));
-        if let Some(cluster) = &apis.cluster {
-            watches.push((Watched::Cluster, api(cluster)));
-        }
-        if let Some(workload) = &workload {
-            let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
-            watches.push((Watched::Node, Api::all_with(workload.clone(), &nodes)));
-        }
         let recorder = events.then(|| {
             Recorder::new(
                 client.clone(),
@@ -219,25 +232,29 @@ impl Store {
                 },
             )
         });
-        let store = Arc::new(Store {
-            settings,
-            apis,
+        // Readiness waits for every watch but the optional Cluster one.
+        let watches_total = apis.scalable.len() + 1 + usize::from(workload.is_some());
+        let store = Arc::new(Store::new(
             client,
-            index: Mutex::new(Index::default()),
-            snapshot: ArcSwap::from_pointee(Snapshot::default()),
-            generation: AtomicU64::new(0),
-            dirty: AtomicBool::new(false),
-            changed: Notify::new(),
-            watches_total: watches
-                .iter()
-                .filter(|(w, _)| !matches!(w, Watched::Cluster))
-                .count(),
-            watches_listed: AtomicUsize::new(0),
-            infra_started: Mutex::new(BTreeSet::new()),
-            reported: Mutex::new(BTreeSet::new()),
-            recorder,
+            apis,
+            settings,
+            Index::default(),
             metrics,
-        });
+            recorder,
+            watches_total,
+        ));
+        let mut watches: Vec<(Watched, Api<DynamicObject>)> = Vec::new();
+        for (kind, resource) in &store.apis.scalable {
+            watches.push((Watched::Scalable(*kind), store.watch_api(resource)));
+        }
+        watches.push((Watched::Machine, store.watch_api(&store.apis.machine)));
+        if let Some(cluster) = &store.apis.cluster {
+            watches.push((Watched::Cluster, store.watch_api(cluster)));
+        }
+        if let Some(workload) = &workload {
+            let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
+            watches.push((Watched::Node, Api::all_with(workload.clone(), &nodes)));
+        }
         for (what, api) in watches {
             tokio::spawn(Arc::clone(&store).watch(what, api));
         }
@@ -253,25 +270,17 @@ impl Store {
         index: Index,
         metrics: Arc<Metrics>,
     ) -> Arc<Store> {
-        let recorder = None;
-        let store = Arc::new(Store {
-            settings,
-            apis,
-            client,
-            index: Mutex::new(index),
-            snapshot: ArcSwap::from_pointee(Snapshot::default()),
-            generation: AtomicU64::new(0),
-            dirty: AtomicBool::new(false),
-            changed: Notify::new(),
-            watches_total: 0,
-            watches_listed: AtomicUsize::new(0),
-            infra_started: Mutex::new(BTreeSet::new()),
-            reported: Mutex::new(BTreeSet::new()),
-            recorder,
-            metrics,
-        });
+        let store = Arc::new(Store::new(client, apis, settings, index, metrics, None, 0));
         store.rebuild();
         store
+    }
+
+    /// The management-cluster API of a kind, narrowed to the one namespace discovery allows, if any.
+    fn watch_api(&self, resource: &ApiResource) -> Api<DynamicObject> {
+        match &self.watch_namespace {
+            Some(ns) => Api::namespaced_with(self.client.clone(), ns, resource),
+            None => Api::all_with(self.client.clone(), resource),
+        }
     }
 
     pub fn apis(&self) -> &CapiApis {
@@ -514,10 +523,7 @@ impl Store {
                     }
                 }
             };
-            let api = match crate::discovery::watch_namespace(&store.settings.discovery) {
-                Some(ns) => Api::namespaced_with(store.client.clone(), &ns, &resource),
-                None => Api::all_with(store.client.clone(), &resource),
-            };
+            let api = store.watch_api(&resource);
             store.watch(Watched::Infra(kind), api).await;
         });
     }
