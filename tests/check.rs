@@ -15,6 +15,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 use serde::Deserialize as _;
 use serde_json::Value;
+use support::capi::fresh_capi;
 use support::capi::{Capi, Kind, SHIPPED_ROLE, Scalable};
 use support::infra::{CliRun, connection_args, run_cli, template_status};
 use support::{CAPI_GROUP, ControlPlane, Setup};
@@ -31,10 +32,7 @@ const PRICE: &str = "capi-autoscaler-provider/hourly-price";
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 
 async fn capi() -> (&'static ControlPlane, Capi) {
-    let cp = support::control_plane(SETUP);
-    let ns = cp.fresh_namespace().await;
-    let capi = Capi::new(cp.admin_client().await, &ns, CAPI_GROUP, VERSION);
-    (cp, capi)
+    fresh_capi(SETUP, VERSION).await
 }
 
 /// `capi-autoscaler-provider <command> <extra…> --cloud-config <kubeconfig> --node-group-auto-discovery clusterapi:namespace=<ns>`.

@@ -23,6 +23,7 @@ use support::capi::{
     expect_code, growth, grpc_node, kubeconfig_with_server, label_of, request_counts,
     socket_addr_of,
 };
+use support::capi::{fresh_capi, ids, provider_for_namespace};
 use support::{
     CAPI_GROUP, Check, ControlPlane, ProviderProcess, Setup, poll_until, start_provider,
 };
@@ -41,9 +42,7 @@ struct Env {
 }
 
 async fn env() -> Env {
-    let cp = support::control_plane(SETUP);
-    let ns = cp.fresh_namespace().await;
-    let capi = Capi::new(cp.admin_client().await, &ns, CAPI_GROUP, VERSION);
+    let (cp, capi) = fresh_capi(SETUP, VERSION).await;
     Env { cp, capi }
 }
 
@@ -53,18 +52,7 @@ fn only_namespace(ns: &str) -> String {
 
 /// A provider (admin identity) that only looks at the test's namespace, and a client for it.
 async fn provider_for(env: &Env) -> (ProviderProcess, Rpc) {
-    let discovery = only_namespace(&env.capi.ns);
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        env.cp.admin_kubeconfig(),
-    )
-    .await;
-    let rpc = Rpc::connect(&provider).await;
-    (provider, rpc)
-}
-
-fn ids(list: &[&str]) -> BTreeSet<String> {
-    list.iter().map(|s| s.to_string()).collect()
+    provider_for_namespace(env.cp, &env.capi.ns).await
 }
 
 fn state(
@@ -916,7 +904,7 @@ async fn malformed_and_paused_resources_are_not_served_and_problems_become_event
         ("bad-min", capi.min_key()),
         ("min-only", capi.max_key()),
     ] {
-        wait_for_problem_event(capi, name, &key).await;
+        support::infra::wait_problem_event(capi, name, &[key.as_str()]).await;
     }
 
     // Fixed: served from then on.
@@ -940,37 +928,6 @@ async fn malformed_and_paused_resources_are_not_served_and_problems_become_event
     let resumed = capi.id(Kind::MachineDeployment, "spec-paused");
     rpc.wait_ids(&ns, &ids(&[&good, &fixed, &resumed])).await;
     assert_eq!(rpc.for_node(capi.grpc_node("sp-0")).await.id, resumed);
-}
-
-/// Polls until an `AutoscalerConfigProblem` Event about `name` mentions `key`.
-async fn wait_for_problem_event(capi: &Capi, name: &str, key: &str) {
-    poll_until(
-        &format!("an AutoscalerConfigProblem Event on {name} naming {key}"),
-        Duration::from_secs(30),
-        Duration::from_millis(100),
-        || async move {
-            let events = capi.events_about(name).await;
-            let found = events.iter().find(|e| {
-                e.reason.as_deref() == Some("AutoscalerConfigProblem")
-                    && e.note.as_deref().is_some_and(|n| n.contains(key))
-            });
-            match found {
-                Some(e) => {
-                    assert_eq!(e.type_.as_deref(), Some("Warning"), "{e:?}");
-                    Check::Done(())
-                }
-                None => Check::Wait(format!(
-                    "events about {name}: {:?}",
-                    events
-                        .iter()
-                        .map(|e| (&e.reason, &e.note))
-                        .collect::<Vec<_>>()
-                )),
-            }
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[tokio::test]
@@ -1174,7 +1131,7 @@ async fn every_rpc_works_with_exactly_the_shipped_cluster_role() {
     client.cleanup(CleanupRequest {}).await.expect("Cleanup");
 
     // Problems are reported as Events by the restricted identity.
-    wait_for_problem_event(capi, "bad", &capi.max_key()).await;
+    support::infra::wait_problem_event(capi, "bad", &[capi.max_key().as_str()]).await;
     let log = provider.log_contents();
     assert!(
         !log.to_lowercase().contains("forbidden"),

@@ -4,8 +4,9 @@
 
 mod support;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
+use support::capi::ids;
 use support::capi::{
     Capi, Kind, Owner, Rpc, Scalable, expect_code, grpc_node, start_provider_with_env,
 };
@@ -13,10 +14,6 @@ use support::{CAPI_GROUP, Setup, start_provider};
 use tonic::Code;
 
 const SETUP: Setup = Setup::shipped().with_renamed_group();
-
-fn ids(list: &[&str]) -> BTreeSet<String> {
-    list.iter().map(|s| s.to_string()).collect()
-}
 
 /// The renamed group's objects and the upstream group's objects, in one fresh namespace.
 async fn capis() -> (&'static support::ControlPlane, Capi, Capi) {

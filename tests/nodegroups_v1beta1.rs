@@ -8,33 +8,18 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use capi_autoscaler_provider::proto::instance_status::InstanceState;
 use capi_autoscaler_provider::proto::{ExternalGrpcNode, Instance};
 use support::capi::{Capi, Kind, Owner, Rpc, Scalable, expect_code, grpc_node};
-use support::{CAPI_GROUP, ProviderProcess, Setup, start_provider};
+use support::capi::{fresh_capi, ids, provider_for_namespace};
+use support::{ProviderProcess, Setup};
 use tonic::Code;
 
 const SETUP: Setup = Setup::v1beta1();
 
 async fn capi() -> (&'static support::ControlPlane, Capi) {
-    let cp = support::control_plane(SETUP);
-    let ns = cp.fresh_namespace().await;
-    (
-        cp,
-        Capi::new(cp.admin_client().await, &ns, CAPI_GROUP, "v1beta1"),
-    )
+    fresh_capi(SETUP, "v1beta1").await
 }
 
 async fn provider_for(cp: &support::ControlPlane, capi: &Capi) -> (ProviderProcess, Rpc) {
-    let discovery = format!("clusterapi:namespace={}", capi.ns);
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let rpc = Rpc::connect(&provider).await;
-    (provider, rpc)
-}
-
-fn ids(list: &[&str]) -> BTreeSet<String> {
-    list.iter().map(|s| s.to_string()).collect()
+    provider_for_namespace(cp, &capi.ns).await
 }
 
 fn state(i: &Instance) -> (InstanceState, Option<(String, i32)>) {
@@ -279,9 +264,7 @@ async fn v1beta1_increase_size_and_delete_nodes() {
 /// the provider stops at start with an error that names the group and version.
 #[tokio::test]
 async fn capi_version_selects_the_served_version_and_an_unserved_one_fails_at_start() {
-    use std::time::Duration;
     use support::capi::{spawn_provider, start_provider_with_env};
-    use support::procs::{Check, poll_until};
 
     let (cp, capi) = capi().await;
     capi.create_deployment(&Scalable::md("md").bounds(0, 3).replicas(0), false)
@@ -304,22 +287,7 @@ async fn capi_version_selects_the_served_version_and_an_unserved_one_fails_at_st
         cp.admin_kubeconfig(),
         &[("CAPI_VERSION", "v1beta2")],
     );
-    let status = poll_until(
-        "the provider to stop on an unserved CAPI_VERSION",
-        Duration::from_secs(30),
-        Duration::from_millis(50),
-        || {
-            let exited = wrong.exited();
-            async move {
-                match exited {
-                    Some(status) => Check::Done(status),
-                    None => Check::Wait("still running".to_string()),
-                }
-            }
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let status = wrong.wait_exit().await;
     assert!(!status.success(), "{status}");
     let log = wrong.log_contents();
     assert!(
@@ -333,22 +301,7 @@ async fn capi_version_selects_the_served_version_and_an_unserved_one_fails_at_st
         cp.admin_kubeconfig(),
         &[("CAPI_GROUP", "nowhere.example.dev")],
     );
-    let status = poll_until(
-        "the provider to stop on an unserved CAPI_GROUP",
-        Duration::from_secs(30),
-        Duration::from_millis(50),
-        || {
-            let exited = missing.exited();
-            async move {
-                match exited {
-                    Some(status) => Check::Done(status),
-                    None => Check::Wait("still running".to_string()),
-                }
-            }
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let status = missing.wait_exit().await;
     assert!(!status.success(), "{status}");
     let log = missing.log_contents();
     assert!(

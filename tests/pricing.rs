@@ -18,7 +18,8 @@ use k8s_pb::apimachinery::pkg::api::resource::Quantity;
 use k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use prost::Message;
 use support::capi::{Capi, Kind, Owner, Rpc, Scalable, expect_code, grpc_node};
-use support::{CAPI_GROUP, ControlPlane, ProviderProcess, Setup, start_provider};
+use support::capi::{fresh_capi, provider_for_namespace};
+use support::{ControlPlane, ProviderProcess, Setup};
 use tonic::{Code, Status};
 
 const SETUP: Setup = Setup::shipped();
@@ -34,21 +35,11 @@ const START: i64 = 1_800_000_000;
 const HOUR: i64 = 3600;
 
 async fn capi() -> (&'static ControlPlane, Capi) {
-    let cp = support::control_plane(SETUP);
-    let ns = cp.fresh_namespace().await;
-    let capi = Capi::new(cp.admin_client().await, &ns, CAPI_GROUP, VERSION);
-    (cp, capi)
+    fresh_capi(SETUP, VERSION).await
 }
 
 async fn provider_for(cp: &ControlPlane, ns: &str) -> (ProviderProcess, Rpc) {
-    let discovery = format!("clusterapi:namespace={ns}");
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let rpc = Rpc::connect(&provider).await;
-    (provider, rpc)
+    provider_for_namespace(cp, ns).await
 }
 
 /// A group of `cores` CPUs and 4 GiB per core, priced `price` per node-hour (or not at all).

@@ -19,6 +19,7 @@ use capi_autoscaler_provider::proto::{
 };
 use serde_json::json;
 use support::capi::{Capi, INFRA_GROUP, Kind, Rpc, Scalable, expect_code};
+use support::capi::{fresh_capi, provider_for_namespace};
 use support::infra::{
     self, TemplateAnswer, create_node_from_proto, create_node_from_yaml, run_cli, stored_capacity,
     template_node, template_status, wait_log_line, wait_problem_event, wait_template,
@@ -46,22 +47,13 @@ struct Env {
 }
 
 async fn env() -> Env {
-    let cp = support::control_plane(SETUP);
-    let ns = cp.fresh_namespace().await;
-    let capi = Capi::new(cp.admin_client().await, &ns, CAPI_GROUP, VERSION);
+    let (cp, capi) = fresh_capi(SETUP, VERSION).await;
     Env { cp, capi }
 }
 
 /// A provider (admin identity) that only looks at the test's namespace, and a client for it.
 async fn provider_for(env: &Env) -> (ProviderProcess, Rpc) {
-    let discovery = format!("clusterapi:namespace={}", env.capi.ns);
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        env.cp.admin_kubeconfig(),
-    )
-    .await;
-    let rpc = Rpc::connect(&provider).await;
-    (provider, rpc)
+    provider_for_namespace(env.cp, &env.capi.ns).await
 }
 
 fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {

@@ -1106,6 +1106,27 @@ impl EnvProvider {
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()
     }
+
+    /// Waits (30 s at most) for the process to exit on its own; panics when it keeps running.
+    pub async fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let child = &mut self.child;
+        poll_until(
+            "the provider to exit",
+            Duration::from_secs(30),
+            Duration::from_millis(50),
+            || {
+                let exited = child.try_wait().ok().flatten();
+                async move {
+                    match exited {
+                        Some(status) => Check::Done(status),
+                        None => Check::Wait("still running".to_string()),
+                    }
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
 }
 
 /// Like [`super::start_provider`], with `env` added to the provider's environment: returns once
@@ -1165,4 +1186,36 @@ pub async fn start_provider_with_env(
         }
     }
     unreachable!("three attempts either return or panic")
+}
+
+/// A fresh namespace on the shared control plane of `setup`, with builders for `cluster.x-k8s.io` at
+/// `version`.
+pub async fn fresh_capi(
+    setup: super::Setup,
+    version: &str,
+) -> (&'static super::ControlPlane, Capi) {
+    let cp = super::control_plane(setup);
+    let ns = cp.fresh_namespace().await;
+    let capi = Capi::new(cp.admin_client().await, &ns, super::CAPI_GROUP, version);
+    (cp, capi)
+}
+
+/// A provider (admin identity) that only looks at namespace `ns`, and a client for it.
+pub async fn provider_for_namespace(
+    cp: &super::ControlPlane,
+    ns: &str,
+) -> (super::ProviderProcess, Rpc) {
+    let discovery = format!("clusterapi:namespace={ns}");
+    let provider = super::start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let rpc = Rpc::connect(&provider).await;
+    (provider, rpc)
+}
+
+/// A set of ids, for comparing with what the provider answers.
+pub fn ids(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
 }
