@@ -697,17 +697,7 @@ async fn run_check(kubeconfig: &Path) -> Result<String, String> {
         .stdout(file(&out)?)
         .stderr(file(&errs)?);
     let mut child = procs::spawn(command).map_err(|e| format!("start check: {e}"))?;
-    let waited = poll_until("`check` exits", TIMEOUT, Duration::from_millis(20), || {
-        let status = child.try_wait();
-        async move {
-            match status {
-                Ok(Some(status)) => Check::Done(status),
-                Ok(None) => Check::Wait("still running".into()),
-                Err(e) => Check::Fatal(format!("wait: {e}")),
-            }
-        }
-    })
-    .await;
+    let waited = procs::wait_exit(&mut child, "`check` exits", TIMEOUT).await;
     let status = match waited {
         Ok(status) => status,
         Err(e) => {

@@ -312,12 +312,7 @@ impl Capi {
 
     /// An empty `E2EMachineTemplate` (so the provider finds the template it is pointed at).
     pub async fn create_infra_template(&self, name: &str) {
-        let ar = super::capi_resource(
-            INFRA_GROUP,
-            "v1beta1",
-            "E2EMachineTemplate",
-            "e2emachinetemplates",
-        );
+        let ar = super::infra::template_resource("v1beta1");
         let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &self.ns, &ar);
         let object =
             DynamicObject::new(name, &ar).data(json!({"spec": {"template": {"spec": {}}}}));
@@ -1109,20 +1104,10 @@ impl EnvProvider {
 
     /// Waits (30 s at most) for the process to exit on its own; panics when it keeps running.
     pub async fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let child = &mut self.child;
-        poll_until(
+        procs::wait_exit(
+            &mut self.child,
             "the provider to exit",
             Duration::from_secs(30),
-            Duration::from_millis(50),
-            || {
-                let exited = child.try_wait().ok().flatten();
-                async move {
-                    match exited {
-                        Some(status) => Check::Done(status),
-                        None => Check::Wait("still running".to_string()),
-                    }
-                }
-            },
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"))

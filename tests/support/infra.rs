@@ -385,20 +385,10 @@ pub async fn run_cli(args: &[&str], timeout: Duration) -> CliRun {
         .stderr(create(&err_path));
     let started = Instant::now();
     let mut child = procs::spawn(command).unwrap_or_else(|e| panic!("start {PROVIDER_BIN}: {e}"));
-    let waited = poll_until(
+    let waited = procs::wait_exit(
+        &mut child,
         &format!("`capi-autoscaler-provider {}` exits", args.join(" ")),
         timeout,
-        Duration::from_millis(25),
-        || {
-            let status = child.try_wait();
-            async move {
-                match status {
-                    Ok(Some(status)) => Check::Done(status),
-                    Ok(None) => Check::Wait("still running".into()),
-                    Err(e) => Check::Fatal(format!("wait: {e}")),
-                }
-            }
-        },
     )
     .await;
     let elapsed = started.elapsed();

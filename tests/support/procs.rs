@@ -259,3 +259,22 @@ where
         tokio::time::sleep(interval).await;
     }
 }
+
+/// Polls until `child` exits on its own, for at most `timeout`; the process is left running otherwise.
+pub async fn wait_exit(
+    child: &mut Child,
+    what: &str,
+    timeout: Duration,
+) -> Result<std::process::ExitStatus, String> {
+    poll_until(what, timeout, Duration::from_millis(20), || {
+        let status = child.try_wait();
+        async move {
+            match status {
+                Ok(Some(status)) => Check::Done(status),
+                Ok(None) => Check::Wait("still running".into()),
+                Err(e) => Check::Fatal(format!("wait: {e}")),
+            }
+        }
+    })
+    .await
+}

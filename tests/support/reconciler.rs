@@ -961,12 +961,7 @@ impl Worker {
             return None;
         }
         let name = reference["name"].as_str()?;
-        let ar = super::capi_resource(
-            INFRA_GROUP,
-            "v1beta1",
-            "E2EMachineTemplate",
-            "e2emachinetemplates",
-        );
+        let ar = super::infra::template_resource("v1beta1");
         let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &self.ns, &ar);
         let template = api.get_opt(name).await.ok()??;
         let status = template.data.get("status")?.clone();
