@@ -340,6 +340,23 @@ fn synthetic_id(prefix: &str, key: &ObjectKey) -> String {
     format!("{prefix}{}_{}", key.namespace, key.name)
 }
 
+/// The labels CAPI puts on Machines naming their owner, under the group in use.
+struct OwnerLabels {
+    pool: String,
+    set: String,
+    deployment: String,
+}
+
+impl OwnerLabels {
+    fn new(keys: &Keys) -> Self {
+        OwnerLabels {
+            pool: format!("{}/pool-name", keys.group),
+            set: format!("{}/set-name", keys.group),
+            deployment: format!("{}/deployment-name", keys.group),
+        }
+    }
+}
+
 struct Builder<'a> {
     index: &'a Index,
     settings: &'a Settings,
@@ -417,62 +434,49 @@ impl<'a> Builder<'a> {
         self.skipped.insert(id, why.into());
     }
 
-    /// The group a resource's Machines belong to: a MachineSet owned by a served MachineDeployment
-    /// belongs to that MachineDeployment.
-    fn owning_group(
+    /// What a Machine points at: its owner by reference, else by the group's labels.
+    fn machine_owner<'m>(
         &self,
-        machine: &Machine,
-        served: &BTreeMap<String, NodeGroup>,
-    ) -> Option<String> {
-        let keys = &self.settings.keys;
-        let namespace = &machine.key.namespace;
+        machine: &'m Machine,
+        labels: &OwnerLabels,
+    ) -> Option<(ScalableKind, &'m str)> {
         let owner = |kind: &str| {
             machine
                 .owners
                 .iter()
                 .find(|o| o.kind == kind)
-                .map(|o| o.name.clone())
+                .map(|o| o.name.as_str())
         };
-        let label = |suffix: &str| {
-            machine
-                .labels
-                .get(&format!("{}/{suffix}", keys.group))
-                .cloned()
+        let label = |key: &String| machine.labels.get(key).map(String::as_str);
+        if let Some(pool) = owner("MachinePool").or_else(|| label(&labels.pool)) {
+            return Some((ScalableKind::MachinePool, pool));
+        }
+        if let Some(set) = owner("MachineSet").or_else(|| label(&labels.set)) {
+            return Some((ScalableKind::MachineSet, set));
+        }
+        label(&labels.deployment).map(|md| (ScalableKind::MachineDeployment, md))
+    }
+
+    /// The served group behind a Machine's owner: a MachineSet owned by a served MachineDeployment
+    /// belongs to that MachineDeployment.
+    fn owner_group(
+        &self,
+        namespace: &str,
+        (kind, name): (ScalableKind, &str),
+        served: &BTreeMap<String, NodeGroup>,
+    ) -> Option<String> {
+        let serving = |kind: ScalableKind, name: &str| {
+            let id = group_id(kind, &ObjectKey::new(namespace, name));
+            served.contains_key(&id).then_some(id)
         };
-        if let Some(pool) = owner("MachinePool").or_else(|| label("pool-name")) {
-            let id = group_id(
-                ScalableKind::MachinePool,
-                &ObjectKey::new(namespace.as_str(), pool),
-            );
-            return served.contains_key(&id).then_some(id);
+        if kind != ScalableKind::MachineSet {
+            return serving(kind, name);
         }
-        let set = owner("MachineSet").or_else(|| label("set-name"));
-        if let Some(set) = set {
-            let set_key = ObjectKey::new(namespace.as_str(), set);
-            if let Some(ms) = self.index.resource(ScalableKind::MachineSet, &set_key)
-                && let Some(md) = ms.owners.iter().find(|o| o.kind == "MachineDeployment")
-            {
-                let id = group_id(
-                    ScalableKind::MachineDeployment,
-                    &ObjectKey::new(namespace.as_str(), md.name.as_str()),
-                );
-                if served.contains_key(&id) {
-                    return Some(id);
-                }
-            }
-            let id = group_id(ScalableKind::MachineSet, &set_key);
-            if served.contains_key(&id) {
-                return Some(id);
-            }
-        }
-        if let Some(md) = label("deployment-name") {
-            let id = group_id(
-                ScalableKind::MachineDeployment,
-                &ObjectKey::new(namespace.as_str(), md),
-            );
-            return served.contains_key(&id).then_some(id);
-        }
-        None
+        self.index
+            .resource(ScalableKind::MachineSet, &ObjectKey::new(namespace, name))
+            .and_then(|ms| ms.owners.iter().find(|o| o.kind == "MachineDeployment"))
+            .and_then(|md| serving(ScalableKind::MachineDeployment, &md.name))
+            .or_else(|| serving(ScalableKind::MachineSet, name))
     }
 
     /// An autoscaled group whose replicas its Cluster's managed topology also sets: the topology
@@ -644,6 +648,8 @@ impl<'a> Builder<'a> {
         let mut by_machine: HashMap<ObjectKey, Location> = HashMap::new();
         let mut unlisted_registered: BTreeMap<String, i32> = BTreeMap::new();
         let mut instances: BTreeMap<String, Vec<Instance>> = BTreeMap::new();
+        let owner_labels = OwnerLabels::new(&keys);
+        let mut owner_groups: HashMap<(&str, ScalableKind, &str), Option<String>> = HashMap::new();
         for (key, parsed) in &self.index.machines {
             let machine = match parsed {
                 Ok(m) => m,
@@ -652,8 +658,31 @@ impl<'a> Builder<'a> {
                     continue;
                 }
             };
-            let Some(group_id) = self.owning_group(machine, &groups) else {
+            // Many Machines share an owner: resolve each owner to its group once per build.
+            let Some(owner) = self.machine_owner(machine, &owner_labels) else {
                 continue;
+            };
+            let namespace = machine.key.namespace.as_str();
+            let resolved = owner_groups
+                .entry((namespace, owner.0, owner.1))
+                .or_insert_with(|| self.owner_group(namespace, owner, &groups));
+            // A MachineSet not (yet) cached or not served: the Machine's deployment label may still name
+            // a served MachineDeployment.
+            let fallback = || {
+                let md = machine.labels.get(&owner_labels.deployment)?;
+                let id = group_id(
+                    ScalableKind::MachineDeployment,
+                    &ObjectKey::new(namespace, md.as_str()),
+                );
+                groups.contains_key(&id).then_some(id)
+            };
+            let group_id = match resolved {
+                Some(id) => id.clone(),
+                None if owner.0 == ScalableKind::MachineSet => match fallback() {
+                    Some(id) => id,
+                    None => continue,
+                },
+                None => continue,
             };
             by_machine.insert(
                 key.clone(),
@@ -836,7 +865,7 @@ impl<'a> Builder<'a> {
                     message: failure_message(machine, "Machine deletion failed"),
                     class: OTHER_ERROR_CLASS,
                 }),
-                FAILED_PREFIX,
+                Some(FAILED_PREFIX),
             ),
             (Some(_), false, None) => (
                 InstanceState::Creating,
@@ -845,17 +874,18 @@ impl<'a> Builder<'a> {
                     message: failure_message(machine, "Machine provisioning failed"),
                     class: OTHER_ERROR_CLASS,
                 }),
-                FAILED_PREFIX,
+                Some(FAILED_PREFIX),
             ),
-            (_, true, _) => (InstanceState::Deleting, None, DELETING_PREFIX),
-            (None, false, None) => (InstanceState::Creating, None, PENDING_PREFIX),
-            // Failed after its Node registered: CA judges the Node itself.
-            (_, false, Some(_)) => (InstanceState::Running, None, PENDING_PREFIX),
+            (_, true, _) => (InstanceState::Deleting, None, Some(DELETING_PREFIX)),
+            (None, false, None) => (InstanceState::Creating, None, Some(PENDING_PREFIX)),
+            // Registered (also when failed afterwards: CA judges the Node itself). It has no made-up id:
+            // one would look to CA like a node that never registered.
+            (_, false, Some(_)) => (InstanceState::Running, None, None),
         };
-        let id = match provider_id {
-            Some(id) => id,
-            None if state == InstanceState::Running => return None,
-            None => synthetic_id(prefix, &machine.key),
+        let id = match (provider_id, prefix) {
+            (Some(id), _) => id,
+            (None, Some(prefix)) => synthetic_id(prefix, &machine.key),
+            (None, None) => return None,
         };
         Some(Instance {
             id,
