@@ -236,7 +236,7 @@ fn resources(list: &BTreeMap<String, Quantity>) -> PodRequests {
     let value = |name: &str| {
         list.get(name)
             .and_then(|q| q.string.as_deref())
-            .and_then(|s| crate::template::parse_quantity(s).ok())
+            .and_then(|s| crate::capi::quantity::parse_quantity(s).ok())
             .filter(|v| *v > 0.0)
             .unwrap_or(0.0)
     };

@@ -23,10 +23,10 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1 as api;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube_quantity::ParsedQuantity;
 use prost::Message;
 
 use crate::capi::names::{is_label_value, is_qualified_name};
+use crate::capi::quantity::parse_quantity;
 use crate::capi::{GPU_LABEL, InfraTemplate, Keys, ScalableResource, Taint, capacity};
 use crate::problem::Problem;
 
@@ -708,75 +708,6 @@ fn is_managed_label(key: &str) -> bool {
             .any(|d| prefix == *d || prefix.strip_suffix(*d).is_some_and(|p| p.ends_with('.')))
 }
 
-/// Parses a Kubernetes quantity (`resource.ParseQuantity` syntax) into its value (cores, bytes, count).
-/// The syntax is checked first so that only what Go accepts passes (the value then goes verbatim into the
-/// node CA decodes with Go); negative values are rejected.
-pub fn parse_quantity(raw: &str) -> Result<f64, String> {
-    let s = raw.trim();
-    if s.is_empty() {
-        return Err("empty quantity".to_string());
-    }
-    if !is_go_quantity(s) {
-        return Err(format!(
-            "{s:?} is not a quantity (e.g. 4, 500m, 16Gi, 128G)"
-        ));
-    }
-    // kube_quantity does not take the exa suffix `E` (it reads an exponent): scale from peta.
-    let (body, factor) = match s.strip_suffix('E') {
-        Some(b) => (format!("{b}P"), 1000.0),
-        None => (s.to_string(), 1.0),
-    };
-    let q = ParsedQuantity::try_from(body.as_str())
-        .map_err(|e| format!("{s:?} is not a quantity: {e}"))?;
-    let v = q
-        .to_bytes_f64()
-        .map(|v| v * factor)
-        .filter(|v| v.is_finite())
-        .ok_or_else(|| format!("{s:?} is out of range"))?;
-    if v < 0.0 {
-        return Err(format!("{s:?} is negative"));
-    }
-    Ok(v)
-}
-
-/// Go's quantity grammar: `[+-]?(digits | digits.digits? | .digits)` then `""`, a binary suffix
-/// (`Ki`..`Ei`), a decimal suffix (`n u m k M G T P E`) or an exponent `[eE][+-]?digits`.
-fn is_go_quantity(s: &str) -> bool {
-    let b = s.as_bytes();
-    let mut i = 0;
-    if matches!(b.first(), Some(b'+' | b'-')) {
-        i += 1;
-    }
-    let int_start = i;
-    while i < b.len() && b[i].is_ascii_digit() {
-        i += 1;
-    }
-    let mut digits = i - int_start;
-    if i < b.len() && b[i] == b'.' {
-        i += 1;
-        let frac_start = i;
-        while i < b.len() && b[i].is_ascii_digit() {
-            i += 1;
-        }
-        digits += i - frac_start;
-    }
-    if digits == 0 {
-        return false;
-    }
-    let suffix = &s[i..];
-    match suffix {
-        "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T"
-        | "P" | "E" => true,
-        _ => {
-            let Some(exp) = suffix.strip_prefix(['e', 'E']) else {
-                return false;
-            };
-            let exp = exp.strip_prefix(['+', '-']).unwrap_or(exp);
-            !exp.is_empty() && exp.bytes().all(|c| c.is_ascii_digit()) && exp.len() <= 18
-        }
-    }
-}
-
 /// An integer annotation (Go `strconv.ParseInt`): absent or empty → `None`; malformed or negative → a
 /// problem and `None`.
 fn parse_count(
@@ -987,41 +918,6 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
-    }
-
-    #[test]
-    fn quantities() {
-        let ok = [
-            ("4", 4.0),
-            ("500m", 0.5),
-            ("0.1", 0.1),
-            (".5", 0.5),
-            ("5.", 5.0),
-            ("+2", 2.0),
-            ("16Gi", 16.0 * 1024.0 * 1024.0 * 1024.0),
-            ("128G", 128e9),
-            ("1024", 1024.0),
-            ("1e3", 1000.0),
-            ("1E3", 1000.0),
-            ("2E", 2e18),
-            ("1Ki", 1024.0),
-            (" 8 ", 8.0),
-            ("0", 0.0),
-        ];
-        for (s, want) in ok {
-            let got = parse_quantity(s);
-            assert!(
-                got.as_ref()
-                    .is_ok_and(|v| (v - want).abs() <= want.abs() * 1e-12),
-                "{s:?}: {got:?} != {want}"
-            );
-        }
-        for s in [
-            "", "Ki", "abc", "1.1.1", "1 Gi", "1KB", "-1", "-500m", "1e", "e3", "1e3.5", "inf",
-            "nan", "0x10", "1gi", "1K",
-        ] {
-            assert!(parse_quantity(s).is_err(), "{s:?} accepted");
-        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 pub mod names;
 mod parse;
 pub mod providerid;
+pub mod quantity;
 
 use std::collections::BTreeMap;
 use std::fmt;
