@@ -10,13 +10,9 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
-use k8s_openapi::api::rbac::v1::ClusterRole;
-use kube::Api;
-use kube::api::{Patch, PatchParams};
-use serde::Deserialize as _;
 use serde_json::Value;
 use support::capi::fresh_capi;
-use support::capi::{Capi, Kind, SHIPPED_ROLE, Scalable};
+use support::capi::{Capi, Kind, Scalable};
 use support::infra::{CliRun, connection_args, run_cli, template_status};
 use support::{CAPI_GROUP, ControlPlane, Setup};
 
@@ -213,14 +209,7 @@ async fn check_exits_zero_without_problems() {
 /// The ClusterRole of deploy/base/rbac.yaml without its infrastructure.cluster.x-k8s.io rule,
 /// under another name.
 async fn apply_role_without_infra(admin: &kube::Client, name: &str) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/base/rbac.yaml");
-    let text = std::fs::read_to_string(&path).expect("read deploy/base/rbac.yaml");
-    let mut role = serde_yaml::Deserializer::from_str(&text)
-        .filter_map(|doc| serde_yaml::Value::deserialize(doc).ok())
-        .filter(|v| v["kind"].as_str() == Some("ClusterRole"))
-        .map(|v| serde_yaml::from_value::<ClusterRole>(v).expect("a ClusterRole"))
-        .find(|r| r.metadata.name.as_deref() == Some(SHIPPED_ROLE))
-        .expect("the shipped ClusterRole");
+    let mut role = support::capi::shipped_cluster_role();
     let rules = role.rules.take().unwrap_or_default();
     let before = rules.len();
     let rules: Vec<_> = rules
@@ -234,15 +223,7 @@ async fn apply_role_without_infra(admin: &kube::Client, name: &str) {
         .collect();
     assert_eq!(rules.len(), before - 1, "exactly one infrastructure rule");
     role.rules = Some(rules);
-    role.metadata.name = Some(name.to_string());
-    Api::<ClusterRole>::all(admin.clone())
-        .patch(
-            name,
-            &PatchParams::apply("e2e-check").force(),
-            &Patch::Apply(&role),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("apply ClusterRole {name}: {e}"));
+    support::capi::apply_cluster_role(admin, name, role).await;
 }
 
 #[tokio::test]

@@ -1599,3 +1599,53 @@ async fn health_is_not_serving_until_every_watch_has_listed() {
         ids(&[&capi.id(Kind::MachineDeployment, "md")])
     );
 }
+
+/// DESIGN invariant 3: when the decrement fails after the Machine was marked (here: the provider may
+/// mark Machines but not write the scale subresource), the mark is taken back, so no Machine is left
+/// marked without its decrement, and replicas are unchanged.
+#[tokio::test]
+async fn a_failed_decrement_takes_the_delete_mark_back() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let mut role = support::capi::shipped_cluster_role();
+    let mut denied = 0;
+    for rule in role.rules.iter_mut().flatten() {
+        let scale = rule
+            .resources
+            .iter()
+            .flatten()
+            .all(|r| r.ends_with("/scale"));
+        if scale {
+            rule.verbs.retain(|v| v != "patch");
+            denied += 1;
+        }
+    }
+    assert_eq!(denied, 1, "exactly one scale rule in deploy/base/rbac.yaml");
+    let role_name = format!("no-scale-{}", capi.ns);
+    support::capi::apply_cluster_role(&capi.client, &role_name, role).await;
+    let (_client, kubeconfig) = env.cp.restricted_identity(&role_name).await;
+
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(0, 5).replicas(2), false)
+        .await;
+    capi.create_machine(&capi.running("r0", md.clone())).await;
+    capi.create_machine(&capi.running("r1", md)).await;
+    let discovery = only_namespace(&capi.ns);
+    let provider = start_provider(&["--node-group-auto-discovery", &discovery], &kubeconfig).await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    expect_code(
+        "DeleteNodes without permission to scale",
+        rpc.delete_nodes(&id, vec![capi.grpc_node("r0")]).await,
+        Code::PermissionDenied,
+    );
+    assert_eq!(
+        capi.marked_machines().await,
+        ids(&[]),
+        "the mark was taken back"
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    assert_eq!(rpc.target(&id).await.unwrap(), 2);
+}

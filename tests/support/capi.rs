@@ -825,27 +825,41 @@ pub fn expect_code<T: std::fmt::Debug>(
 /// The name of the provider's ClusterRole in deploy/base/rbac.yaml.
 pub const SHIPPED_ROLE: &str = "capi-autoscaler-provider";
 
-/// Creates (or updates) the ClusterRole [`SHIPPED_ROLE`] exactly as deploy/base/rbac.yaml has it.
-pub async fn apply_shipped_cluster_role(admin: &Client) {
+/// The ClusterRole [`SHIPPED_ROLE`] exactly as deploy/base/rbac.yaml has it.
+pub fn shipped_cluster_role() -> k8s_openapi::api::rbac::v1::ClusterRole {
     use k8s_openapi::api::rbac::v1::ClusterRole;
     use serde::Deserialize as _;
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/base/rbac.yaml");
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    let role = serde_yaml::Deserializer::from_str(&text)
+    serde_yaml::Deserializer::from_str(&text)
         .filter_map(|doc| serde_yaml::Value::deserialize(doc).ok())
         .filter(|v| v["kind"].as_str() == Some("ClusterRole"))
         .map(|v| serde_yaml::from_value::<ClusterRole>(v).expect("a ClusterRole in rbac.yaml"))
         .find(|r| r.metadata.name.as_deref() == Some(SHIPPED_ROLE))
-        .unwrap_or_else(|| panic!("{} has no ClusterRole {SHIPPED_ROLE}", path.display()));
-    Api::<ClusterRole>::all(admin.clone())
+        .unwrap_or_else(|| panic!("{} has no ClusterRole {SHIPPED_ROLE}", path.display()))
+}
+
+/// Creates (or updates) `role` under `name`.
+pub async fn apply_cluster_role(
+    admin: &Client,
+    name: &str,
+    mut role: k8s_openapi::api::rbac::v1::ClusterRole,
+) {
+    role.metadata.name = Some(name.to_string());
+    Api::<k8s_openapi::api::rbac::v1::ClusterRole>::all(admin.clone())
         .patch(
-            SHIPPED_ROLE,
-            &PatchParams::apply("e2e-nodegroups").force(),
+            name,
+            &PatchParams::apply("e2e").force(),
             &Patch::Apply(&role),
         )
         .await
-        .unwrap_or_else(|e| panic!("apply ClusterRole {SHIPPED_ROLE}: {e}"));
+        .unwrap_or_else(|e| panic!("apply ClusterRole {name}: {e}"));
+}
+
+/// Creates (or updates) the ClusterRole [`SHIPPED_ROLE`] exactly as deploy/base/rbac.yaml has it.
+pub async fn apply_shipped_cluster_role(admin: &Client) {
+    apply_cluster_role(admin, SHIPPED_ROLE, shipped_cluster_role()).await;
 }
 
 // ---------------------------------------------------------------------------------------------------
