@@ -1,6 +1,11 @@
-# make demo   the main job locally: control plane, CAPI CRDs, the examples, this provider, driven
-#             over externalgrpc through a scale-up from zero and back down (CA cannot be built here)
+# make demo   the main job locally: control plane, CAPI CRDs, the examples, this provider and the real
+#             cluster-autoscaler, through a scale-up from zero and back down, with a timeline
 # make test   everything CI runs: format check, clippy, all tests
+# make bench  this provider against the in-tree provider and a floor on fleets of up to 100,000
+#             Machines (README: Benchmarks); not part of `make test`
+# make image  the container image without a Docker engine, into target/image/ (README: Image)
+# make fuzz   every fuzz target (cargo-fuzz, fuzz/) for FUZZ_SECONDS each; make fuzz-smoke: CI's short run
+# make load   64 clients x 100,000 read RPCs against the release binary serving 5,000 Machines
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := test
@@ -8,14 +13,14 @@ SHELL := bash
 CARGO ?= cargo
 TEST_LOG ?= target/test-output.log
 
-.PHONY: test fmt-check clippy upstream unit demo
+.PHONY: test fmt-check clippy upstream unit demo image bench fuzz fuzz-smoke load
 
 test: fmt-check clippy upstream
 	@mkdir -p $(dir $(TEST_LOG))
 	@start=$$(date +%s); status=0; \
 	$(CARGO) test --no-fail-fast 2>&1 | tee $(TEST_LOG) || status=$$?; \
 	echo; echo "== cargo test summary ($$(( $$(date +%s) - start ))s)"; \
-	grep -E '^\s+Running |^test result:|^e2e: control plane|^test .* FAILED$$|^error: ' $(TEST_LOG) || true; \
+	grep -E '^\s+Running |^test result:|^e2e: (control plane|scenario .* passed|matrix )|^test .* FAILED$$|^error: ' $(TEST_LOG) || true; \
 	exit $$status
 
 fmt-check:
@@ -33,8 +38,65 @@ upstream:
 unit:
 	$(CARGO) test --lib --bins
 
-# The real cluster-autoscaler cannot be built here (k8s.io/autoscaler: 403 from the module proxy), so the
-# demo plays CA over the provider's gRPC; it finds the provider binary in target/debug.
+# Runs the real cluster-autoscaler (the default version of tests/upstream/cluster-autoscaler.versions,
+# found by tests/upstream/cluster-autoscaler.sh: env CLUSTER_AUTOSCALER, ../shared/upstream or the official
+# image) against this provider; the demo finds the provider binary in target/debug.
 demo: upstream
 	$(CARGO) build --bin capi-autoscaler-provider
 	$(CARGO) run --example demo
+
+# The image without a Docker engine: a static release binary (glibc linked statically; the musl target
+# cannot be installed here), then tools/image (go-containerregistry, pinned in tools/image/go.sum)
+# applies the Dockerfile's final stage to it: an OCI layout and a `docker load` tarball in IMAGE_DIR.
+IMAGE_TARGET ?= x86_64-unknown-linux-gnu
+IMAGE_DIR ?= target/image
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+IMAGE_TAG ?= capi-autoscaler-provider:$(VERSION)
+
+image:
+	@start=$$(date +%s); \
+	case "$(IMAGE_TARGET)" in \
+	  x86_64-*) arch=amd64 ;; aarch64-*) arch=arm64 ;; \
+	  *) echo "image: no image platform for $(IMAGE_TARGET)" >&2; exit 2 ;; \
+	esac; \
+	commit=$$(git rev-parse HEAD 2>/dev/null || echo unknown); \
+	created=$$(git log -1 --format=%cI 2>/dev/null || date -u +%Y-%m-%dT%H:%M:%SZ); \
+	source=$$(git remote get-url origin 2>/dev/null \
+	  | sed -e 's#^git@\([^:]*\):#https://\1/#' -e 's#://[^/@]*@#://#' -e 's#\.git$$##' || true); \
+	RUSTFLAGS="-C target-feature=+crt-static" BUILD_GIT_COMMIT="$$commit" \
+	  $(CARGO) build --release --locked --target $(IMAGE_TARGET) --bin capi-autoscaler-provider; \
+	bin=$(CURDIR)/target/$(IMAGE_TARGET)/release/capi-autoscaler-provider; \
+	kind=$$(file -bL "$$bin"); echo "image: binary $$bin: $$kind"; \
+	case "$$kind" in *"statically linked"*|*"static-pie linked"*) ;; \
+	  *) echo "image: $$bin is not statically linked" >&2; exit 1 ;; esac; \
+	mkdir -p $(IMAGE_DIR); dir=$$(cd $(IMAGE_DIR) && pwd); \
+	cd tools/image && GOTOOLCHAIN=local go run . --dockerfile $(CURDIR)/Dockerfile \
+	  --binary "linux/$$arch=$$bin" --build-arg VERSION=$(VERSION) --build-arg REVISION="$$commit" \
+	  --build-arg SOURCE="$$source" --created "$$created" --tag $(IMAGE_TAG) \
+	  --oci-layout "$$dir/oci" --tarball "$$dir/capi-autoscaler-provider-$(VERSION).tar"; \
+	echo "image: $(IMAGE_TAG) for linux/$$arch in $$(( $$(date +%s) - start ))s"
+
+# The fleet benchmark (benches/fleet): the control plane of the tests, this provider's release build,
+# upstream's example externalgrpc server (W) and CA with the in-tree provider (A) from ../shared/upstream.
+# Prints the table and writes target/bench/fleet.{md,json}. BENCH_SIZES=1000/100 for one size; the other
+# BENCH_* knobs are listed in benches/fleet/main.rs.
+bench: upstream
+	$(CARGO) bench --bench fleet
+
+# Fuzzing (fuzz/, README: Fuzzing): builds every target with cargo-fuzz (no sanitizer: works on a stable
+# toolchain), runs each for FUZZ_SECONDS (or the ones named in FUZZ_TARGETS), prints executions per target,
+# fails on a crash (the input is kept in fuzz/artifacts/<target>/). Needs `cargo install cargo-fuzz`.
+FUZZ_SECONDS ?= 120
+FUZZ_SMOKE_SECONDS ?= 12
+FUZZ_TARGETS ?=
+
+fuzz:
+	bash fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+fuzz-smoke:
+	bash fuzz/run.sh $(FUZZ_SMOKE_SECONDS) $(FUZZ_TARGETS)
+
+# Load (benches/load.rs, README: Benchmarks): the release binary against the test control plane; prints
+# errors, throughput, latency and the provider's memory during the run. LOAD_* variables resize it.
+load: upstream
+	$(CARGO) bench --bench load

@@ -1,44 +1,45 @@
-//! `make demo`: the provider's main job on one machine, in well under a minute.
+//! `make demo`: the provider's main job on one machine, driven by the real cluster-autoscaler.
 //!
-//! A fresh etcd + kube-apiserver with the Cluster API CRDs (tests/support), the example node groups of
-//! examples/*.yaml in namespace `demo`, a fake CAPI + fake kubelet reconciler, and this provider
-//! (`serve`). Then one cluster-autoscaler cycle on `md-small`: a pending pod scales the group up from
-//! zero and, once the pod is gone, back down.
+//! A fresh etcd + kube-apiserver + kube-scheduler with the Cluster API CRDs (tests/support), the
+//! example node groups of examples/*.yaml in namespace `demo`, the test reconciler playing the CAPI
+//! controllers and the kubelets, this provider (`serve`, discovery limited to `demo`) and the real
+//! cluster-autoscaler (the default pinned version, `--cloud-provider=externalgrpc`, test timings).
+//! Then one cycle on `md-small`: a pending pod that only fits it makes CA scale the group up from
+//! zero; kube-scheduler binds the pod to the new Node; once the pod is deleted, CA removes the empty
+//! Node through DeleteNodes (the Machine marked for deletion, replicas back to 0).
 //!
-//! The real cluster-autoscaler cannot be built on this machine (the Go module proxy answers 403 for
-//! k8s.io/autoscaler), so the demo plays CA's part: it calls the provider over the same externalgrpc
-//! gRPC protocol, with the calls CA makes in its scale-up and scale-down loops.
+//! The timeline shows what CA decided from what CA itself writes (its Events and its status
+//! ConfigMap), the objects that changed (replicas, delete marks, CA's taints) and the reconciler's
+//! actions; the objects are watched, so the times are when the changes happened.
 //!
-//! Every run starts its own control plane on free 127.0.0.1 ports and leaves nothing behind: the
-//! provider, the reconciler, kube-apiserver and etcd stop at exit (also on Ctrl-C), and the work
-//! directories are removed (kept, with their path printed, when the demo fails).
+//! Every run starts its own control plane on free 127.0.0.1 ports and leaves nothing behind: CA, the
+//! provider, the reconciler, kube-scheduler, kube-apiserver and etcd stop at exit (also on Ctrl-C),
+//! and the work directories are removed (kept, with the logs' paths printed, when the demo fails).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use capi_autoscaler_provider::proto::instance_status::InstanceState;
-use capi_autoscaler_provider::proto::{
-    ExternalGrpcNode, NodeGroupAutoscalingOptions, NodeGroupAutoscalingOptionsRequest,
-    NodeGroupTemplateNodeInfoRequest,
-};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
-use k8s_openapi::api::events::v1::Event;
-use k8s_pb::api::core::v1 as pb;
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Node, Pod};
 use kube::api::{DeleteParams, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
-use kube::{Api, Client};
-use prost::Message as _;
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Api, Client, Resource};
 use serde::Deserialize as _;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use support::capi::{Capi, Kind, Rpc};
+use support::autoscaler::{self, Autoscaler, AutoscalerProcess, STATUS_CONFIGMAP};
+use support::capi::{Capi, Kind};
 use support::provider::PROVIDER_BIN;
 use support::reconciler::Reconciler;
-use support::{CAPI_GROUP, Check, ControlPlane, Setup, poll_until, procs, start_provider};
+use support::{CAPI_GROUP, ControlPlane, ProviderProcess, Setup, infra, procs, start_provider};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
 
 const NS: &str = "demo";
 const MD: &str = "md-small";
@@ -46,16 +47,19 @@ const GROUP: &str = "MachineDeployment/demo/md-small";
 const POD: &str = "web";
 const POD_CPU: &str = "1500m";
 const POD_MEMORY: &str = "512Mi";
-const TIMEOUT: Duration = Duration::from_secs(60);
+/// The label the reconciler copies from a MachineDeployment's template onto its Machines and Nodes.
+const DEPLOYMENT_LABEL: &str = "cluster.x-k8s.io/deployment-name";
+/// CA's loop is 2 s and the reconciler makes a Node at once: a minute is ample for each scale-up step.
+const UP: Duration = Duration::from_secs(60);
+/// md-small's scale-down-unneeded-time (10 s) plus CA's loops and deletion.
+const DOWN: Duration = Duration::from_secs(90);
+const SHORT: Duration = Duration::from_secs(30);
+/// The key of the whole cluster's line among the node groups' in CA's status.
+const CLUSTER_WIDE: &str = "cluster-wide";
 
 fn main() -> ExitCode {
     let t0 = Instant::now();
-    println!("== capi-autoscaler-provider demo");
-    println!(
-        "note: the real cluster-autoscaler cannot be built on this machine (the Go module proxy answers\n      \
-         403 for k8s.io/autoscaler), so this demo plays CA's part: it drives the provider over the\n      \
-         same externalgrpc gRPC protocol, with the calls CA makes when it scales up and down."
-    );
+    println!("== capi-autoscaler-provider demo: the real cluster-autoscaler drives the provider");
     if !Path::new(PROVIDER_BIN).is_file() {
         eprintln!(
             "error: no provider binary at {PROVIDER_BIN}; build it first: \
@@ -63,6 +67,21 @@ fn main() -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
+    // Before anything starts: without CA there is no demo (the panic message says what was tried).
+    let version = autoscaler::default_version();
+    let Ok(binary) = std::panic::catch_unwind(|| autoscaler::binary(&version, "externalgrpc"))
+    else {
+        eprintln!(
+            "error: no cluster-autoscaler {version}; set CLUSTER_AUTOSCALER to a release build \
+             (`-tags externalgrpc`)"
+        );
+        return ExitCode::FAILURE;
+    };
+    println!(
+        "\n== setup (seconds since the start)\n[{:7.2}s] cluster-autoscaler {version}: {}",
+        t0.elapsed().as_secs_f64(),
+        binary.display()
+    );
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -75,15 +94,22 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
+        // In a task of its own, so that a panicking harness step (they panic with the logs) is a
+        // failure like any other, and so that Ctrl-C can stop it (dropping it kills CA and the provider).
+        let mut task = tokio::spawn(run(t0, version));
         tokio::select! {
-            result = run(t0) => result,
-            _ = tokio::signal::ctrl_c() => Err(Outcome::Interrupted),
+            result = &mut task => joined(result).and_then(|r| r).map_err(Outcome::Failed),
+            _ = tokio::signal::ctrl_c() => {
+                task.abort();
+                let _ = task.await;
+                Err(Outcome::Interrupted)
+            }
         }
     });
-    // The provider and the reconciler live in `run`: stopped by now. Don't wait for a control-plane
-    // start that an interrupt cut short; the exit handler kills its processes.
+    // Don't wait for a control-plane start that an interrupt cut short: the exit handler kills its
+    // processes and removes the work directories.
     runtime.shutdown_background();
-    println!("\nstopping kube-apiserver and etcd; removing the work directories");
+    println!("\nstopping kube-scheduler, kube-apiserver and etcd; removing the work directories");
     match result {
         Ok(()) => {
             println!("demo: done in {:.1}s", t0.elapsed().as_secs_f64());
@@ -96,6 +122,13 @@ fn main() -> ExitCode {
         Err(Outcome::Failed(e)) => {
             procs::mark_failed();
             eprintln!("\ndemo FAILED: {e}");
+            let logs = log_files(procs::work_dir());
+            if !logs.is_empty() {
+                eprintln!("\nlogs (kept):");
+            }
+            for log in logs {
+                eprintln!("  {}", log.display());
+            }
             ExitCode::FAILURE
         }
     }
@@ -106,15 +139,44 @@ enum Outcome {
     Failed(String),
 }
 
-/// Starts the control plane (on a blocking thread: the harness blocks while it starts), then the demo.
-async fn run(t0: Instant) -> Result<(), Outcome> {
+/// A task's result; a panic (the harness panics with the logs' tails) as its message.
+fn joined<T>(result: Result<T, tokio::task::JoinError>) -> Result<T, String> {
+    result.map_err(|e| match e.try_into_panic() {
+        Ok(payload) => match payload.downcast::<String>() {
+            Ok(message) => format!("a step panicked: {message}"),
+            Err(payload) => format!(
+                "a step panicked: {}",
+                payload.downcast_ref::<&str>().unwrap_or(&"(no message)")
+            ),
+        },
+        Err(e) => e.to_string(),
+    })
+}
+
+/// The `*.log` files of the work directory and of its subdirectories (the control plane's).
+fn log_files(dir: &Path) -> Vec<PathBuf> {
+    let mut logs = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            logs.extend(log_files(&path));
+        } else if path.extension().is_some_and(|x| x == "log") {
+            logs.push(path);
+        }
+    }
+    logs.sort();
+    logs
+}
+
+/// Starts the control plane (on a blocking thread: the harness blocks while it starts), then the
+/// demo.
+async fn run(t0: Instant, version: String) -> Result<(), String> {
     println!(
-        "\n[{:7.2}s] starting etcd + kube-apiserver + Cluster API CRDs on 127.0.0.1 …",
-        0.0
+        "[{:7.2}s] starting etcd + kube-apiserver + Cluster API CRDs on 127.0.0.1 …",
+        t0.elapsed().as_secs_f64()
     );
-    let cp = tokio::task::spawn_blocking(|| support::control_plane(Setup::shipped()))
-        .await
-        .map_err(|e| Outcome::Failed(format!("the control plane did not start: {e}")))?;
+    let cp =
+        joined(tokio::task::spawn_blocking(|| support::control_plane(Setup::shipped())).await)?;
     let t = &cp.timings;
     println!(
         "[{:7.2}s] control plane {} up in {:.1}s (etcd {:.1}s, kube-apiserver {:.1}s, {} CRDs {:.1}s; \
@@ -127,90 +189,15 @@ async fn run(t0: Instant) -> Result<(), Outcome> {
         t.crd_count,
         t.crds.as_secs_f64(),
     );
-    demo(cp, t0).await.map_err(Outcome::Failed)
-}
-
-/// Prints the timeline: before the scale cycle, seconds since the start of the run; during it,
-/// seconds since the pending pod appeared. The reconciler's actions are printed in between.
-struct Timeline {
-    start: Instant,
-    cycle: Option<Instant>,
-    steps: Vec<(Duration, String)>,
-}
-
-impl Timeline {
-    fn stamp(&self, at: Instant) -> String {
-        match self.cycle {
-            Some(c) if at >= c => format!("{:>8}", format!("+{:.3}s", (at - c).as_secs_f64())),
-            _ => format!("{:7.2}s", (at - self.start).as_secs_f64()),
-        }
-    }
-
-    fn print(&self, at: Instant, text: &str) {
-        let stamp = self.stamp(at);
-        for (i, line) in text.lines().enumerate() {
-            if i == 0 {
-                println!("[{stamp}] {line}");
-            } else {
-                println!("{:width$}   {line}", "", width = stamp.len());
-            }
-        }
-    }
-
-    /// A line of the timeline; during the scale cycle it is also a step of the summary.
-    fn step(&mut self, reconciler: Option<&Reconciler>, text: &str) {
-        if let Some(r) = reconciler {
-            self.flush(r);
-        }
-        let now = Instant::now();
-        self.print(now, text);
-        if let Some(c) = self.cycle {
-            let first = text.lines().next().unwrap_or_default().to_string();
-            self.steps.push((now - c, first));
-        }
-    }
-
-    /// Prints what the reconciler did since the last call.
-    fn flush(&self, reconciler: &Reconciler) {
-        for (at, action) in reconciler.take_actions() {
-            self.print(at, &format!("    fake CAPI/kubelet: {action}"));
-        }
-    }
-}
-
-/// Waits for `check` with the demo's deadline.
-async fn wait<T, F, Fut>(what: &str, mut check: F) -> Result<T, String>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Option<T>, String>>,
-{
-    poll_until(what, TIMEOUT, Duration::from_millis(20), || {
-        let fut = check();
-        async move {
-            match fut.await {
-                Ok(Some(v)) => Check::Done(v),
-                Ok(None) => Check::Wait("not yet".into()),
-                Err(e) => Check::Wait(e),
-            }
-        }
-    })
-    .await
+    demo(cp, t0, &version).await
 }
 
 fn err(what: impl std::fmt::Display) -> impl FnOnce(kube::Error) -> String {
     move |e| format!("{what}: {e}")
 }
 
-async fn demo(cp: &'static ControlPlane, t0: Instant) -> Result<(), String> {
-    let mut tl = Timeline {
-        start: t0,
-        cycle: None,
-        steps: Vec::new(),
-    };
+async fn demo(cp: &'static ControlPlane, t0: Instant, version: &str) -> Result<(), String> {
     let client = cp.admin_client().await;
-    let kubeconfig = cp.admin_kubeconfig();
-
-    // --- the example objects -------------------------------------------------------------------
     Api::<Namespace>::all(client.clone())
         .create(
             &PostParams::default(),
@@ -224,389 +211,211 @@ async fn demo(cp: &'static ControlPlane, t0: Instant) -> Result<(), String> {
         )
         .await
         .map_err(err("create namespace demo"))?;
-    let applied = apply_examples(&client).await?;
-    tl.step(
-        None,
-        &format!("namespace {NS}: objects from examples/*.yaml\n{applied}"),
-    );
-
-    // --- fake CAPI + kubelets, then the provider -------------------------------------------------
-    let reconciler = Reconciler::start(client.clone(), NS);
     let capi = Capi::new(client.clone(), NS, CAPI_GROUP, "v1beta2");
-    wait("MachinePool demo/pool has its Node", || async {
-        let mp = capi
-            .api(Kind::MachinePool)
-            .get("pool")
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok((mp.data["status"]["readyReplicas"] == json!(1)).then_some(()))
+    let mut d = Demo::new(client.clone(), &capi, t0);
+
+    let applied = apply_examples(&client).await?;
+    d.say(&format!(
+        "namespace {NS}: objects from examples/*.yaml\n{applied}"
+    ));
+    d.until("the MachinePool's Node is Ready", SHORT, |s| {
+        s.nodes.values().any(|n| n.ready).then_some(())
     })
     .await?;
-    tl.step(
-        Some(&reconciler),
-        "fake CAPI/kubelet reconciler running for namespace demo (MachineSets, Machines, Nodes)",
-    );
+    d.say("fake CAPI/kubelet reconciler running for namespace demo (MachineSets, Machines, Nodes)");
 
-    let provider = start_provider(&[], kubeconfig).await;
-    let mut rpc = Rpc::connect(&provider).await;
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "provider `serve` on {} (pid {}): CloudProvider SERVING after {:.2}s",
-            provider.address,
-            provider.pid(),
-            provider.startup.as_secs_f64()
-        ),
-    );
+    let discovery = format!("clusterapi:namespace={NS}");
+    let provider = start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    d.say(&format!(
+        "provider `serve --node-group-auto-discovery {discovery}` on {} (pid {}): CloudProvider \
+         SERVING after {:.2}s",
+        provider.address,
+        provider.pid(),
+        provider.startup.as_secs_f64()
+    ));
+    let provider = d.provider.insert(provider);
+    let provider_address = provider.address.clone();
 
-    // --- what CA sees ------------------------------------------------------------------------------
-    let check = run_check(kubeconfig).await?;
-    tl.step(
-        Some(&reconciler),
-        &format!("`capi-autoscaler-provider check --cloud-config <kubeconfig>` {check}"),
+    // What CA will see, as the operator would look at it.
+    let args = infra::connection_args(cp.admin_kubeconfig(), NS);
+    let mut check_args = vec!["check"];
+    check_args.extend(args.iter().map(String::as_str));
+    let check = infra::run_cli(&check_args, SHORT).await;
+    let meaning = match check.code {
+        Some(0) => "no problems",
+        Some(1) => "problems reported, see PROBLEMS",
+        _ => return Err(format!("`check` failed:\n{}", check.describe())),
+    };
+    let mut text = format!(
+        "`capi-autoscaler-provider check --cloud-config <kubeconfig> --node-group-auto-discovery \
+         {discovery}` exited {} ({meaning}):",
+        check.code.unwrap_or_default()
     );
-    let mut table = String::from("CA → NodeGroups (then TargetSize, NodeGroupNodes per group):");
-    for group in rpc.groups().await {
-        let target = rpc.target(&group.id).await.map_err(|e| e.to_string())?;
-        let nodes = rpc.nodes(&group.id).await.map_err(|e| e.to_string())?;
-        table.push_str(&format!(
-            "\n  {:<36} min {:>2}  max {:>2}  target {:>2}  instances {}",
-            group.id,
-            group.min_size,
-            group.max_size,
-            target,
-            nodes.len()
-        ));
+    for line in check.stdout.lines() {
+        text.push_str(&format!("\n  | {line}"));
     }
-    tl.step(Some(&reconciler), &table);
+    d.say(&text);
+
+    let ca = Autoscaler::new(NS, &provider_address);
+    let flags = ca
+        .flags
+        .chunks(4)
+        .map(|line| line.join(" "))
+        .collect::<Vec<_>>()
+        .join("\n  ");
+    d.ca = Some(ca.start(cp).await);
+    d.say(&format!(
+        "kube-scheduler started; cluster-autoscaler {version} up: --cloud-provider=externalgrpc \
+         --cloud-config=<address: {provider_address}> --namespace={NS}\n  {flags}"
+    ));
+    d.until("CA's first status ConfigMap with md-small", SHORT, |s| {
+        s.groups.contains_key(GROUP).then_some(())
+    })
+    .await?;
 
     // --- scale up ----------------------------------------------------------------------------------
     println!(
-        "\n== a cluster-autoscaler cycle on {GROUP} (times from the pending pod; \
-         CA's own waits — scan interval, scale-down-unneeded-time — skipped)"
+        "\n== the cycle on {GROUP} (t+ = seconds since the pod was created; \
+         lines are: who, what)"
     );
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    create_pending_pod(&pods).await?;
-    tl.cycle = Some(Instant::now());
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "pod {NS}/{POD} Pending, PodScheduled=False/Unschedulable (requests cpu {POD_CPU}, \
-             memory {POD_MEMORY}; nodeSelector pool=small)"
-        ),
-    );
-    let existing = existing_node_verdicts(&client).await?;
-    tl.step(
-        Some(&reconciler),
-        &format!("CA: simulates the pod on the existing nodes{existing}"),
-    );
-
-    let mut options = String::from("CA → NodeGroupTemplateNodeInfo for each group:");
-    for group in rpc.groups().await {
-        match template(&mut rpc, &group.id).await {
-            Ok(node) => {
-                let shape = Shape::of_template(&node);
-                let verdict = match shape.fits() {
-                    Ok(()) => "the pod fits".to_string(),
-                    Err(why) => format!("no: {why}"),
-                };
-                options.push_str(&format!("\n  {:<36} {verdict}", group.id));
-            }
-            Err(status) => options.push_str(&format!(
-                "\n  {:<36} {:?}: {}",
-                group.id,
-                status.code(),
-                status.message()
-            )),
-        }
-    }
-    tl.step(Some(&reconciler), &options);
-    let node = template(&mut rpc, GROUP).await.map_err(|e| e.to_string())?;
-    let shape = Shape::of_template(&node);
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "TemplateNodeInfo({GROUP}) decoded (nodeBytes → k8s.io.api.core.v1.Node, {} bytes):\n  \
-             name   {}\n  cpu    {}\n  memory {}\n  pods   {}\n  labels {}\n  taints {}",
-            node.encoded_len(),
-            node.metadata
-                .as_ref()
-                .and_then(|m| m.name.clone())
-                .unwrap_or_default(),
-            shape.cpu,
-            shape.memory,
-            shape.pods,
-            shape
-                .labels
+    create_pod(&pods).await?;
+    d.cycle = Some(Instant::now());
+    d.say(&format!(
+        "pod {NS}/{POD} created: requests cpu {POD_CPU}, memory {POD_MEMORY}; nodeSelector pool=small \
+         (only md-small's template has that label, and md-small has no node)"
+    ));
+    d.until("CA raises md-small's replicas", UP, |s| {
+        (s.replicas.get(MD).copied().unwrap_or(0) >= 1).then_some(())
+    })
+    .await?;
+    let node = d
+        .until("md-small's Node is Ready", UP, |s| {
+            s.nodes
                 .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            if shape.taints.is_empty() {
-                "none".to_string()
-            } else {
-                shape.taints.join(", ")
-            },
-        ),
-    );
-
-    let before = capi.replicas(Kind::MachineDeployment, MD).await;
-    let called = Instant::now();
-    rpc.increase(GROUP, 1)
-        .await
-        .map_err(|e| format!("IncreaseSize: {e}"))?;
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "CA → NodeGroupIncreaseSize({GROUP}, delta 1): OK in {:.0} ms",
-            called.elapsed().as_secs_f64() * 1000.0
-        ),
-    );
-    let after = capi.replicas(Kind::MachineDeployment, MD).await;
-    let target = rpc.target(GROUP).await.map_err(|e| e.to_string())?;
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "MachineDeployment {NS}/{MD} spec.replicas {before} → {after} (written by the provider); \
-             NodeGroupTargetSize = {target}"
-        ),
-    );
-
-    let machines = capi.api(Kind::Machine);
-    let machine = wait("a Machine of md-small", || async {
-        let list = machines
-            .list(&Default::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(list.items.into_iter().find(|m| {
-            m.metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(&capi.key("deployment-name")))
-                .is_some_and(|d| d == MD)
-        }))
-    })
-    .await?;
-    let machine_name = machine.metadata.name.clone().unwrap_or_default();
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "Machine {NS}/{machine_name} exists (providerID {})",
-            machine.data["spec"]["providerID"].as_str().unwrap_or("-")
-        ),
-    );
-
-    let nodes: Api<Node> = Api::all(client.clone());
-    let node = wait("its Node Ready", || async {
-        Ok(match nodes.get_opt(&machine_name).await {
-            Ok(Some(n)) if node_ready(&n) => Some(n),
-            Ok(_) => None,
-            Err(e) => return Err(e.to_string()),
+                .find(|(_, n)| n.group == MD && n.ready)
+                .map(|(name, _)| name.clone())
         })
-    })
-    .await?;
-    let node_name = node.metadata.name.clone().unwrap_or_default();
-    tl.step(Some(&reconciler), &format!("Node {node_name} Ready"));
-
-    let running = wait("the provider lists the instance Running", || {
-        let mut rpc = rpc.clone();
-        async move {
-            let instances = rpc.nodes(GROUP).await.map_err(|e| e.to_string())?;
-            Ok(instances
-                .into_iter()
-                .find(|i| {
-                    i.status.as_ref().map(|s| s.instance_state)
-                        == Some(InstanceState::InstanceRunning as i32)
-                })
-                .map(|i| i.id))
-        }
-    })
-    .await?;
-    tl.step(
-        Some(&reconciler),
-        &format!("CA → NodeGroupNodes({GROUP}): {running} Running"),
-    );
-
-    let grpc_node = grpc_node_of(&node);
-    let group = rpc.for_node(grpc_node.clone()).await;
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "CA → NodeGroupForNode({node_name}): {} (min {}, max {})",
-            group.id, group.min_size, group.max_size
-        ),
-    );
-    if group.id != GROUP {
+        .await?;
+    let bound = d
+        .until("kube-scheduler binds the pod", UP, |s| s.pod_node.clone())
+        .await?;
+    if bound != node {
         return Err(format!(
-            "NodeGroupForNode answered {}, not {GROUP}",
-            group.id
+            "the pod went to {bound}, not to md-small's Node {node}"
         ));
     }
-
-    pods.create_subresource::<Value, Value>(
-        "binding",
-        POD,
-        &PostParams::default(),
-        &json!({
-            "apiVersion": "v1",
-            "kind": "Binding",
-            "metadata": {"name": POD, "namespace": NS},
-            "target": {"apiVersion": "v1", "kind": "Node", "name": node_name},
-        }),
-    )
-    .await
-    .map_err(err("bind the pod"))?;
-    tl.step(
-        Some(&reconciler),
-        &format!("pod {NS}/{POD} bound to {node_name} (pods/binding, as kube-scheduler would)"),
-    );
-    let scale_up = tl.steps.last().map(|s| s.0).unwrap_or_default();
+    // One more CA loop, to show CA's view of the grown group.
+    d.until("CA's status shows md-small's Node ready", SHORT, |s| {
+        s.groups
+            .get(GROUP)
+            .is_some_and(|g| g.ready == 1)
+            .then_some(())
+    })
+    .await?;
 
     // --- scale down --------------------------------------------------------------------------------
+    let option = capi.key("autoscaling-options-scaledownunneededtime");
+    let unneeded = capi
+        .api(Kind::MachineDeployment)
+        .get(MD)
+        .await
+        .map_err(err("get MachineDeployment md-small"))?
+        .metadata
+        .annotations
+        .and_then(|a| {
+            a.get(&option)
+                .map(|v| format!("{v} (its {option} annotation)"))
+        })
+        .unwrap_or_else(|| "CA's --scale-down-unneeded-time".into());
     pods.delete(POD, &DeleteParams::default().grace_period(0))
         .await
         .map_err(err("delete the pod"))?;
-    wait("the pod is gone", || async {
-        Ok(pods
-            .get_opt(POD)
-            .await
-            .map_err(|e| e.to_string())?
-            .is_none()
-            .then_some(()))
+    d.deleted = Some(Instant::now());
+    d.say(&format!(
+        "pod {NS}/{POD} deleted: {node} is empty; CA removes it once unneeded for md-small's \
+         scale-down-unneeded-time: {unneeded}"
+    ));
+    d.until("the pod is gone", SHORT, |s| (!s.pod_exists).then_some(()))
+        .await?;
+    d.until("CA has the provider mark md-small's Machine", DOWN, |s| {
+        s.times.marked.map(|_| ())
     })
     .await?;
-    tl.step(
-        Some(&reconciler),
-        &format!("pod {NS}/{POD} deleted: {node_name} is empty"),
-    );
-    let unneeded = unneeded_time(&mut rpc).await?;
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "CA → NodeGroupGetOptions({GROUP}): scaleDownUnneededTime {unneeded} \
-             (CA's default 10m); CA would wait that long — skipped here"
-        ),
-    );
-    let down_start = Instant::now();
-    rpc.delete_nodes(GROUP, vec![grpc_node])
-        .await
-        .map_err(|e| format!("DeleteNodes: {e}"))?;
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "CA → NodeGroupDeleteNodes({GROUP}, [{node_name}]): OK in {:.0} ms",
-            down_start.elapsed().as_secs_f64() * 1000.0
-        ),
-    );
-    let marked = machines
-        .get_opt(&machine_name)
-        .await
-        .map_err(|e| e.to_string())?
-        .map(|m| {
-            m.metadata
-                .annotations
-                .unwrap_or_default()
-                .contains_key(&capi.delete_key())
-        });
-    let replicas = capi.replicas(Kind::MachineDeployment, MD).await;
-    tl.step(
-        Some(&reconciler),
-        &format!(
-            "Machine {machine_name}: {}; MachineDeployment spec.replicas {after} → {replicas}",
-            match marked {
-                Some(true) => format!("annotated {}", capi.delete_key()),
-                Some(false) => "not annotated (!)".to_string(),
-                None => "already deleted by the fake MachineSet controller".to_string(),
-            }
-        ),
-    );
-    wait("the Node is gone", || async {
-        Ok(nodes
-            .get_opt(&node_name)
-            .await
-            .map_err(|e| e.to_string())?
-            .is_none()
-            .then_some(()))
+    d.until("md-small's replicas back to 0", SHORT, |s| {
+        (s.replicas.get(MD) == Some(&0)).then_some(())
     })
     .await?;
-    tl.step(
-        Some(&reconciler),
-        &format!("Machine and Node {node_name} gone"),
-    );
-    let target = rpc.target(GROUP).await.map_err(|e| e.to_string())?;
-    wait("NodeGroupNodes lists no instance", || {
-        let mut rpc = rpc.clone();
-        async move {
-            let instances = rpc.nodes(GROUP).await.map_err(|e| e.to_string())?;
-            Ok(instances.is_empty().then_some(()))
-        }
+    d.until("md-small's Node is gone", SHORT, |s| {
+        (!s.nodes.values().any(|n| n.group == MD)).then_some(())
     })
     .await?;
-    tl.step(
-        Some(&reconciler),
-        &format!("CA → NodeGroupTargetSize({GROUP}) = {target}; NodeGroupNodes: no instances"),
-    );
-    let scale_down = Instant::now() - down_start;
+    d.until("CA's status shows md-small at 0", SHORT, |s| {
+        s.groups
+            .get(GROUP)
+            .is_some_and(|g| g.target == 0 && g.registered == 0)
+            .then_some(())
+    })
+    .await?;
+    // The Machine that went is the marked one, and the only one.
+    if d.state.deleted_marked != vec![node.clone()] {
+        return Err(format!(
+            "Machines deleted with the delete mark: {:?}, not just {node}'s",
+            d.state.deleted_marked
+        ));
+    }
 
     // --- summary -----------------------------------------------------------------------------------
-    println!("\n== summary");
-    for (at, step) in &tl.steps {
-        println!("  {:>8}  {step}", format!("+{:.3}s", at.as_secs_f64()));
+    let scaled_up = d
+        .ca()
+        .metric_sum("cluster_autoscaler_scaled_up_nodes_total", &[])
+        .await;
+    let scaled_down = d
+        .ca()
+        .metric_sum("cluster_autoscaler_scaled_down_nodes_total", &[])
+        .await;
+    d.summary(cp, version, &node, scaled_up, scaled_down);
+    if !d.reconciler.errors().is_empty() {
+        println!("  reconciler errors: {:#?}", d.reconciler.errors());
     }
     println!(
-        "  scale-up   (pending pod → Node Ready, pod bound): {:.2}s",
-        scale_up.as_secs_f64()
+        "  logs (removed at exit): {}",
+        log_files(procs::work_dir())
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
-    println!(
-        "  scale-down (DeleteNodes → Node gone, target 0):  {:.2}s",
-        scale_down.as_secs_f64()
-    );
-    println!(
-        "  control plane start {:.1}s; whole run so far {:.1}s",
-        cp.timings.total.as_secs_f64(),
-        t0.elapsed().as_secs_f64()
-    );
-    let errors = reconciler.errors();
-    if !errors.is_empty() {
-        println!("  reconciler errors: {errors:#?}");
-    }
-    let excerpt = log_excerpt(&provider.log_contents());
-    println!("  provider log (WARN/ERROR, resolved problems, scale operations):");
-    for line in excerpt.iter().take(30) {
-        println!("    {line}");
-    }
-    let events = Api::<Event>::namespaced(client.clone(), NS)
-        .list(&Default::default())
+    println!("\nstopping cluster-autoscaler, the provider and the reconciler");
+    drop(d);
+    Ok(())
+}
+
+/// The demo's pod: it fits only md-small (nodeSelector `pool=small`, 1.5 of its 2 CPUs). No owner:
+/// CA never needs to drain it, the demo deletes it before the scale-down.
+async fn create_pod(pods: &Api<Pod>) -> Result<(), String> {
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": POD, "namespace": NS, "labels": {"app": POD}},
+        "spec": {
+            "nodeSelector": {"pool": "small"},
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": POD,
+                "image": "registry.k8s.io/pause:3.10",
+                "resources": {"requests": {"cpu": POD_CPU, "memory": POD_MEMORY}},
+            }],
+        },
+    }))
+    .map_err(|e| format!("pod object: {e}"))?;
+    pods.create(&PostParams::default(), &pod)
         .await
-        .map_err(err("list Events"))?;
-    println!("  Kubernetes Events in namespace {NS}:");
-    for e in &events.items {
-        let mut line = format!(
-            "{} {} {}/{} ×{}: {}",
-            e.type_.as_deref().unwrap_or("-"),
-            e.reason.as_deref().unwrap_or("-"),
-            e.regarding
-                .as_ref()
-                .and_then(|r| r.kind.as_deref())
-                .unwrap_or("-"),
-            e.regarding
-                .as_ref()
-                .and_then(|r| r.name.as_deref())
-                .unwrap_or("-"),
-            e.series.as_ref().map_or(1, |s| s.count),
-            e.note.as_deref().unwrap_or_default(),
-        );
-        if line.chars().count() > 200 {
-            line = line.chars().take(199).collect::<String>() + "…";
-        }
-        println!("    {line}");
-    }
-    println!(
-        "\nstopping the provider (pid {}) and the reconciler",
-        provider.pid()
-    );
-    drop(provider);
-    drop(reconciler);
+        .map_err(err("create the pod"))?;
     Ok(())
 }
 
@@ -628,11 +437,15 @@ async fn apply_examples(client: &Client) -> Result<String, String> {
         );
         let text =
             std::fs::read_to_string(&file).map_err(|e| format!("read {}: {e}", file.display()))?;
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let value =
-                serde_yaml::Value::deserialize(doc).map_err(|e| format!("parse {short}: {e}"))?;
-            let mut object: Value =
-                serde_json::to_value(value).map_err(|e| format!("{short}: {e}"))?;
+        // Parsed before any await: the YAML parser cannot move between threads.
+        let documents = serde_norway::Deserializer::from_str(&text)
+            .map(|doc| {
+                let value = serde_norway::Value::deserialize(doc)
+                    .map_err(|e| format!("parse {short}: {e}"))?;
+                serde_json::to_value(value).map_err(|e| format!("{short}: {e}"))
+            })
+            .collect::<Result<Vec<Value>, String>>()?;
+        for mut object in documents {
             if object.is_null() {
                 continue;
             }
@@ -682,128 +495,292 @@ async fn apply_examples(client: &Client) -> Result<String, String> {
     Ok(report.join("\n"))
 }
 
-/// Runs `capi-autoscaler-provider check --cloud-config <kubeconfig>` (60 s at most); returns its
-/// exit code and stdout, indented.
-async fn run_check(kubeconfig: &Path) -> Result<String, String> {
-    let out = procs::work_dir().join("check.stdout");
-    let errs = procs::work_dir().join("check.stderr");
-    let file = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
-    let mut command = Command::new(PROVIDER_BIN);
-    command
-        .arg("check")
-        .arg("--cloud-config")
-        .arg(kubeconfig)
-        .stdin(Stdio::null())
-        .stdout(file(&out)?)
-        .stderr(file(&errs)?);
-    let mut child = procs::spawn(command).map_err(|e| format!("start check: {e}"))?;
-    let waited = procs::wait_exit(&mut child, "`check` exits", TIMEOUT).await;
-    let status = match waited {
-        Ok(status) => status,
-        Err(e) => {
-            procs::kill_and_reap(&mut child);
-            return Err(e);
+// --- watching ------------------------------------------------------------------------------------
+
+/// An object a watch reported, with when it arrived.
+struct Seen {
+    at: Instant,
+    object: Object,
+    gone: bool,
+}
+
+/// Pods, Nodes and Events are boxed: they are much larger than the rest.
+enum Object {
+    Pod(Box<Pod>),
+    Node(Box<Node>),
+    Machine(DynamicObject),
+    Deployment(DynamicObject),
+    Status(ConfigMap),
+    Event(Box<Event>),
+}
+
+/// Forwards every change of `api`'s objects (as `wrap`ped) to `tx` until aborted; a failed watch
+/// is restarted with backoff.
+fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    tx: mpsc::UnboundedSender<Seen>,
+    wrap: fn(K) -> Object,
+) -> AbortHandle
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
+        while let Some(event) = stream.next().await {
+            let (object, gone) = match event {
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => (o, false),
+                Ok(watcher::Event::Delete(o)) => (o, true),
+                _ => continue,
+            };
+            let seen = Seen {
+                at: Instant::now(),
+                object: wrap(object),
+                gone,
+            };
+            if tx.send(seen).is_err() {
+                break;
+            }
         }
-    };
-    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
-    let stderr = std::fs::read_to_string(&errs).unwrap_or_default();
-    let code = status
-        .code()
-        .map_or("a signal".to_string(), |c| c.to_string());
-    let meaning = match status.code() {
-        Some(0) => "no problems",
-        Some(1) => "problems reported, see PROBLEMS",
-        _ => "failed",
-    };
-    let mut text = format!("exited {code} ({meaning}):");
-    for line in stdout.lines() {
-        text.push_str(&format!("\n  | {line}"));
-    }
-    if !matches!(status.code(), Some(0 | 1)) {
-        text.push_str(&format!("\n  stderr:\n{stderr}"));
-        return Err(text);
-    }
-    Ok(text)
-}
-
-async fn create_pending_pod(pods: &Api<Pod>) -> Result<(), String> {
-    let pod: Pod = serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": POD, "namespace": NS, "labels": {"app": POD}},
-        "spec": {
-            "nodeSelector": {"pool": "small"},
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": POD,
-                "image": "registry.k8s.io/pause:3.10",
-                "resources": {"requests": {"cpu": POD_CPU, "memory": POD_MEMORY}},
-            }],
-        },
-    }))
-    .map_err(|e| format!("pod object: {e}"))?;
-    pods.create(&PostParams::default(), &pod)
-        .await
-        .map_err(err("create the pod"))?;
-    // No scheduler runs: say what kube-scheduler would (CA counts exactly such pods as unschedulable).
-    pods.patch_status(
-        POD,
-        &PatchParams::default(),
-        &Patch::Merge(&json!({"status": {"conditions": [{
-            "type": "PodScheduled",
-            "status": "False",
-            "reason": "Unschedulable",
-            "message": "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector.",
-        }]}})),
-    )
-    .await
-    .map_err(err("mark the pod Unschedulable"))?;
-    Ok(())
-}
-
-async fn template(rpc: &mut Rpc, id: &str) -> Result<pb::Node, tonic::Status> {
-    let response = rpc
-        .client
-        .node_group_template_node_info(NodeGroupTemplateNodeInfoRequest { id: id.into() })
-        .await?
-        .into_inner();
-    pb::Node::decode(response.node_bytes.as_slice())
-        .map_err(|e| tonic::Status::internal(format!("nodeBytes is no v1.Node: {e}")))
-}
-
-async fn unneeded_time(rpc: &mut Rpc) -> Result<String, String> {
-    let ten_minutes = prost_types::Duration {
-        seconds: 600,
-        nanos: 0,
-    };
-    let options = rpc
-        .client
-        .node_group_get_options(NodeGroupAutoscalingOptionsRequest {
-            id: GROUP.into(),
-            defaults: Some(NodeGroupAutoscalingOptions {
-                scale_down_utilization_threshold: 0.5,
-                scale_down_gpu_utilization_threshold: 0.5,
-                scale_down_unneeded_duration: Some(ten_minutes),
-                scale_down_unready_duration: Some(prost_types::Duration {
-                    seconds: 1200,
-                    nanos: 0,
-                }),
-                max_node_provision_duration: Some(prost_types::Duration {
-                    seconds: 900,
-                    nanos: 0,
-                }),
-                ..Default::default()
-            }),
-        })
-        .await
-        .map_err(|e| format!("NodeGroupGetOptions: {e}"))?
-        .into_inner()
-        .node_group_autoscaling_options;
-    Ok(match options.and_then(|o| o.scale_down_unneeded_duration) {
-        Some(d) if d.seconds % 60 == 0 => format!("{}m", d.seconds / 60),
-        Some(d) => format!("{}s", d.seconds),
-        None => "(CA's default: no per-group options)".into(),
     })
+    .abort_handle()
+}
+
+/// The watch tasks; aborted when dropped.
+struct Watches(Vec<AbortHandle>);
+
+impl Drop for Watches {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// What the watches have shown so far.
+#[derive(Default)]
+struct State {
+    /// `spec.replicas` of each MachineDeployment.
+    replicas: BTreeMap<String, i64>,
+    /// Machine name → carries the delete-machine annotation.
+    marked: BTreeMap<String, bool>,
+    /// Machines that were deleted while they carried the annotation.
+    deleted_marked: Vec<String>,
+    nodes: BTreeMap<String, NodeState>,
+    pod_exists: bool,
+    pod_node: Option<String>,
+    /// CA's status ConfigMap: one summary line per node group, and `cluster-wide`.
+    status: BTreeMap<String, String>,
+    groups: BTreeMap<String, GroupStatus>,
+    /// Event uid → count, to show each Event once and its repetitions.
+    events: HashMap<String, i32>,
+    times: Milestones,
+}
+
+struct NodeState {
+    /// The MachineDeployment the Node belongs to (empty for the MachinePool's).
+    group: String,
+    ready: bool,
+    /// `key:Effect` of each taint.
+    taints: BTreeSet<String>,
+}
+
+/// The numbers of one node group in CA's status ConfigMap.
+struct GroupStatus {
+    target: i64,
+    registered: i64,
+    ready: i64,
+}
+
+/// When each step of the cycle was first seen.
+#[derive(Default)]
+struct Milestones {
+    triggered: Option<Instant>,
+    scaled_up_event: Option<Instant>,
+    replicas_up: Option<Instant>,
+    node_ready: Option<Instant>,
+    bound: Option<Instant>,
+    candidate: Option<Instant>,
+    scale_down_event: Option<Instant>,
+    marked: Option<Instant>,
+    replicas_down: Option<Instant>,
+    node_gone: Option<Instant>,
+}
+
+impl State {
+    /// Takes in one change; returns the timeline lines it makes, as (who, what).
+    fn absorb(&mut self, seen: Seen, delete_key: &str) -> Vec<(&'static str, String)> {
+        let at = seen.at;
+        let mut lines = Vec::new();
+        match seen.object {
+            Object::Deployment(md) => {
+                let name = md.metadata.name.clone().unwrap_or_default();
+                let replicas = md.data["spec"]["replicas"].as_i64().unwrap_or(0);
+                if let Some(before) = self.replicas.insert(name.clone(), replicas)
+                    && before != replicas
+                {
+                    lines.push((
+                        "provider",
+                        format!("MachineDeployment {name} spec.replicas {before} → {replicas}"),
+                    ));
+                    if name == MD {
+                        let step = if replicas > before {
+                            &mut self.times.replicas_up
+                        } else {
+                            &mut self.times.replicas_down
+                        };
+                        step.get_or_insert(at);
+                    }
+                }
+            }
+            Object::Machine(machine) => {
+                let name = machine.metadata.name.clone().unwrap_or_default();
+                let group = label(&machine.metadata, DEPLOYMENT_LABEL);
+                let marked = machine
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key(delete_key));
+                let before = if seen.gone {
+                    self.marked.remove(&name)
+                } else {
+                    self.marked.insert(name.clone(), marked)
+                };
+                // A deleted Machine's last state still shows its mark.
+                if seen.gone && marked {
+                    self.deleted_marked.push(name.clone());
+                }
+                if marked && before != Some(true) {
+                    lines.push((
+                        "provider",
+                        format!("Machine {name} annotated {delete_key} (DeleteNodes)"),
+                    ));
+                    if group == MD {
+                        self.times.marked.get_or_insert(at);
+                    }
+                }
+            }
+            Object::Node(node) => {
+                let name = node.metadata.name.clone().unwrap_or_default();
+                if seen.gone {
+                    if self.nodes.remove(&name).is_some_and(|n| n.group == MD) {
+                        self.times.node_gone.get_or_insert(at);
+                    }
+                    return lines;
+                }
+                let now = NodeState {
+                    group: label(&node.metadata, DEPLOYMENT_LABEL),
+                    ready: node_ready(&node),
+                    taints: node
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.taints.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .map(|t| format!("{}:{}", t.key, t.effect))
+                        .collect(),
+                };
+                if now.group == MD && now.ready {
+                    self.times.node_ready.get_or_insert(at);
+                }
+                if let Some(before) = self.nodes.get(&name) {
+                    for taint in now.taints.difference(&before.taints) {
+                        lines.push(("CA", format!("Node {name} tainted {taint}{}", why(taint))));
+                        if taint.starts_with("DeletionCandidateOfClusterAutoscaler")
+                            && now.group == MD
+                        {
+                            self.times.candidate.get_or_insert(at);
+                        }
+                    }
+                    for taint in before.taints.difference(&now.taints) {
+                        lines.push(("CA", format!("Node {name} untainted {taint}")));
+                    }
+                }
+                self.nodes.insert(name, now);
+            }
+            Object::Pod(pod) => {
+                self.pod_exists = !seen.gone;
+                self.pod_node = pod.spec.and_then(|s| s.node_name).filter(|_| !seen.gone);
+                if self.pod_node.is_some() {
+                    self.times.bound.get_or_insert(at);
+                }
+            }
+            Object::Status(cm) => {
+                let text = cm
+                    .data
+                    .and_then(|d| d.get("status").cloned())
+                    .unwrap_or_default();
+                let (status, groups) = ca_status(&text);
+                // The cluster-wide line repeats the groups' news: shown until CA runs.
+                let first = !self
+                    .status
+                    .get(CLUSTER_WIDE)
+                    .is_some_and(|l| l.starts_with("Running"));
+                for (key, line) in &status {
+                    if self.status.get(key) != Some(line) && (key != CLUSTER_WIDE || first) {
+                        lines.push(("CA status", format!("{key}: {line}")));
+                    }
+                }
+                self.status = status;
+                self.groups = groups;
+            }
+            Object::Event(event) => {
+                let about = &event.involved_object;
+                if about.namespace.as_deref() != Some(NS) && about.kind.as_deref() != Some("Node") {
+                    return lines;
+                }
+                let uid = event.metadata.uid.clone().unwrap_or_default();
+                let count = event.count.unwrap_or(1);
+                if self.events.insert(uid, count) == Some(count) {
+                    return lines;
+                }
+                let reason = event.reason.clone().unwrap_or_default();
+                let who = match reporter(&event) {
+                    "cluster-autoscaler" => "CA",
+                    "default-scheduler" => "scheduler",
+                    "capi-autoscaler-provider" => "provider",
+                    _ => "other",
+                };
+                if who == "CA" {
+                    let step = match reason.as_str() {
+                        "TriggeredScaleUp" => Some(&mut self.times.triggered),
+                        "ScaledUpGroup" => Some(&mut self.times.scaled_up_event),
+                        r if r.starts_with("ScaleDown") => Some(&mut self.times.scale_down_event),
+                        _ => None,
+                    };
+                    if let Some(step) = step {
+                        step.get_or_insert(at);
+                    }
+                }
+                lines.push((
+                    who,
+                    format!(
+                        "Event {reason}{} on {} {}: {}{}",
+                        match event.type_.as_deref() {
+                            Some("Warning") => " (Warning)",
+                            _ => "",
+                        },
+                        about.kind.as_deref().unwrap_or("-"),
+                        about.name.as_deref().unwrap_or("-"),
+                        event.message.as_deref().unwrap_or_default().trim(),
+                        if count > 1 {
+                            format!(" (×{count})")
+                        } else {
+                            String::new()
+                        }
+                    ),
+                ));
+            }
+        }
+        lines
+    }
+}
+
+fn label(meta: &ObjectMeta, key: &str) -> String {
+    meta.labels
+        .as_ref()
+        .and_then(|l| l.get(key).cloned())
+        .unwrap_or_default()
 }
 
 fn node_ready(node: &Node) -> bool {
@@ -813,198 +790,332 @@ fn node_ready(node: &Node) -> bool {
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-/// The node as CA's externalgrpc client sends it: providerID, name, labels, annotations.
-fn grpc_node_of(node: &Node) -> ExternalGrpcNode {
-    let to_map = |m: &Option<BTreeMap<String, String>>| -> HashMap<String, String> {
-        m.clone().unwrap_or_default().into_iter().collect()
-    };
-    ExternalGrpcNode {
-        provider_id: node
-            .spec
-            .as_ref()
-            .and_then(|s| s.provider_id.clone())
-            .unwrap_or_default(),
-        name: node.metadata.name.clone().unwrap_or_default(),
-        labels: to_map(&node.metadata.labels),
-        annotations: to_map(&node.metadata.annotations),
-    }
-}
-
-/// What CA's simulation looks at, for the demo's pod: allocatable, labels, taints.
-struct Shape {
-    cpu: String,
-    memory: String,
-    pods: String,
-    labels: BTreeMap<String, String>,
-    taints: Vec<String>,
-}
-
-impl Shape {
-    fn of_template(node: &pb::Node) -> Shape {
-        let allocatable = node
-            .status
-            .as_ref()
-            .map(|s| &s.allocatable)
-            .cloned()
-            .unwrap_or_default();
-        let get = |k: &str| {
-            allocatable
-                .get(k)
-                .and_then(|q| q.string.clone())
-                .unwrap_or_default()
-        };
-        Shape {
-            cpu: get("cpu"),
-            memory: get("memory"),
-            pods: get("pods"),
-            labels: node
-                .metadata
-                .as_ref()
-                .map(|m| m.labels.clone())
-                .unwrap_or_default(),
-            taints: node
-                .spec
-                .as_ref()
-                .map(|s| {
-                    s.taints
-                        .iter()
-                        .map(|t| {
-                            taint_string(
-                                t.key.as_deref().unwrap_or_default(),
-                                t.value.as_deref().unwrap_or_default(),
-                                t.effect.as_deref().unwrap_or_default(),
-                            )
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-        }
-    }
-
-    fn of_node(node: &Node) -> Shape {
-        let allocatable = node
-            .status
-            .as_ref()
-            .and_then(|s| s.allocatable.clone())
-            .unwrap_or_default();
-        let get = |k: &str| allocatable.get(k).map(|q| q.0.clone()).unwrap_or_default();
-        Shape {
-            cpu: get("cpu"),
-            memory: get("memory"),
-            pods: get("pods"),
-            labels: node.metadata.labels.clone().unwrap_or_default(),
-            taints: node
-                .spec
-                .as_ref()
-                .and_then(|s| s.taints.clone())
-                .unwrap_or_default()
-                .iter()
-                .map(|t| taint_string(&t.key, t.value.as_deref().unwrap_or_default(), &t.effect))
-                .collect(),
-        }
-    }
-
-    /// Whether the demo's pod fits an empty node of this shape, or why not.
-    fn fits(&self) -> Result<(), String> {
-        let amount = |q: &str| {
-            kube_quantity::ParsedQuantity::try_from(q)
-                .ok()
-                .and_then(|p| p.to_bytes_f64())
-                .unwrap_or(0.0)
-        };
-        if self.labels.get("pool").map(String::as_str) != Some("small") {
-            return Err(format!(
-                "nodeSelector pool=small (label pool is {})",
-                self.labels
-                    .get("pool")
-                    .map_or("absent".to_string(), |v| format!("{v:?}"))
-            ));
-        }
-        if let Some(t) = self
-            .taints
-            .iter()
-            .find(|t| t.ends_with(":NoSchedule") || t.ends_with(":NoExecute"))
-        {
-            return Err(format!("taint {t} not tolerated"));
-        }
-        if amount(&self.cpu) < amount(POD_CPU) {
-            return Err(format!("cpu {} < {POD_CPU}", self.cpu));
-        }
-        if amount(&self.memory) < amount(POD_MEMORY) {
-            return Err(format!("memory {} < {POD_MEMORY}", self.memory));
-        }
-        Ok(())
-    }
-}
-
-fn taint_string(key: &str, value: &str, effect: &str) -> String {
-    if value.is_empty() {
-        format!("{key}:{effect}")
+/// What CA's taints on a Node mean.
+fn why(taint: &str) -> &'static str {
+    if taint.starts_with("DeletionCandidateOfClusterAutoscaler") {
+        " (CA: unneeded, a scale-down candidate)"
+    } else if taint.starts_with("ToBeDeletedByClusterAutoscaler") {
+        " (CA: deleting it, no new pods)"
     } else {
-        format!("{key}={value}:{effect}")
+        ""
     }
 }
 
-/// Why the pod fits none of the existing nodes (each one's verdict).
-async fn existing_node_verdicts(client: &Client) -> Result<String, String> {
-    let nodes = Api::<Node>::all(client.clone())
-        .list(&Default::default())
-        .await
-        .map_err(|e| format!("list Nodes: {e}"))?;
-    let mut text = String::new();
-    for node in &nodes.items {
-        let name = node.metadata.name.clone().unwrap_or_default();
-        let verdict = match Shape::of_node(node).fits() {
-            Ok(()) => "fits (!)".to_string(),
-            Err(why) => format!("no: {why}"),
-        };
-        text.push_str(&format!("\n  {name:<36} {verdict}"));
-    }
-    if nodes.items.is_empty() {
-        text.push_str("\n  (no nodes)");
-    }
-    text.push_str("\n  → still unschedulable: CA looks for a node group to scale up");
-    Ok(text)
+/// Who reported an Event: events.k8s.io writers (kube-scheduler, the provider) fill
+/// `reportingComponent`, core ones (CA) `source.component`.
+fn reporter(event: &Event) -> &str {
+    event
+        .reporting_component
+        .as_deref()
+        .filter(|c| !c.is_empty())
+        .or_else(|| event.source.as_ref().and_then(|s| s.component.as_deref()))
+        .unwrap_or_default()
 }
 
-/// The provider log's WARN and ERROR lines and its scale operations (the actuator's lines), without
-/// colours and timestamps, shortened.
-fn log_excerpt(log: &str) -> Vec<String> {
-    let mut lines = Vec::new();
-    for raw in log.lines() {
-        let mut plain = String::with_capacity(raw.len());
-        let mut chars = raw.chars();
-        while let Some(c) = chars.next() {
-            if c == '\u{1b}' {
-                // An escape sequence: up to and including its final letter.
-                for c in chars.by_ref() {
-                    if c.is_ascii_alphabetic() {
-                        break;
-                    }
-                }
-            } else {
-                plain.push(c);
+/// CA's status ConfigMap text (YAML) as one line per node group and one `cluster-wide`, without
+/// the probe times that change on every loop; and each group's numbers.
+fn ca_status(text: &str) -> (BTreeMap<String, String>, BTreeMap<String, GroupStatus>) {
+    let mut lines = BTreeMap::new();
+    let mut groups = BTreeMap::new();
+    let status: Value = match serde_norway::from_str(text) {
+        Ok(v) => v,
+        Err(e) => {
+            lines.insert("unreadable".into(), e.to_string());
+            return (lines, groups);
+        }
+    };
+    let count = |v: &Value| v.as_i64().unwrap_or(0);
+    let nodes = |health: &Value| {
+        let counts = &health["nodeCounts"];
+        let registered = &counts["registered"];
+        let mut text = format!(
+            "{}, {} of {} nodes ready",
+            health["status"].as_str().unwrap_or("?"),
+            count(&registered["ready"]),
+            count(&registered["total"]),
+        );
+        for (what, n) in [
+            ("not started", count(&registered["notStarted"])),
+            ("being deleted", count(&registered["beingDeleted"])),
+            ("unregistered", count(&counts["unregistered"])),
+        ] {
+            if n > 0 {
+                text.push_str(&format!(", {n} {what}"));
             }
         }
-        let mut words = plain.split_whitespace();
-        let (Some(_time), Some(level), Some(target)) = (words.next(), words.next(), words.next())
-        else {
-            continue;
-        };
-        if matches!(level, "WARN" | "ERROR")
-            || target.contains("::actuator")
-            || plain.contains("problem resolved")
+        text
+    };
+    let activity = |v: &Value| {
+        let up = &v["scaleUp"];
+        let down = &v["scaleDown"];
+        let mut text = format!("scale-up {}", up["status"].as_str().unwrap_or("?"));
+        if let Some(code) = up["backoffInfo"]["errorCode"]
+            .as_str()
+            .filter(|c| !c.is_empty())
         {
-            let rest = plain
-                .split_once(target)
-                .map(|(_, r)| r.trim())
-                .unwrap_or_default();
-            let mut line = format!("{level:<5} {target} {rest}");
-            if line.chars().count() > 200 {
-                line = line.chars().take(199).collect::<String>() + "…";
-            }
-            lines.push(line);
+            text.push_str(&format!(" ({code})"));
+        }
+        text.push_str(&format!(
+            "; scale-down {}",
+            down["status"].as_str().unwrap_or("?")
+        ));
+        match count(&down["candidates"]) {
+            0 => {}
+            1 => text.push_str(" (1 candidate)"),
+            n => text.push_str(&format!(" ({n} candidates)")),
+        }
+        text
+    };
+    let cluster = &status["clusterWide"];
+    let state = status["autoscalerStatus"].as_str().unwrap_or("?");
+    // Before its first loop CA writes only its state.
+    let cluster_line = if cluster["health"]["status"].is_string() {
+        format!(
+            "{state}; {}; {}",
+            nodes(&cluster["health"]),
+            activity(cluster)
+        )
+    } else {
+        state.to_string()
+    };
+    lines.insert(CLUSTER_WIDE.into(), cluster_line);
+    for group in status["nodeGroups"].as_array().into_iter().flatten() {
+        let health = &group["health"];
+        let name = group["name"].as_str().unwrap_or("?").to_string();
+        lines.insert(
+            name.clone(),
+            format!(
+                "{}, target {} (min {}, max {}); {}",
+                nodes(health),
+                count(&health["cloudProviderTarget"]),
+                count(&health["minSize"]),
+                count(&health["maxSize"]),
+                activity(group)
+            ),
+        );
+        let registered = &health["nodeCounts"]["registered"];
+        groups.insert(
+            name,
+            GroupStatus {
+                target: count(&health["cloudProviderTarget"]),
+                registered: count(&registered["total"]),
+                ready: count(&registered["ready"]),
+            },
+        );
+    }
+    (lines, groups)
+}
+
+// --- the timeline --------------------------------------------------------------------------------
+
+/// The demo's running parts and what it has seen. Fields drop in order: CA stops before the
+/// provider it calls, the reconciler and the watches last.
+struct Demo {
+    ca: Option<AutoscalerProcess>,
+    provider: Option<ProviderProcess>,
+    reconciler: Reconciler,
+    _watches: Watches,
+    rx: mpsc::UnboundedReceiver<Seen>,
+    state: State,
+    delete_key: String,
+    /// The start of the run: setup lines are stamped from it.
+    start: Instant,
+    /// The pod's creation: the cycle's lines are stamped from it.
+    cycle: Option<Instant>,
+    /// The pod's deletion.
+    deleted: Option<Instant>,
+}
+
+impl Demo {
+    /// Starts the watches and the reconciler in namespace demo.
+    fn new(client: Client, capi: &Capi, start: Instant) -> Demo {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let all = watcher::Config::default;
+        let watches = Watches(vec![
+            watch(
+                capi.api(Kind::MachineDeployment),
+                all(),
+                tx.clone(),
+                Object::Deployment,
+            ),
+            watch(capi.api(Kind::Machine), all(), tx.clone(), Object::Machine),
+            watch(Api::all(client.clone()), all(), tx.clone(), |n| {
+                Object::Node(Box::new(n))
+            }),
+            watch(
+                Api::namespaced(client.clone(), NS),
+                all().fields(&format!("metadata.name={POD}")),
+                tx.clone(),
+                |p| Object::Pod(Box::new(p)),
+            ),
+            watch(
+                Api::namespaced(client.clone(), NS),
+                all().fields(&format!("metadata.name={STATUS_CONFIGMAP}")),
+                tx.clone(),
+                Object::Status,
+            ),
+            // Events about Nodes are in namespace default.
+            watch(Api::all(client.clone()), all(), tx, |e| {
+                Object::Event(Box::new(e))
+            }),
+        ]);
+        Demo {
+            ca: None,
+            provider: None,
+            reconciler: Reconciler::start(client, NS),
+            _watches: watches,
+            rx,
+            state: State::default(),
+            delete_key: capi.delete_key(),
+            start,
+            cycle: None,
+            deleted: None,
         }
     }
-    lines
+
+    fn ca(&self) -> &AutoscalerProcess {
+        self.ca.as_ref().expect("CA is running")
+    }
+
+    fn stamp(&self, at: Instant) -> String {
+        match self.cycle {
+            Some(c) if at >= c => format!("t+{:6.2}s", (at - c).as_secs_f64()),
+            _ => format!("{:7.2}s", (at - self.start).as_secs_f64()),
+        }
+    }
+
+    fn print(&self, at: Instant, who: &str, text: &str) {
+        let stamp = self.stamp(at);
+        for (i, line) in text.lines().enumerate() {
+            if i == 0 {
+                println!("[{stamp}] {who:<10} {line}");
+            } else {
+                println!("{:width$}   {:<10} {line}", "", "", width = stamp.len());
+            }
+        }
+    }
+
+    /// A line about the demo's own step, after what happened before it.
+    fn say(&mut self, text: &str) {
+        self.flush(None);
+        self.print(Instant::now(), "demo", text);
+    }
+
+    /// Prints `first` and what the watches and the reconciler have seen since the last call, in
+    /// time order.
+    fn flush(&mut self, first: Option<Seen>) {
+        let mut lines: Vec<(Instant, &str, String)> = Vec::new();
+        let mut next = first;
+        while let Some(seen) = next.take().or_else(|| self.rx.try_recv().ok()) {
+            let at = seen.at;
+            for (who, text) in self.state.absorb(seen, &self.delete_key) {
+                lines.push((at, who, text));
+            }
+        }
+        for (at, action) in self.reconciler.take_actions() {
+            lines.push((at, "fake CAPI", action));
+        }
+        lines.sort_by_key(|(at, _, _)| *at);
+        for (at, who, text) in lines {
+            self.print(at, who, &text);
+        }
+    }
+
+    /// Prints the timeline until `done` answers, at most `timeout`; fails early when CA exits.
+    async fn until<T>(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&State) -> Option<T>,
+    ) -> Result<T, String> {
+        let deadline = Instant::now() + timeout;
+        let mut seen = None;
+        loop {
+            self.flush(seen.take());
+            if let Some(value) = done(&self.state) {
+                return Ok(value);
+            }
+            if let Some(ca) = self.ca.as_mut() {
+                ca.check_alive()?;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!("{what}: not after {timeout:?}"));
+            }
+            // Wake up for the next change, or soon for the reconciler's actions (not watched).
+            let tick = (deadline - now).min(Duration::from_millis(200));
+            seen = tokio::time::timeout(tick, self.rx.recv())
+                .await
+                .ok()
+                .flatten();
+        }
+    }
+
+    fn summary(
+        &self,
+        cp: &ControlPlane,
+        version: &str,
+        node: &str,
+        scaled_up: f64,
+        scaled_down: f64,
+    ) {
+        let t = &self.state.times;
+        let since = |from: Option<Instant>, at: Option<Instant>, prefix: &str| match (from, at) {
+            (Some(from), Some(at)) => format!(
+                "{prefix}{:6.2}s",
+                at.saturating_duration_since(from).as_secs_f64()
+            ),
+            _ => "not seen".into(),
+        };
+        // Each part in the order things happened; steps never seen last.
+        let sorted = |mut steps: Vec<(&'static str, Option<Instant>)>| {
+            steps.sort_by_key(|(_, at)| (at.is_none(), *at));
+            steps
+        };
+        println!("\n== summary");
+        println!("  scale-up from zero (from the pod's creation, Pending):");
+        for (what, at) in sorted(vec![
+            ("CA's TriggeredScaleUp Event on the pod", t.triggered),
+            ("CA's ScaledUpGroup Event", t.scaled_up_event),
+            (
+                "md-small spec.replicas raised to 1 by the provider",
+                t.replicas_up,
+            ),
+            ("Node Ready (fake kubelet)", t.node_ready),
+            ("pod bound by kube-scheduler", t.bound),
+        ]) {
+            println!("    {what:<56} {}", since(self.cycle, at, "t+"));
+        }
+        println!(
+            "  scale-down of the empty Node {node} (from the pod's deletion at {}):",
+            since(self.cycle, self.deleted, "t+").trim()
+        );
+        for (what, at) in sorted(vec![
+            (
+                "CA's DeletionCandidate taint on the Node (unneeded)",
+                t.candidate,
+            ),
+            ("CA's ScaleDown Event", t.scale_down_event),
+            ("Machine marked delete-machine by the provider", t.marked),
+            ("md-small spec.replicas back to 0", t.replicas_down),
+            (
+                "Node gone (fake CAPI deleted the marked Machine)",
+                t.node_gone,
+            ),
+        ]) {
+            println!("    {what:<56} {}", since(self.deleted, at, "+"));
+        }
+        println!(
+            "  CA's own count: {scaled_up} node(s) added, {scaled_down} removed \
+             (cluster_autoscaler_scaled_up_nodes_total, …_scaled_down_nodes_total)"
+        );
+        println!(
+            "  what ran: etcd, kube-apiserver and kube-scheduler on 127.0.0.1 (control plane up in {:.1}s); \
+             cluster-autoscaler {version} (--cloud-provider=externalgrpc); \
+             capi-autoscaler-provider serve; the fake CAPI controllers and kubelets of \
+             tests/support/reconciler.rs; whole run {:.1}s",
+            cp.timings.total.as_secs_f64(),
+            self.start.elapsed().as_secs_f64()
+        );
+    }
 }

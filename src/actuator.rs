@@ -1,4 +1,4 @@
-//! The only writer: replicas through the scale subresource, and the delete-machine annotation.
+//! The only writer: replicas (with the removal ledger, see `removal`) and the delete-machine annotation.
 //!
 //! One operation per group at a time. Every replica write carries the resourceVersion it was computed
 //! from, so a concurrent change makes it fail with a conflict instead of overwriting; it is then
@@ -9,12 +9,15 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::json;
 
-use crate::capi::{ObjectKey, ScalableKind};
+use crate::capi::{ObjectKey, ScalableKind, ScalableResource};
 use crate::metrics::Metrics;
-use crate::snapshot::{NodeGroup, NodeRef, Snapshot};
+use crate::removal::{
+    self, Counts, LEDGER_ANNOTATION, Ledger, MachineState, Removal, our_mark, pool_node_entry,
+};
+use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
 use crate::store::Store;
 
 /// Attempts at a replica write before giving up on conflicts.
@@ -22,36 +25,31 @@ const MAX_ATTEMPTS: usize = 8;
 /// Bound on each API call, below CA's default gRPC deadline (5s).
 const CALL_TIMEOUT: Duration = Duration::from_secs(4);
 
+/// Why a scale operation failed, in the domain's terms; the service maps each to the status code
+/// CA acts on.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ActuatorError {
+    /// The group, a node or an object named does not exist.
     #[error("{0}")]
-    NotFound(String),
+    Missing(String),
+    /// The request itself is wrong: a delta of the wrong sign, a node of another group.
     #[error("{0}")]
-    InvalidArgument(String),
+    BadRequest(String),
+    /// The group's state does not allow it: outside [min, max], a rollout, nodes that would go.
     #[error("{0}")]
-    FailedPrecondition(String),
+    Refused(String),
+    /// The API could not be reached or did not answer in time (whether a write landed may be
+    /// unknown; a retry finds out).
     #[error("{0}")]
-    Unavailable(String),
+    ApiUnavailable(String),
+    /// The API refused this identity.
     #[error("{0}")]
-    PermissionDenied(String),
+    Forbidden(String),
+    /// Still conflicting with other writers after every attempt.
     #[error("{0}")]
-    Aborted(String),
+    Conflict(String),
     #[error("{0}")]
     Internal(String),
-}
-
-impl From<ActuatorError> for tonic::Status {
-    fn from(e: ActuatorError) -> Self {
-        match e {
-            ActuatorError::NotFound(m) => tonic::Status::not_found(m),
-            ActuatorError::InvalidArgument(m) => tonic::Status::invalid_argument(m),
-            ActuatorError::FailedPrecondition(m) => tonic::Status::failed_precondition(m),
-            ActuatorError::Unavailable(m) => tonic::Status::unavailable(m),
-            ActuatorError::PermissionDenied(m) => tonic::Status::permission_denied(m),
-            ActuatorError::Aborted(m) => tonic::Status::aborted(m),
-            ActuatorError::Internal(m) => tonic::Status::internal(m),
-        }
-    }
 }
 
 /// An API error, kept apart from conflicts so writes can retry those.
@@ -65,15 +63,13 @@ fn classify(what: &str, e: kube::Error) -> ApiFailure {
     match e {
         kube::Error::Api(status) if status.code == 409 => ApiFailure::Conflict,
         kube::Error::Api(status) => ApiFailure::Other(match status.code {
-            404 => ActuatorError::NotFound(format!("{what}: not found: {}", status.message)),
-            403 => ActuatorError::PermissionDenied(format!(
+            404 => ActuatorError::Missing(format!("{what}: not found: {}", status.message)),
+            403 => ActuatorError::Forbidden(format!(
                 "{what}: forbidden (check the provider's RBAC): {}",
                 status.message
             )),
-            400 | 422 => {
-                ActuatorError::FailedPrecondition(format!("{what}: rejected: {}", status.message))
-            }
-            429 | 500..=599 => ActuatorError::Unavailable(format!(
+            400 | 422 => ActuatorError::Refused(format!("{what}: rejected: {}", status.message)),
+            429 | 500..=599 => ActuatorError::ApiUnavailable(format!(
                 "{what}: API server error {}: {}",
                 status.code, status.message
             )),
@@ -81,7 +77,7 @@ fn classify(what: &str, e: kube::Error) -> ApiFailure {
                 ActuatorError::Internal(format!("{what}: API error {code}: {}", status.message))
             }
         }),
-        other => ApiFailure::Other(ActuatorError::Unavailable(format!(
+        other => ApiFailure::Other(ActuatorError::ApiUnavailable(format!(
             "{what}: management cluster API unreachable: {other}"
         ))),
     }
@@ -93,7 +89,7 @@ async fn call<T>(
 ) -> Result<T, ApiFailure> {
     match tokio::time::timeout(CALL_TIMEOUT, fut).await {
         Ok(result) => result.map_err(|e| classify(what, e)),
-        Err(_) => Err(ApiFailure::Other(ActuatorError::Unavailable(format!(
+        Err(_) => Err(ApiFailure::Other(ActuatorError::ApiUnavailable(format!(
             "{what}: management cluster API did not answer within {CALL_TIMEOUT:?}"
         )))),
     }
@@ -101,7 +97,7 @@ async fn call<T>(
 
 fn other(e: ApiFailure, what: &str) -> ActuatorError {
     match e {
-        ApiFailure::Conflict => ActuatorError::Aborted(format!("{what}: conflict")),
+        ApiFailure::Conflict => ActuatorError::Conflict(format!("{what}: conflict")),
         ApiFailure::Other(e) => e,
     }
 }
@@ -127,16 +123,53 @@ impl NodeToDelete {
 pub struct Actuator {
     store: Arc<Store>,
     metrics: Arc<Metrics>,
+    /// One operation per group at a time; entries only for groups that exist (pruned as groups go).
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// MachinePool nodes without a Machine whose replica was already taken off, so a retry of the same
-    /// node does not take a second one; kept until the node leaves the pool's providerIDList.
-    pool_decrements: Mutex<BTreeSet<(String, String)>>,
 }
 
-/// A target replica count and the resourceVersion it is based on.
-struct Replicas {
+/// The group object as a write starts from it: replicas, bounds and ledger of one resourceVersion.
+struct GroupState {
     replicas: i32,
+    min: i32,
+    max: i32,
+    ledger: Ledger,
+    /// `spec.providerIDList` entries (normalised) of the same version: ledger entries of nodes no
+    /// longer listed need no record.
+    listed: BTreeSet<String>,
     resource_version: String,
+}
+
+/// What a write changes: the new replica count and, for a removal, the ledger entry it pays for.
+struct Change {
+    replicas: i32,
+    entry: Option<String>,
+}
+
+/// Whether `wanted`, written over version `before`, shows in `now`.
+fn landed(before: &str, wanted: &Change, now: &GroupState) -> bool {
+    match &wanted.entry {
+        // The entry is written only with its decrement: its presence proves the write.
+        Some(entry) => now.ledger.contains(entry),
+        None => now.resource_version != before && now.replicas == wanted.replicas,
+    }
+}
+
+/// How often an unknown outcome (an answer lost in transit) is looked up before giving up.
+const RESOLVE_ATTEMPTS: u32 = 3;
+
+/// Every write names the provider as its field manager: managedFields and audit logs show who wrote.
+fn write_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some("capi-autoscaler-provider".into()),
+        ..PatchParams::default()
+    }
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl Actuator {
@@ -145,25 +178,30 @@ impl Actuator {
             store,
             metrics,
             locks: Mutex::new(HashMap::new()),
-            pool_decrements: Mutex::new(BTreeSet::new()),
         }
     }
 
-    fn group_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+    /// The lock of a group that exists in `snapshot`; locks of groups that are gone are dropped.
+    fn group_lock(&self, snapshot: &Snapshot, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        if locks.len() > snapshot.groups.len() {
+            locks.retain(|g, l| snapshot.groups.contains_key(g) || Arc::strong_count(l) > 1);
+        }
         Arc::clone(locks.entry(id.to_string()).or_default())
     }
 
+    /// The group as of everything the index holds now (an operation decides from it).
     fn group(&self, id: &str) -> Result<(Arc<Snapshot>, NodeGroup), ActuatorError> {
+        self.store.refresh();
         let snapshot = self.store.snapshot();
         let group = snapshot
             .group(id)
             .cloned()
-            .ok_or_else(|| ActuatorError::NotFound(format!("node group {id:?} not found")))?;
+            .ok_or_else(|| ActuatorError::Missing(format!("node group {id:?} not found")))?;
         Ok((snapshot, group))
     }
 
-    fn scale_api(
+    fn group_api(
         &self,
         kind: ScalableKind,
         namespace: &str,
@@ -189,156 +227,295 @@ impl Actuator {
         )
     }
 
-    /// Replicas as cached (read-your-writes included).
-    fn cached(&self, group: &NodeGroup) -> Result<Replicas, ActuatorError> {
-        match self
-            .store
-            .cached_replicas(group.kind(), &group.resource.key)
-        {
-            Some((Some(replicas), resource_version)) => Ok(Replicas {
-                replicas,
-                resource_version,
-            }),
-            _ => Err(ActuatorError::NotFound(format!(
-                "node group {:?} is gone",
-                group.id
-            ))),
-        }
-    }
-
-    /// Replicas as the API has them now.
-    async fn live(&self, group: &NodeGroup) -> Result<Replicas, ActuatorError> {
-        let api = self.scale_api(group.kind(), &group.resource.key.namespace)?;
-        let what = format!(
-            "reading the scale of {} {}",
-            group.kind(),
-            group.resource.key
-        );
-        let scale = call(&what, api.get_scale(&group.resource.key.name))
-            .await
-            .map_err(|e| other(e, &what))?;
-        Ok(Replicas {
-            replicas: scale.spec.and_then(|s| s.replicas).unwrap_or(0),
-            resource_version: scale.metadata.resource_version.unwrap_or_default(),
+    /// Replicas, bounds and ledger of `resource`. Bounds come from the object itself, so a write is
+    /// checked against the bounds of the very version it replaces.
+    fn state_of(
+        &self,
+        group: &NodeGroup,
+        resource: &ScalableResource,
+    ) -> Result<GroupState, ActuatorError> {
+        let object = format!("{} {}", group.kind(), group.resource.key);
+        let (min, max) =
+            scaling_bounds(&self.store.settings().keys, &object, &resource.annotations)
+                .map_err(|p| {
+                    ActuatorError::Refused(format!("{}: {}: {}", group.id, p.field, p.message))
+                })?
+                .ok_or_else(|| {
+                    ActuatorError::Refused(format!(
+                        "{}: no longer carries the min/max size annotations",
+                        group.id
+                    ))
+                })?;
+        let replicas = resource.replicas.ok_or_else(|| {
+            ActuatorError::Refused(format!("{}: spec.replicas is not set", group.id))
+        })?;
+        Ok(GroupState {
+            replicas,
+            min,
+            max,
+            ledger: Ledger::parse(
+                resource
+                    .annotations
+                    .get(LEDGER_ANNOTATION)
+                    .map(String::as_str),
+            ),
+            listed: resource
+                .provider_id_list
+                .iter()
+                .map(|id| pool_node_entry(id))
+                .collect(),
+            resource_version: resource.resource_version.clone(),
         })
     }
 
-    /// Sets replicas to `target(current)`, guarded by resourceVersion, re-reading on conflict.
-    /// `target` checks bounds against the current value and may refuse.
-    async fn write_replicas(
+    /// The group object as cached (read-your-writes included).
+    fn cached(&self, group: &NodeGroup) -> Result<GroupState, ActuatorError> {
+        let resource = self
+            .store
+            .cached_resource(group.kind(), &group.resource.key)
+            .ok_or_else(|| ActuatorError::Missing(format!("node group {:?} is gone", group.id)))?;
+        self.state_of(group, &resource)
+    }
+
+    /// The group object as the API has it now (also put into the cache).
+    async fn live(&self, group: &NodeGroup) -> Result<GroupState, ActuatorError> {
+        let key = &group.resource.key;
+        let api = self.group_api(group.kind(), &key.namespace)?;
+        let what = format!("reading {} {key}", group.kind());
+        let object = call(&what, api.get(&key.name))
+            .await
+            .map_err(|e| other(e, &what))?;
+        self.store.record(Some(group.kind()), object.clone());
+        let resource = ScalableResource::from_json(
+            group.kind(),
+            &self.store.settings().keys,
+            &serde_json::to_value(&object).unwrap_or_default(),
+        )
+        .map_err(|e| ActuatorError::Refused(format!("{}: {e}", group.id)))?;
+        self.state_of(group, &resource)
+    }
+
+    /// Lists the Machines of `namespace` and puts them into the index (and the snapshot), so the
+    /// decision that follows sees every Machine the API has.
+    async fn sync_machines(&self, namespace: &str) -> Result<(), ActuatorError> {
+        let api = self.machine_api(namespace);
+        let what = format!("listing the Machines of namespace {namespace}");
+        let list = call(&what, api.list(&ListParams::default()))
+            .await
+            .map_err(|e| other(e, &what))?;
+        self.store.record_machines(
+            namespace,
+            list.metadata.resource_version.as_deref(),
+            list.items,
+        );
+        Ok(())
+    }
+
+    /// The group's Machines as cached now (our own writes included).
+    fn machines(&self, group: &NodeGroup) -> Vec<(ObjectKey, Arc<crate::capi::Machine>)> {
+        group
+            .instances
+            .iter()
+            .filter_map(|i| i.machine.clone())
+            .filter_map(|k| self.store.cached_machine(&k).map(|m| (k, m)))
+            .collect()
+    }
+
+    fn counts(&self, group: &NodeGroup, replicas: i32) -> Counts {
+        let delete_key = &self.store.settings().keys.delete_machine;
+        let machines = self.machines(group);
+        Counts::of(
+            replicas,
+            machines
+                .iter()
+                .map(|(k, m)| machine_state(k, m, delete_key)),
+        )
+    }
+
+    /// Writes `change(state)` to the group object in one guarded write: `spec.replicas` and, for a
+    /// removal, its ledger entry (`None`: nothing is owed over that version, no write). Bounds are those of the version written over; a conflict re-reads
+    /// and recomputes. An answer lost in transit is resolved by reading again, never by assuming; a
+    /// write read back as not applied may still arrive (the network can deliver a request its client
+    /// gave up on after a later one), so every later read first checks whether it has, and then
+    /// takes it as this write instead of applying the change twice.
+    async fn write(
         &self,
         group: &NodeGroup,
         operation: &'static str,
-        target: impl Fn(i32) -> Result<i32, ActuatorError>,
+        change: impl Fn(&GroupState) -> Result<Option<Change>, ActuatorError>,
     ) -> Result<i32, ActuatorError> {
         let key = &group.resource.key;
-        let api = self.scale_api(group.kind(), &key.namespace)?;
-        let what = format!("scaling {} {}", group.kind(), key);
-        let mut current = self.cached(group)?;
+        let api = self.group_api(group.kind(), &key.namespace)?;
+        let what = format!("scaling {} {key}", group.kind());
+        let mut state = self.cached(group)?;
+        // Attempts whose answer was lost and that were read back as not applied (yet).
+        let mut unanswered: Vec<(String, Change)> = Vec::new();
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
-                current = self.live(group).await?;
+                state = self.live(group).await?;
+                if let Some((_, late)) = unanswered
+                    .iter()
+                    .find(|(before, wanted)| landed(before, wanted, &state))
+                {
+                    tracing::info!(group = %group.id, to = late.replicas, "{operation}: an earlier attempt whose answer was lost has landed");
+                    return Ok(late.replicas);
+                }
             }
-            let desired = target(current.replicas)?;
-            if desired < group.min || desired > group.max {
-                return Err(ActuatorError::FailedPrecondition(format!(
-                    "{}: {desired} replicas is outside [{}, {}]",
-                    group.id, group.min, group.max
+            let Some(wanted) = change(&state)? else {
+                // Nothing is owed any more: the version just read already carries the change.
+                return Ok(state.replicas);
+            };
+            if wanted.replicas < state.min || wanted.replicas > state.max {
+                return Err(ActuatorError::Refused(format!(
+                    "{}: {} replicas is outside [{}, {}]",
+                    group.id, wanted.replicas, state.min, state.max
                 )));
             }
-            let patch = json!({
-                "metadata": {"resourceVersion": current.resource_version},
-                "spec": {"replicas": desired},
+            let mut ledger = state.ledger.clone();
+            ledger.retain(|entry| state.listed.contains(entry));
+            if let Some(entry) = &wanted.entry {
+                ledger.insert(entry.clone());
+            }
+            let mut patch = json!({
+                "metadata": {"resourceVersion": state.resource_version},
+                "spec": {"replicas": wanted.replicas},
             });
+            if ledger != state.ledger {
+                patch["metadata"]["annotations"] = json!({ LEDGER_ANNOTATION: ledger.render() });
+            }
             let started = Instant::now();
             match call(
                 &what,
-                api.patch_scale(&key.name, &PatchParams::default(), &Patch::Merge(&patch)),
+                api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
             )
             .await
             {
-                Ok(scale) => {
+                Ok(object) => {
                     self.metrics.api_write(operation, "ok");
-                    let replicas = scale.spec.and_then(|s| s.replicas).unwrap_or(desired);
-                    let rv = scale.metadata.resource_version.unwrap_or_default();
-                    self.store.record_replicas(group.kind(), key, replicas, &rv);
-                    tracing::info!(group = %group.id, from = current.replicas, to = replicas, elapsed = ?started.elapsed(), "{operation}");
-                    return Ok(replicas);
+                    self.store.record(Some(group.kind()), object);
+                    tracing::info!(group = %group.id, from = state.replicas, to = wanted.replicas, elapsed = ?started.elapsed(), "{operation}");
+                    return Ok(wanted.replicas);
                 }
                 Err(ApiFailure::Conflict) => {
                     self.metrics.api_write(operation, "conflict");
-                    continue;
                 }
                 Err(ApiFailure::Other(e)) => {
                     self.metrics.api_write(operation, "error");
-                    // The write may have landed before the answer was lost: look before reporting failure.
-                    if matches!(e, ActuatorError::Unavailable(_))
-                        && let Ok(now) = self.live(group).await
-                        && now.replicas == desired
-                        && now.resource_version != current.resource_version
-                    {
-                        self.store.record_replicas(
-                            group.kind(),
-                            key,
-                            now.replicas,
-                            &now.resource_version,
-                        );
-                        return Ok(now.replicas);
+                    if !matches!(e, ActuatorError::ApiUnavailable(_)) {
+                        return Err(e);
                     }
-                    return Err(e);
+                    // The write may have landed before its answer was lost.
+                    match self.resolve(group, &state, &wanted).await {
+                        Some(true) => return Ok(wanted.replicas),
+                        // Not applied yet: the next attempt recomputes from a fresh read, unless
+                        // that read shows this one arrived meanwhile.
+                        Some(false) => unanswered.push((state.resource_version.clone(), wanted)),
+                        None => {
+                            return Err(ActuatorError::ApiUnavailable(format!(
+                                "{e}; whether the write landed is unknown (it is looked up again on retry)"
+                            )));
+                        }
+                    }
                 }
             }
         }
-        Err(ActuatorError::Aborted(format!(
+        Err(ActuatorError::Conflict(format!(
             "{what}: still conflicting after {MAX_ATTEMPTS} attempts"
         )))
     }
 
-    pub async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
-        let result = self.increase(id, delta).await;
-        self.store.refresh();
-        result
+    /// Whether `wanted` landed over `before`: `Some(applied)` once the object could be read.
+    async fn resolve(
+        &self,
+        group: &NodeGroup,
+        before: &GroupState,
+        wanted: &Change,
+    ) -> Option<bool> {
+        for attempt in 0..RESOLVE_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt))).await;
+            }
+            if let Ok(now) = self.live(group).await {
+                return Some(landed(&before.resource_version, wanted, &now));
+            }
+        }
+        None
+    }
+
+    pub async fn increase_size(
+        self: &Arc<Self>,
+        id: &str,
+        delta: i32,
+    ) -> Result<(), ActuatorError> {
+        let (me, id) = (Arc::clone(self), id.to_string());
+        self.run(async move { me.increase(&id, delta).await }).await
     }
 
     /// Cancels capacity that has not become nodes yet; never removes a registered node.
-    pub async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
-        let result = self.decrease(id, delta).await;
-        self.store.refresh();
-        result
+    pub async fn decrease_target_size(
+        self: &Arc<Self>,
+        id: &str,
+        delta: i32,
+    ) -> Result<(), ActuatorError> {
+        let (me, id) = (Arc::clone(self), id.to_string());
+        self.run(async move { me.decrease(&id, delta).await }).await
     }
 
-    /// Marks each node's Machine for deletion and lowers replicas by one per node, node by node. A node
-    /// whose removal is already under way (Machine deleting, or marked by this provider) is skipped, so
-    /// CA's retries do not lower replicas twice.
+    /// Marks each node's Machine for deletion and lowers replicas by one per node, recording each
+    /// decrement in the group's ledger. A node whose removal is paid already (or whose Machine is
+    /// being deleted) is skipped, so CA's retries never lower replicas twice. Refused, writing
+    /// nothing, while the group's MachineDeployment rolls out.
     pub async fn delete_nodes(
-        &self,
+        self: &Arc<Self>,
         id: &str,
         nodes: &[NodeToDelete],
     ) -> Result<(), ActuatorError> {
-        let result = self.delete(id, nodes).await;
-        // One snapshot build for the whole operation: every write above went into the index already.
-        self.store.refresh();
-        result
+        let (me, id, nodes) = (Arc::clone(self), id.to_string(), nodes.to_vec());
+        self.run(async move { me.delete(&id, &nodes).await }).await
+    }
+
+    /// Runs an accepted operation to completion on its own task: CA's deadline may drop the RPC,
+    /// but a half-done removal must not be dropped with it. One snapshot build follows.
+    async fn run(
+        &self,
+        operation: impl Future<Output = Result<(), ActuatorError>> + Send + 'static,
+    ) -> Result<(), ActuatorError> {
+        let store = Arc::clone(&self.store);
+        tokio::spawn(async move {
+            let result = operation.await;
+            store.refresh();
+            result
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(ActuatorError::Internal(format!(
+                "scale operation failed: {e}"
+            )))
+        })
     }
 
     async fn increase(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
         if delta <= 0 {
-            return Err(ActuatorError::InvalidArgument(format!(
+            return Err(ActuatorError::BadRequest(format!(
                 "size increase must be positive, got delta {delta}"
             )));
         }
-        let lock = self.group_lock(id);
+        let (snapshot, _) = self.group(id)?;
+        let lock = self.group_lock(&snapshot, id);
         let _guard = lock.lock().await;
         let (_, group) = self.group(id)?;
-        self.write_replicas(&group, "increase-size", |current| {
-            let desired = current.saturating_add(delta);
-            if desired > group.max {
-                return Err(ActuatorError::FailedPrecondition(format!(
+        self.write(&group, "increase-size", |state| {
+            let desired = state.replicas.saturating_add(delta);
+            if desired > state.max {
+                return Err(ActuatorError::Refused(format!(
                     "{id}: size increase too large: desired {desired}, max {}",
-                    group.max
+                    state.max
                 )));
             }
-            Ok(desired)
+            Ok(Some(Change {
+                replicas: desired,
+                entry: None,
+            }))
         })
         .await
         .map(|_| ())
@@ -346,271 +523,425 @@ impl Actuator {
 
     async fn decrease(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
         if delta >= 0 {
-            return Err(ActuatorError::InvalidArgument(format!(
+            return Err(ActuatorError::BadRequest(format!(
                 "size decrease must be negative, got delta {delta}"
             )));
         }
-        let lock = self.group_lock(id);
+        let (snapshot, _) = self.group(id)?;
+        let lock = self.group_lock(&snapshot, id);
         let _guard = lock.lock().await;
         let (_, group) = self.group(id)?;
         let registered = group.registered;
-        self.write_replicas(&group, "decrease-target-size", |current| {
+        self.write(&group, "decrease-target-size", |state| {
+            let current = state.replicas;
             let desired = current.saturating_add(delta);
             if desired < registered {
-                return Err(ActuatorError::FailedPrecondition(format!(
+                return Err(ActuatorError::Refused(format!(
                     "{id}: attempt to delete existing nodes: replicas {current}, delta {delta}, registered nodes {registered}"
                 )));
             }
-            if desired < group.min {
-                return Err(ActuatorError::FailedPrecondition(format!(
+            if desired < state.min {
+                return Err(ActuatorError::Refused(format!(
                     "{id}: size decrease too large: desired {desired}, min {}",
-                    group.min
+                    state.min
                 )));
             }
-            Ok(desired)
+            Ok(Some(Change {
+                replicas: desired,
+                entry: None,
+            }))
         })
         .await
         .map(|_| ())
     }
 
     async fn delete(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError> {
-        let lock = self.group_lock(id);
+        let (snapshot, _) = self.group(id)?;
+        let lock = self.group_lock(&snapshot, id);
         let _guard = lock.lock().await;
         let (snapshot, group) = self.group(id)?;
-        let keys = &self.store.settings().keys;
-        if group.kind() == ScalableKind::MachinePool {
-            let listed: BTreeSet<&String> = group.resource.provider_id_list.iter().collect();
-            self.pool_decrements
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retain(|(g, provider_id)| g != id || listed.contains(provider_id));
+        // CA only gets here if it ignored the raised min: during a rollout the MachineDeployment
+        // controller picks the MachineSet that shrinks, so a lower replica count may take another
+        // node than the one marked, and the marked one would stay.
+        if let Some(rollout) = &group.rollout {
+            return Err(ActuatorError::Refused(format!(
+                "{id}: MachineDeployment {} is rolling out ({}): scale-down is paused until the rollout finishes",
+                group.resource.key,
+                rollout.reason()
+            )));
         }
-
-        // Resolve every node before touching anything.
-        let mut plan: Vec<(NodeToDelete, Option<ObjectKey>)> = Vec::new();
-        let mut seen: BTreeSet<String> = BTreeSet::new();
-        for node in nodes {
-            let location = snapshot
-                .locate(
-                    &NodeRef {
-                        provider_id: &node.provider_id,
-                        name: &node.name,
-                        annotations: Some(&node.annotations),
-                    },
-                    keys,
-                )
-                .ok_or_else(|| {
-                    ActuatorError::NotFound(format!("{} belongs to no node group", node.describe()))
-                })?;
-            if location.group_id != id {
-                return Err(ActuatorError::InvalidArgument(format!(
-                    "{} belongs to node group {:?}, not {id:?}",
-                    node.describe(),
-                    location.group_id
-                )));
-            }
-            let dedupe = match &location.machine {
-                Some(m) => format!("machine:{m}"),
-                None => format!("node:{}", node.provider_id),
-            };
-            if !seen.insert(dedupe) {
-                continue;
-            }
-            if location.machine.is_none()
-                && !(group.kind() == ScalableKind::MachinePool && location.in_pool_list)
-            {
-                return Err(ActuatorError::FailedPrecondition(format!(
-                    "{}: no Machine found, and it is not in the providerIDList of {id}",
-                    node.describe()
-                )));
-            }
-            plan.push((node.clone(), location.machine.clone()));
-        }
+        // Every node resolved before anything is touched.
+        let plan = removal_plan(&snapshot, &self.store.settings().keys, &group, nodes)?;
 
         // Up front, so a call that would cross min changes nothing.
-        let current = self.cached(&group)?.replicas;
-        let removals = plan
-            .iter()
-            .filter(|(node, machine)| {
-                self.needs_decrement(&group, node, machine.as_ref()) != Removal::Skip
-            })
-            .count() as i32;
-        if removals > 0 && current - removals < group.min {
-            return Err(ActuatorError::FailedPrecondition(format!(
-                "{id}: deleting {removals} node(s) would take replicas from {current} below min size {}",
-                group.min
+        let state = self.cached(&group)?;
+        let counts = self.counts(&group, state.replicas);
+        let (mut fresh, mut unpaid) = (0usize, 0usize);
+        for (node, machine) in &plan {
+            match self.removal(&state, &counts, node, machine.as_ref()) {
+                Removal::MarkAndDecrement => fresh += 1,
+                Removal::Decrement if machine.is_none() => fresh += 1,
+                Removal::Decrement => unpaid += 1,
+                Removal::Done => {}
+            }
+        }
+        let owed = (fresh + unpaid.min(counts.owed())) as i32;
+        if owed > 0 && state.replicas - owed < state.min {
+            return Err(ActuatorError::Refused(format!(
+                "{id}: deleting {owed} node(s) would take replicas from {} below min size {}",
+                state.replicas, state.min
             )));
         }
 
+        let mut group = group;
+        let mut listed = false;
         for (node, machine) in &plan {
-            match self.needs_decrement(&group, node, machine.as_ref()) {
-                Removal::Skip => {
-                    tracing::info!(group = id, node = %node.describe(), "already being removed, not decrementing again");
+            // Decided afresh for each node: the previous one's writes changed the counts.
+            let state = self.cached(&group)?;
+            let counts = self.counts(&group, state.replicas);
+            let mut removal = self.removal(&state, &counts, node, machine.as_ref());
+            if removal == Removal::Decrement && machine.is_some() && !listed {
+                // Paying a mark again is the decision a lagging cache can get wrong: a Machine CAPI
+                // has just created, not yet seen, makes a paid mark look unpaid. Confirmed from a
+                // fresh list of the namespace's Machines first.
+                self.sync_machines(&group.resource.key.namespace).await?;
+                listed = true;
+                group = self.group(id)?.1;
+                let state = self.cached(&group)?;
+                let counts = self.counts(&group, state.replicas);
+                removal = self.removal(&state, &counts, node, machine.as_ref());
+            }
+            match (removal, machine) {
+                (Removal::Done, _) => {
+                    tracing::info!(group = id, node = %node.describe(), "already removed or being removed, not decrementing again");
                 }
-                Removal::MarkAndDecrement => {
-                    if let Some(machine) = machine {
-                        self.remove_machine(&group, machine).await?;
-                    }
+                (Removal::MarkAndDecrement, Some(machine)) => {
+                    self.remove_machine(&group, machine, true).await?;
                 }
-                Removal::DecrementOnly => {
-                    self.write_replicas(&group, "delete-nodes", |current| Ok(current - 1))
-                        .await?;
-                    if machine.is_none() {
-                        self.pool_decrements
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert((id.to_string(), node.provider_id.clone()));
-                        tracing::warn!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
-                    }
+                (Removal::Decrement, Some(machine)) => {
+                    tracing::info!(group = id, machine = %machine, "marked earlier without its decrement: decrementing now");
+                    self.remove_machine(&group, machine, false).await?;
+                }
+                (_, None) => {
+                    let entry = pool_node_entry(&node.provider_id);
+                    // Re-checked on every attempt: a removal paid meanwhile (by another writer, or
+                    // an earlier attempt that landed) is not paid twice.
+                    self.write(&group, "delete-nodes", |state| {
+                        Ok((!state.ledger.contains(&entry)).then(|| Change {
+                            replicas: state.replicas - 1,
+                            entry: Some(entry.clone()),
+                        }))
+                    })
+                    .await?;
+                    tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
                 }
             }
         }
         Ok(())
     }
 
-    /// Whether removing this node still needs a replica decrement.
-    fn needs_decrement(
+    /// What removing this node still needs, from the cached objects.
+    fn removal(
         &self,
-        group: &NodeGroup,
+        state: &GroupState,
+        counts: &Counts,
         node: &NodeToDelete,
         machine: Option<&ObjectKey>,
     ) -> Removal {
-        let Some(key) = machine else {
-            let done = self
-                .pool_decrements
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains(&(group.id.clone(), node.provider_id.clone()));
-            return if done {
-                Removal::Skip
-            } else {
-                Removal::DecrementOnly
-            };
-        };
         let delete_key = &self.store.settings().keys.delete_machine;
-        let Some(cached) = self.store.cached_machine(key) else {
-            return Removal::MarkAndDecrement;
-        };
-        if cached.deleting {
-            return Removal::Skip;
-        }
-        // Our own mark is only ever left in place together with its decrement (a failed decrement takes
-        // it back), so it means this node was already counted. A mark someone else set was not.
-        match cached.annotations.get(delete_key) {
-            Some(value) if is_our_mark(value) => Removal::Skip,
-            _ => Removal::MarkAndDecrement,
+        match machine {
+            Some(key) => {
+                let cached = self.store.cached_machine(key);
+                removal::removal(
+                    MachineState {
+                        name: &key.name,
+                        deleting: cached.as_ref().is_some_and(|m| m.deleting),
+                        mark: cached
+                            .as_ref()
+                            .and_then(|m| m.annotations.get(delete_key))
+                            .map(String::as_str),
+                    },
+                    counts,
+                )
+            }
+            None => removal::pool_removal(&pool_node_entry(&node.provider_id), &state.ledger),
         }
     }
 
-    /// Mark, then decrement; if the decrement fails, take the mark back so no Machine stays marked
-    /// without its decrement.
+    /// Mark (unless `mark` is false: our mark is there already), then decrement. When the decrement
+    /// certainly did not happen, a mark written here is taken back (a mark someone else set is
+    /// restored); when its outcome is unknown, the mark stays and the counts decide later.
     async fn remove_machine(
         &self,
         group: &NodeGroup,
         key: &ObjectKey,
+        mark: bool,
     ) -> Result<(), ActuatorError> {
         let delete_key = self.store.settings().keys.delete_machine.clone();
-        // A mark someone else set is restored, not removed, if our decrement fails.
         let previous = self
             .store
             .cached_machine(key)
             .and_then(|m| m.annotations.get(&delete_key).cloned());
-        let api = self.machine_api(&key.namespace);
-        let what = format!("marking Machine {key} for deletion");
-        let mark = json!({"metadata": {"annotations": {delete_key.as_str(): our_mark()}}});
-        let marked = match call(
-            &what,
-            api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&mark)),
-        )
-        .await
-        {
-            Ok(obj) => obj,
-            Err(e) => {
-                self.metrics.api_write("mark-machine", "error");
-                let e = other(e, &what);
-                // The mark may have landed although the answer was lost; take it back to be sure.
-                if matches!(e, ActuatorError::Unavailable(_)) {
-                    self.unmark(key, &delete_key, previous.as_deref()).await;
+        if mark {
+            let api = self.machine_api(&key.namespace);
+            let what = format!("marking Machine {key} for deletion");
+            let patch =
+                json!({"metadata": {"annotations": {delete_key.as_str(): our_mark(now_unix())}}});
+            match call(
+                &what,
+                api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
+            )
+            .await
+            {
+                Ok(marked) => {
+                    self.metrics.api_write("mark-machine", "ok");
+                    self.store.record(None, marked);
                 }
-                return Err(e);
+                Err(e) => {
+                    // A mark that landed unseen is owed a decrement: a retry pays it, else the repair
+                    // takes it back after the grace period.
+                    self.metrics.api_write("mark-machine", "error");
+                    return Err(other(e, &what));
+                }
             }
-        };
-        self.metrics.api_write("mark-machine", "ok");
-        self.store.record_machine(&marked);
+        }
+        let first = std::sync::OnceLock::new();
         match self
-            .write_replicas(group, "delete-nodes", |current| Ok(current - 1))
+            .write(group, "delete-nodes", |state| {
+                // Re-checked against each version written over: if someone else lowered replicas
+                // after this removal was decided, Cluster API deletes the marked Machine for that
+                // (marked ones go first), and a second decrement would remove a node CA never
+                // drained. (An earlier attempt of ours that landed is told apart by `write`.)
+                let decided = *first.get_or_init(|| state.replicas);
+                Ok((state.replicas >= decided).then(|| Change {
+                    replicas: state.replicas - 1,
+                    entry: None,
+                }))
+            })
             .await
         {
             Ok(_) => Ok(()),
-            Err(e) => {
-                tracing::warn!(group = %group.id, machine = %key, "decrement failed, taking the delete mark back: {e}");
-                self.unmark(key, &delete_key, previous.as_deref()).await;
+            Err(e @ ActuatorError::ApiUnavailable(_)) => {
+                tracing::warn!(group = %group.id, machine = %key, "decrement outcome unknown, the mark stays for the counts to settle: {e}");
                 Err(e)
             }
+            Err(e) if mark => {
+                tracing::warn!(group = %group.id, machine = %key, "decrement failed, taking the delete mark back: {e}");
+                self.unmark(key, &delete_key, previous.as_deref(), None)
+                    .await;
+                Err(e)
+            }
+            Err(e) => Err(e),
         }
     }
 
-    async fn unmark(&self, key: &ObjectKey, delete_key: &str, previous: Option<&str>) {
+    /// Takes our mark back (restoring `previous`). With `resource_version`, only from that version of
+    /// the Machine, so a mark set again meanwhile is left alone.
+    async fn unmark(
+        &self,
+        key: &ObjectKey,
+        delete_key: &str,
+        previous: Option<&str>,
+        resource_version: Option<&str>,
+    ) -> bool {
         let api = self.machine_api(&key.namespace);
         let what = format!("taking back the delete mark of Machine {key}");
-        let unmark = json!({"metadata": {"annotations": {delete_key: previous}}});
+        let mut unmark = json!({"metadata": {"annotations": {delete_key: previous}}});
+        if let Some(rv) = resource_version {
+            unmark["metadata"]["resourceVersion"] = json!(rv);
+        }
         match call(
             &what,
-            api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&unmark)),
+            api.patch(&key.name, &write_params(), &Patch::Merge(&unmark)),
         )
         .await
         {
             Ok(obj) => {
                 self.metrics.api_write("unmark-machine", "ok");
-                self.store.record_machine(&obj);
+                self.store.record(None, obj);
+                true
             }
-            Err(ApiFailure::Other(ActuatorError::NotFound(_))) => {}
+            Err(ApiFailure::Other(ActuatorError::Missing(_))) => true,
             Err(e) => {
                 self.metrics.api_write("unmark-machine", "error");
-                tracing::error!(
-                    machine = %key,
-                    "{what} failed: {e:?}; it stays marked without its replica decrement until the mark is removed"
-                );
+                tracing::warn!(machine = %key, "{what} failed: {e:?}; the repair retries it");
+                false
             }
         }
     }
+
+    /// Takes back every mark of ours that no decrement paid for and that is older than `grace` (as
+    /// the cache shows it, confirmed from the API): what a crash, a lost answer or a
+    /// dropped call left between the two writes of a removal. The node
+    /// stays; CA got no OK for it and asks again if it still wants it gone. Each repair is logged,
+    /// counted (`api_writes_total{operation="repair-unmark"}`) and recorded as an Event on the Machine.
+    pub async fn repair(&self, grace: Duration) -> usize {
+        let snapshot = self.store.snapshot();
+        let delete_key = self.store.settings().keys.delete_machine.clone();
+        let mut repaired = 0;
+        for (id, _) in snapshot.groups.iter() {
+            let lock = self.group_lock(&snapshot, id);
+            let _guard = lock.lock().await;
+            // Fresh after taking the lock: an operation that just finished has recorded its writes.
+            self.store.refresh();
+            let current = self.store.snapshot();
+            let Some(group) = current.group(id) else {
+                continue;
+            };
+            let Some(resource) = self
+                .store
+                .cached_resource(group.kind(), &group.resource.key)
+            else {
+                continue;
+            };
+            let Some(replicas) = resource.replicas else {
+                continue;
+            };
+            // Taking back a mark whose decrement did land would let CAPI remove an unmarked Machine,
+            // and the caches lag the API (for seconds after an outage, while Machines come and go).
+            // So what the cache shows unpaid is confirmed from the group and its Machines as the
+            // API has them before anything is taken back.
+            if self.unpaid_marks(group, replicas, grace).is_empty() {
+                continue;
+            }
+            // The group read, then its Machines listed: replicas change only by our operations
+            // (this group's lock is held) or by hand, and a Machine created or deleted after the
+            // read only makes fewer marks look unpaid.
+            let live = match self.live(group).await {
+                Ok(live) => live,
+                Err(e) => {
+                    tracing::debug!(group = %group.id, "repair postponed: {e}");
+                    continue;
+                }
+            };
+            if let Err(e) = self.sync_machines(&group.resource.key.namespace).await {
+                tracing::debug!(group = %group.id, "repair postponed: {e}");
+                continue;
+            }
+            let Ok((_, group)) = self.group(id) else {
+                continue;
+            };
+            let confirmed = self.unpaid_marks(&group, live.replicas, grace);
+            for (key, version) in confirmed {
+                if self.unmark(&key, &delete_key, None, Some(&version)).await {
+                    repaired += 1;
+                    self.metrics.api_write("repair-unmark", "ok");
+                    let note = format!(
+                        "{}: delete mark taken back: {} has no replica decrement for it (a removal interrupted part-way, or replicas raised again since); the node stays",
+                        group.id, group.resource.key
+                    );
+                    tracing::warn!(group = %group.id, machine = %key, "{note}");
+                    self.store.machine_event(&key, "DeleteMarkRepaired", note);
+                }
+            }
+        }
+        repaired
+    }
+
+    /// Our marks on `group`'s Machines, older than `grace`, that the index shows no decrement paying
+    /// for (see [`removal::orphans`]), with the version of each Machine (for a guarded unmark).
+    fn unpaid_marks(
+        &self,
+        group: &NodeGroup,
+        replicas: i32,
+        grace: Duration,
+    ) -> Vec<(ObjectKey, String)> {
+        let delete_key = &self.store.settings().keys.delete_machine;
+        let machines = self.machines(group);
+        let states: Vec<MachineState<'_>> = machines
+            .iter()
+            .map(|(k, m)| machine_state(k, m, delete_key))
+            .collect();
+        let counts = Counts::of(replicas, states.iter().copied());
+        removal::orphans(&states, &counts, now_unix(), grace.as_secs())
+            .into_iter()
+            .filter_map(|name| machines.iter().find(|(k, _)| k.name == name))
+            .map(|(k, m)| (k.clone(), m.resource_version.clone()))
+            .collect()
+    }
+
+    /// Runs [`Actuator::repair`] now and then every `interval`.
+    pub fn spawn_repair(self: &Arc<Self>, interval: Duration, grace: Duration) {
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                if me.store.is_ready() {
+                    me.repair(grace).await;
+                }
+                tokio::time::sleep(interval).await;
+            }
+        });
+    }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Removal {
-    Skip,
-    MarkAndDecrement,
-    DecrementOnly,
+/// What the removal rules need of a cached Machine.
+fn machine_state<'a>(
+    key: &'a ObjectKey,
+    machine: &'a crate::capi::Machine,
+    delete_key: &str,
+) -> MachineState<'a> {
+    MachineState {
+        name: &key.name,
+        deleting: machine.deleting,
+        mark: machine.annotations.get(delete_key).map(String::as_str),
+    }
 }
 
-/// Marks written by this provider end with this, so a retried DeleteNodes recognises them.
-const MARK_SUFFIX: &str = " by capi-autoscaler-provider";
-
-/// The annotation value: only presence matters to Cluster API; the time and the writer help people,
-/// and the writer tells this provider's marks (each one paid for by a decrement) from others'.
-fn our_mark() -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    format!("unix {}{MARK_SUFFIX}", now.as_secs())
-}
-
-fn is_our_mark(value: &str) -> bool {
-    value.ends_with(MARK_SUFFIX)
+/// Each node to remove with its Machine (`None`: a MachinePool node listed in its providerIDList
+/// without one), duplicates dropped; an error, before anything is written, for a node of no group,
+/// of another group, or without a Machine outside a pool's list.
+fn removal_plan(
+    snapshot: &Snapshot,
+    keys: &crate::capi::Keys,
+    group: &NodeGroup,
+    nodes: &[NodeToDelete],
+) -> Result<Vec<(NodeToDelete, Option<ObjectKey>)>, ActuatorError> {
+    let id = group.id.as_str();
+    let mut plan: Vec<(NodeToDelete, Option<ObjectKey>)> = Vec::new();
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    for node in nodes {
+        let location = snapshot
+            .locate(
+                &NodeRef {
+                    provider_id: &node.provider_id,
+                    name: &node.name,
+                    annotations: Some(&node.annotations),
+                },
+                keys,
+            )
+            .ok_or_else(|| {
+                ActuatorError::Missing(format!("{} belongs to no node group", node.describe()))
+            })?;
+        if location.group_id != id {
+            return Err(ActuatorError::BadRequest(format!(
+                "{} belongs to node group {:?}, not {id:?}",
+                node.describe(),
+                location.group_id
+            )));
+        }
+        let dedupe = match &location.machine {
+            Some(m) => format!("machine:{m}"),
+            None => pool_node_entry(&node.provider_id),
+        };
+        if !seen.insert(dedupe) {
+            continue;
+        }
+        if location.machine.is_none()
+            && !(group.kind() == ScalableKind::MachinePool && location.in_pool_list)
+        {
+            return Err(ActuatorError::Refused(format!(
+                "{}: no Machine found, and it is not in the providerIDList of {id}",
+                node.describe()
+            )));
+        }
+        plan.push((node.clone(), location.machine.clone()));
+    }
+    Ok(plan)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn our_marks_are_told_from_others() {
-        assert!(is_our_mark(&our_mark()));
-        assert!(!is_our_mark(
-            "2024-01-02 15:04:05.123456789 +0000 UTC m=+12.3"
-        ));
-        assert!(!is_our_mark(""));
-    }
 
     #[test]
     fn api_errors_map_to_grpc_codes() {

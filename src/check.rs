@@ -19,6 +19,7 @@ use crate::pricing::{PriceSource, ReferencePrices};
 use crate::problem::Problem;
 use crate::server::start_store;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
+use crate::store::WatchSettings;
 use crate::template::{TemplateSummary, taint_string};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -51,6 +52,35 @@ pub struct GroupReport {
     pub template: Option<TemplateSummary>,
     pub options: Option<GroupOptions>,
     pub hourly_price: Option<f64>,
+    /// Present while the group's MachineDeployment rolls out.
+    pub rollout: Option<RolloutReport>,
+}
+
+/// A rollout that pauses a group's scale-down.
+#[derive(Debug, Serialize)]
+pub struct RolloutReport {
+    /// e.g. `rolling out: MachineSet ns/md-old still has 2 replicas; scale-down paused (…)`.
+    pub message: String,
+    /// The min size CA is told while it lasts (`min` stays the configured one).
+    pub served_min: i32,
+    /// Old MachineSets (`namespace/name`) still holding replicas, and how many.
+    pub old_machine_sets: BTreeMap<String, i32>,
+    /// The MachineDeployment's `RollingOut` condition is `True`.
+    pub rolling_out_condition: bool,
+}
+
+fn rollout_report(group: &NodeGroup) -> Option<RolloutReport> {
+    let rollout = group.rollout.as_ref()?;
+    Some(RolloutReport {
+        message: group.rollout_note().unwrap_or_default(),
+        served_min: group.served_min(),
+        old_machine_sets: rollout
+            .old_sets
+            .iter()
+            .map(|s| (s.key.to_string(), s.replicas))
+            .collect(),
+        rolling_out_condition: rollout.condition,
+    })
 }
 
 fn group_report(group: &NodeGroup) -> GroupReport {
@@ -72,6 +102,7 @@ fn group_report(group: &NodeGroup) -> GroupReport {
         template: group.template.as_ref().map(|t| t.summary.clone()),
         options: group.options.clone(),
         hourly_price: group.price,
+        rollout: rollout_report(group),
     }
 }
 
@@ -127,8 +158,16 @@ pub fn render_table(report: &Report) -> String {
                 g.id.clone(),
                 format!("{}/{}/{}", g.min, g.max, g.target),
                 format!(
-                    "{} running, {} creating, {} deleting, {} failed",
-                    i.running, i.creating, i.deleting, i.failed
+                    "{} running, {} creating, {} deleting, {} failed{}",
+                    i.running,
+                    i.creating,
+                    i.deleting,
+                    i.failed,
+                    if g.rollout.is_some() {
+                        " (rolling out)"
+                    } else {
+                        ""
+                    }
                 ),
                 match &g.template {
                     Some(t) => {
@@ -188,6 +227,7 @@ pub fn render_table(report: &Report) -> String {
     }
     for g in &report.groups {
         let details: Vec<String> = [
+            g.rollout.as_ref().map(|r| r.message.clone()),
             g.template
                 .as_ref()
                 .filter(|t| !t.labels.is_empty())
@@ -254,10 +294,23 @@ async fn ready_snapshot(
 ) -> anyhow::Result<Arc<Snapshot>> {
     let config = connection.config()?;
     // Read-only: no Events, no writes.
-    let store = start_store(&config, Arc::new(Metrics::new()), false).await?;
-    if !store.wait_ready(READY_TIMEOUT).await {
+    let store = start_store(
+        &config,
+        Arc::new(Metrics::new()),
+        false,
+        WatchSettings::default(),
+    )
+    .await?;
+    // A forbidden or missing resource is reported at once: waiting does not fix RBAC.
+    if let Err(reasons) = store.wait_ready_or_fatal(READY_TIMEOUT, true).await {
         anyhow::bail!(
-            "the Cluster API objects could not be listed within {READY_TIMEOUT:?} (RBAC? API unreachable?); the provider's log says why"
+            "the objects cluster-autoscaler needs could not be listed{}:\n  {}",
+            if store.watch_problems().iter().any(|p| p.fatal) {
+                String::new()
+            } else {
+                format!(" within {READY_TIMEOUT:?}")
+            },
+            reasons.join("\n  ")
         );
     }
     Ok(store.snapshot())
@@ -291,7 +344,7 @@ pub async fn template(args: TemplateArgs) -> anyhow::Result<ExitCode> {
         Some(t) => {
             print!(
                 "{}",
-                serde_yaml::to_string(&t.node).context("encoding the template")?
+                serde_norway::to_string(&t.node).context("encoding the template")?
             );
             Ok(ExitCode::SUCCESS)
         }
@@ -307,5 +360,77 @@ pub async fn template(args: TemplateArgs) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::from(1))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capi::rollout::REVISION_ANNOTATION;
+    use crate::capi::{Keys, ScalableKind, ScalableResource};
+    use crate::snapshot::{Index, Settings};
+    use serde_json::json;
+
+    /// MachineDeployment md (min 0, max 5, replicas 3) with MachineSets md-new (revision 2) and
+    /// md-old (revision 1, `old` replicas).
+    fn snapshot(old: i32) -> Snapshot {
+        let keys = Keys::default();
+        let set = |name: &str, revision: &str, replicas: i32| {
+            json!({
+                "metadata": {
+                    "namespace": "ns", "name": name,
+                    "annotations": {REVISION_ANNOTATION: revision},
+                    "ownerReferences": [{"kind": "MachineDeployment", "name": "md"}],
+                },
+                "spec": {"replicas": replicas},
+            })
+        };
+        let md = json!({
+            "metadata": {
+                "namespace": "ns", "name": "md",
+                "annotations": {keys.min_size.as_str(): "0", keys.max_size.as_str(): "5"},
+            },
+            "spec": {"replicas": 3},
+        });
+        let mut index = Index::default();
+        for (kind, object) in [
+            (ScalableKind::MachineDeployment, md),
+            (ScalableKind::MachineSet, set("md-new", "2", 1)),
+            (ScalableKind::MachineSet, set("md-old", "1", old)),
+        ] {
+            let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
+            index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
+        }
+        index.snapshot(&Settings::default(), 1)
+    }
+
+    #[test]
+    fn a_rolling_out_group_is_marked_in_the_table_and_the_json() {
+        let r = report(&snapshot(2));
+        let table = render_table(&r);
+        assert!(table.contains("(rolling out)"), "{table}");
+        assert!(
+            table.contains(
+                "rolling out: MachineSet ns/md-old still has 2 replicas; scale-down paused (min size sent to CA: 3)"
+            ),
+            "{table}"
+        );
+        // MIN stays the configured one; the note says what CA is told.
+        assert!(table.contains("0/5/3"), "{table}");
+        let json = serde_json::to_value(&r).unwrap();
+        let rollout = &json["groups"][0]["rollout"];
+        assert_eq!(rollout["served_min"], 3);
+        assert_eq!(rollout["old_machine_sets"], json!({"ns/md-old": 2}));
+        assert_eq!(rollout["rolling_out_condition"], false);
+        assert_eq!(json["groups"][0]["min"], 0);
+    }
+
+    #[test]
+    fn a_group_that_is_not_rolling_out_has_no_rollout_note() {
+        let r = report(&snapshot(0));
+        let table = render_table(&r);
+        assert!(!table.contains("rolling out"), "{table}");
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(json["groups"][0]["rollout"].is_null());
     }
 }

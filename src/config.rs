@@ -12,7 +12,7 @@ use crate::discovery::DiscoverySpec;
 #[derive(Debug, Parser)]
 #[command(
     name = "capi-autoscaler-provider",
-    version,
+    version = crate::version::LONG_VERSION,
     about = "cluster-autoscaler externalgrpc cloud provider for Cluster API",
     args_conflicts_with_subcommands = true
 )]
@@ -34,20 +34,38 @@ pub enum Command {
     Template(TemplateArgs),
 }
 
+/// Every flag of every command also reads an environment variable (`CAPI_AUTOSCALER_PROVIDER_*`, or the
+/// in-tree provider's `CAPI_*` names), so `check` run inside the provider's container sees the
+/// configuration `serve` was given there. `--kubeconfig` is deliberately not `KUBECONFIG`: that one names
+/// the cluster a person works on, and here it would silently become the workload cluster.
 #[derive(Debug, Clone, Args)]
 pub struct ConnectionArgs {
     /// Kubeconfig of the management cluster (where the Cluster API objects are).
-    #[arg(long = "cloud-config", value_name = "PATH")]
+    #[arg(
+        long = "cloud-config",
+        env = "CAPI_AUTOSCALER_PROVIDER_CLOUD_CONFIG",
+        value_name = "PATH"
+    )]
     pub cloud_config: Option<PathBuf>,
     /// Kubeconfig of the workload cluster (its Nodes label scale-from-zero templates).
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, env = "CAPI_AUTOSCALER_PROVIDER_KUBECONFIG", value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
     /// Without --cloud-config, use the in-cluster config for the management cluster instead of --kubeconfig.
-    #[arg(long = "clusterapi-cloud-config-authoritative")]
+    #[arg(
+        long = "clusterapi-cloud-config-authoritative",
+        env = "CAPI_AUTOSCALER_PROVIDER_CLOUD_CONFIG_AUTHORITATIVE",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     pub cloud_config_authoritative: bool,
     /// Which scalable resources are node groups: `clusterapi:namespace=NS,clusterName=NAME,LABEL=VALUE`.
     /// Repeatable; a resource is a node group when it matches any spec. None: every annotated resource.
-    #[arg(long = "node-group-auto-discovery", value_name = "SPEC")]
+    /// In the environment, specs are separated by `;` (a spec itself contains commas).
+    #[arg(
+        long = "node-group-auto-discovery",
+        env = "CAPI_AUTOSCALER_PROVIDER_NODE_GROUP_AUTO_DISCOVERY",
+        value_name = "SPEC",
+        value_delimiter = ';'
+    )]
     pub node_group_auto_discovery: Vec<String>,
     /// API group of the Cluster API objects; also the prefix of the group-dependent annotation keys.
     #[arg(long = "capi-group", env = "CAPI_GROUP", default_value = DEFAULT_GROUP, hide_env_values = true)]
@@ -59,10 +77,18 @@ pub struct ConnectionArgs {
     #[arg(long = "scale-zero-default-arch", env = "CAPI_SCALE_ZERO_DEFAULT_ARCH")]
     pub scale_zero_default_arch: Option<String>,
     /// Reference price of one CPU core per hour for PricingPodPrice; derived from the priced groups when unset.
-    #[arg(long = "pod-price-per-cpu-hour", value_name = "PRICE")]
+    #[arg(
+        long = "pod-price-per-cpu-hour",
+        env = "CAPI_AUTOSCALER_PROVIDER_POD_PRICE_PER_CPU_HOUR",
+        value_name = "PRICE"
+    )]
     pub cpu_hour_price: Option<f64>,
     /// Reference price of one GiB of memory per hour for PricingPodPrice; derived when unset.
-    #[arg(long = "pod-price-per-gib-hour", value_name = "PRICE")]
+    #[arg(
+        long = "pod-price-per-gib-hour",
+        env = "CAPI_AUTOSCALER_PROVIDER_POD_PRICE_PER_GIB_HOUR",
+        value_name = "PRICE"
+    )]
     pub gib_hour_price: Option<f64>,
 }
 
@@ -71,20 +97,158 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub connection: ConnectionArgs,
     /// gRPC listen address. The default is loopback: the provider runs as a sidecar of cluster-autoscaler.
-    #[arg(long, default_value = "127.0.0.1:8086")]
+    #[arg(
+        long,
+        env = "CAPI_AUTOSCALER_PROVIDER_ADDRESS",
+        default_value = "127.0.0.1:8086"
+    )]
     pub address: SocketAddr,
     /// HTTP address for /metrics, /healthz and /readyz; disabled when empty.
-    #[arg(long = "metrics-address", default_value = "127.0.0.1:8087")]
+    #[arg(
+        long = "metrics-address",
+        env = "CAPI_AUTOSCALER_PROVIDER_METRICS_ADDRESS",
+        default_value = "127.0.0.1:8087"
+    )]
     pub metrics_address: Option<String>,
     /// PEM certificate of the gRPC server; with --tls-key the listener speaks TLS.
-    #[arg(long = "tls-cert", value_name = "PATH", requires = "tls_key")]
+    #[arg(
+        long = "tls-cert",
+        env = "CAPI_AUTOSCALER_PROVIDER_TLS_CERT",
+        value_name = "PATH",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of the gRPC server.
-    #[arg(long = "tls-key", value_name = "PATH", requires = "tls_cert")]
+    #[arg(
+        long = "tls-key",
+        env = "CAPI_AUTOSCALER_PROVIDER_TLS_KEY",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
     /// PEM CA bundle; when given, clients must present a certificate it signed (mTLS).
-    #[arg(long = "tls-client-ca", value_name = "PATH", requires = "tls_cert")]
+    #[arg(
+        long = "tls-client-ca",
+        env = "CAPI_AUTOSCALER_PROVIDER_TLS_CLIENT_CA",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
     pub tls_client_ca: Option<PathBuf>,
+    /// How often delete marks left without their replica decrement are looked for and taken back.
+    #[arg(
+        long = "repair-interval",
+        env = "CAPI_AUTOSCALER_PROVIDER_REPAIR_INTERVAL",
+        default_value = "30s",
+        value_parser = parse_duration
+    )]
+    pub repair_interval: std::time::Duration,
+    /// How old such a mark must be before it is taken back (longer than any removal takes).
+    #[arg(
+        long = "mark-grace-period",
+        env = "CAPI_AUTOSCALER_PROVIDER_MARK_GRACE_PERIOD",
+        default_value = "60s",
+        value_parser = parse_duration
+    )]
+    pub mark_grace_period: std::time::Duration,
+    /// Largest gRPC request read, in bytes (`Ki`, `Mi`, `Gi` suffixes allowed); a larger one is refused
+    /// with RESOURCE_EXHAUSTED. CA's largest requests are DeleteNodes (every node with its labels and
+    /// annotations) and PricingPodPrice (a whole pod).
+    #[arg(
+        long = "max-message-size",
+        env = "CAPI_AUTOSCALER_PROVIDER_MAX_MESSAGE_SIZE",
+        default_value = "16Mi",
+        value_name = "BYTES",
+        value_parser = parse_size
+    )]
+    pub max_message_size: usize,
+    /// CloudProvider calls handled at the same time; more wait for their turn (within --request-timeout),
+    /// then are answered UNAVAILABLE.
+    #[arg(
+        long = "max-concurrent-requests",
+        env = "CAPI_AUTOSCALER_PROVIDER_MAX_CONCURRENT_REQUESTS",
+        default_value = "64",
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub max_concurrent_requests: u32,
+    /// Longest a CloudProvider call is worked on before it is answered DEADLINE_EXCEEDED; below CA's own
+    /// gRPC timeout (5 s unless its cloud-config says otherwise). An accepted scale operation still runs
+    /// to completion.
+    #[arg(
+        long = "request-timeout",
+        env = "CAPI_AUTOSCALER_PROVIDER_REQUEST_TIMEOUT",
+        default_value = "4s",
+        value_parser = parse_positive_duration
+    )]
+    pub request_timeout: std::time::Duration,
+    /// How long a watch may keep failing before the provider stops saying it is ready: gRPC health
+    /// NOT_SERVING, /readyz 503 with the reason, scale writes refused with UNAVAILABLE. Forbidden (403)
+    /// and not found (404) count at once.
+    #[arg(
+        long = "watch-stale-after",
+        env = "CAPI_AUTOSCALER_PROVIDER_WATCH_STALE_AFTER",
+        default_value = "60s",
+        value_parser = parse_positive_duration
+    )]
+    pub watch_stale_after: std::time::Duration,
+    /// Server-side timeout of each watch request (1s to 290s): watches are re-established at least this
+    /// often, so a permission taken away meanwhile is noticed within it.
+    #[arg(
+        long = "watch-timeout",
+        env = "CAPI_AUTOSCALER_PROVIDER_WATCH_TIMEOUT",
+        default_value = "60s",
+        value_parser = parse_watch_timeout
+    )]
+    pub watch_timeout: std::time::Duration,
+}
+
+/// A Go-style duration (`30s`, `1m30s`), not negative.
+fn parse_duration(value: &str) -> Result<std::time::Duration, String> {
+    let nanos = crate::options::parse_go_duration(value)?;
+    u64::try_from(nanos)
+        .map(std::time::Duration::from_nanos)
+        .map_err(|_| format!("{value:?} is negative"))
+}
+
+fn parse_positive_duration(value: &str) -> Result<std::time::Duration, String> {
+    match parse_duration(value)? {
+        d if d.is_zero() => Err(format!("{value:?} must be longer than zero")),
+        d => Ok(d),
+    }
+}
+
+/// Whole seconds from 1 to 290: the API server's watch timeout (kube's client waits 5 s longer, and
+/// its requests end at 295 s).
+fn parse_watch_timeout(value: &str) -> Result<std::time::Duration, String> {
+    let d = parse_duration(value)?;
+    if d < std::time::Duration::from_secs(1) || d > std::time::Duration::from_secs(290) {
+        return Err(format!("{value:?} is not between 1s and 290s"));
+    }
+    Ok(std::time::Duration::from_secs(d.as_secs()))
+}
+
+/// A byte count: digits, optionally followed by `Ki`, `Mi` or `Gi`; more than zero.
+fn parse_size(value: &str) -> Result<usize, String> {
+    let (digits, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => value.split_at(i),
+        None => (value, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "Ki" => 10,
+        "Mi" => 20,
+        "Gi" => 30,
+        _ => return Err(format!("{value:?}: the unit must be Ki, Mi or Gi")),
+    };
+    let n: usize = digits
+        .parse()
+        .map_err(|_| format!("{value:?} is not a byte count such as 16Mi"))?;
+    let bytes = n
+        .checked_mul(1usize << shift)
+        .ok_or_else(|| format!("{value:?} is too large"))?;
+    if bytes == 0 {
+        return Err(format!("{value:?} must be more than zero"));
+    }
+    Ok(bytes)
 }
 
 #[derive(Debug, Clone, Args)]
@@ -92,7 +256,13 @@ pub struct CheckArgs {
     #[command(flatten)]
     pub connection: ConnectionArgs,
     /// Output format.
-    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    #[arg(
+        short = 'o',
+        long = "output",
+        env = "CAPI_AUTOSCALER_PROVIDER_OUTPUT",
+        value_enum,
+        default_value = "table"
+    )]
     pub output: OutputFormat,
 }
 
@@ -261,6 +431,94 @@ mod tests {
     fn tls_key_requires_a_certificate() {
         let r = Cli::try_parse_from(["x", "serve", "--tls-key", "/k"]);
         assert!(r.is_err());
+    }
+
+    /// Every flag of every command, with its env name.
+    fn flags_and_envs() -> Vec<(String, String, Option<String>)> {
+        use clap::CommandFactory;
+        let root = Cli::command();
+        let mut out = Vec::new();
+        for cmd in std::iter::once(&root).chain(root.get_subcommands()) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if arg.is_positional() || id == "help" || id == "version" {
+                    continue;
+                }
+                let flag = format!("--{}", arg.get_long().unwrap_or(id));
+                let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+                out.push((cmd.get_name().to_string(), flag, env));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_flag_can_be_set_from_the_environment() {
+        // So that `kubectl exec … check` in the pod sees the configuration `serve` was given by env.
+        let flags = flags_and_envs();
+        assert!(flags.len() > 20, "{flags:?}");
+        let upstream = ["CAPI_GROUP", "CAPI_VERSION", "CAPI_SCALE_ZERO_DEFAULT_ARCH"];
+        for (cmd, flag, env) in &flags {
+            let env = env
+                .as_deref()
+                .unwrap_or_else(|| panic!("{cmd} {flag} has no env"));
+            assert!(
+                upstream.contains(&env) || env.starts_with("CAPI_AUTOSCALER_PROVIDER_"),
+                "{cmd} {flag}: {env}"
+            );
+        }
+        // One flag, one env name, whichever command it is given to.
+        let mut by_flag = std::collections::BTreeMap::new();
+        for (_, flag, env) in &flags {
+            let previous = by_flag.insert(flag.clone(), env.clone());
+            assert!(
+                previous.is_none() || previous == Some(env.clone()),
+                "{flag}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_readme_documents_every_env_name() {
+        let readme = include_str!("../README.md");
+        for (cmd, flag, env) in flags_and_envs() {
+            let env = env.unwrap_or_default();
+            assert!(
+                readme.contains(&format!("`{env}`")),
+                "{cmd} {flag}: README.md does not name `{env}`"
+            );
+        }
+    }
+
+    #[test]
+    fn limits_have_safe_defaults_and_refuse_nonsense() {
+        let cli = parse(&["serve"]);
+        let Some(Command::Serve(s)) = cli.command else {
+            panic!("not serve")
+        };
+        assert_eq!(s.max_message_size, 16 << 20);
+        assert_eq!(s.max_concurrent_requests, 64);
+        // Below CA's default gRPC timeout of 5 s.
+        assert!(s.request_timeout < std::time::Duration::from_secs(5));
+        assert_eq!(s.watch_stale_after, std::time::Duration::from_secs(60));
+        assert_eq!(s.watch_timeout, std::time::Duration::from_secs(60));
+        assert_eq!(parse_size("4194304"), Ok(4 << 20));
+        assert_eq!(parse_size("2Gi"), Ok(2 << 30));
+        for bad in ["", "0", "0Mi", "16MB", "-1", "Mi", "99999999999999999999Gi"] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
+        }
+        for bad in [
+            &["serve", "--max-concurrent-requests", "0"][..],
+            &["serve", "--request-timeout", "0s"],
+            &["serve", "--watch-timeout", "300s"],
+            &["serve", "--watch-timeout", "500ms"],
+            &["serve", "--watch-stale-after", "0s"],
+        ] {
+            assert!(
+                Cli::try_parse_from(std::iter::once("x").chain(bad.iter().copied())).is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Prometheus metrics: RPCs, API writes, watches, snapshot builds, node groups and problems.
 
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -7,9 +8,11 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 use crate::snapshot::Snapshot;
+use crate::version;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RpcLabels {
@@ -29,6 +32,22 @@ pub struct WatchLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    pub resource: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectLabels {
+    pub method: &'static str,
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
     pub operation: &'static str,
     pub outcome: &'static str,
@@ -40,6 +59,9 @@ pub struct Metrics {
     rpc_seconds: Family<MethodLabels, Histogram>,
     api_writes: Family<WriteLabels, Counter>,
     watch_events: Family<WatchLabels, Counter>,
+    watch_stale: Family<ResourceLabels, Gauge<f64, AtomicU64>>,
+    rejected: Family<RejectLabels, Counter>,
+    tls_reloads: Family<OutcomeLabels, Counter>,
     snapshot_seconds: Histogram,
     node_groups: Gauge,
     machines: Gauge,
@@ -55,6 +77,16 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("capi_autoscaler_provider");
+        // `capi_autoscaler_provider_build_info{version,commit} 1`: which build is running, joinable
+        // with the other series on the pod's labels.
+        registry.register(
+            "build",
+            "version and git commit of the running binary",
+            Info::new(vec![
+                ("version", version::VERSION),
+                ("commit", version::COMMIT),
+            ]),
+        );
         let rpc_requests = Family::<RpcLabels, Counter>::default();
         registry.register(
             "grpc_requests",
@@ -81,6 +113,24 @@ impl Metrics {
             "watch events by resource and kind of event",
             watch_events.clone(),
         );
+        let watch_stale = Family::<ResourceLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "watch_stale_seconds",
+            "how long each watch has been failing (or, before its first list, waiting); 0 while it is in sync",
+            watch_stale.clone(),
+        );
+        let rejected = Family::<RejectLabels, Counter>::default();
+        registry.register(
+            "grpc_rejected",
+            "CloudProvider calls refused by a limit (message size, decoded size, concurrency, timeout)",
+            rejected.clone(),
+        );
+        let tls_reloads = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "tls_reloads",
+            "TLS certificate, key and client CA files read again after they changed, by outcome",
+            tls_reloads.clone(),
+        );
         let snapshot_seconds = Histogram::new(exponential_buckets(0.000_1, 4.0, 10));
         registry.register(
             "snapshot_build_duration_seconds",
@@ -103,6 +153,9 @@ impl Metrics {
             rpc_seconds,
             api_writes,
             watch_events,
+            watch_stale,
+            rejected,
+            tls_reloads,
             snapshot_seconds,
             node_groups,
             machines,
@@ -131,6 +184,28 @@ impl Metrics {
     pub fn watch_event(&self, resource: &'static str, event: &'static str) {
         self.watch_events
             .get_or_create(&WatchLabels { resource, event })
+            .inc();
+    }
+
+    /// Seconds the watch of `resource` has been failing (or not yet listed); 0 when in sync.
+    pub fn watch_stale(&self, resource: &str, seconds: f64) {
+        self.watch_stale
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_string(),
+            })
+            .set(seconds);
+    }
+
+    /// A CloudProvider call refused by a limit, before or instead of its handler.
+    pub fn rejected(&self, method: &'static str, reason: &'static str) {
+        self.rejected
+            .get_or_create(&RejectLabels { method, reason })
+            .inc();
+    }
+
+    pub fn tls_reload(&self, outcome: &'static str) {
+        self.tls_reloads
+            .get_or_create(&OutcomeLabels { outcome })
             .inc();
     }
 
@@ -191,5 +266,32 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("capi_autoscaler_provider_api_writes_total{operation=\"scale\",outcome=\"conflict\"} 1"), "{text}");
+    }
+
+    #[test]
+    fn watch_staleness_and_rejections_show_up_in_the_exposition() {
+        let m = Metrics::new();
+        m.watch_stale("machines.cluster.x-k8s.io", 12.5);
+        m.rejected("NodeGroupDeleteNodes", "decoded-size");
+        m.tls_reload("error");
+        let text = m.encode();
+        for line in [
+            "capi_autoscaler_provider_watch_stale_seconds{resource=\"machines.cluster.x-k8s.io\"} 12.5",
+            "capi_autoscaler_provider_grpc_rejected_total{method=\"NodeGroupDeleteNodes\",reason=\"decoded-size\"} 1",
+            "capi_autoscaler_provider_tls_reloads_total{outcome=\"error\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+    }
+
+    #[test]
+    fn build_info_carries_version_and_commit() {
+        let text = Metrics::new().encode();
+        let line = format!(
+            "capi_autoscaler_provider_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+            version::VERSION,
+            version::COMMIT
+        );
+        assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
     }
 }

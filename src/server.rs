@@ -1,25 +1,39 @@
-//! Listeners: gRPC (plain, TLS, or mTLS) with grpc.health.v1, and HTTP /metrics, /healthz, /readyz.
+//! Listeners: gRPC (plain, TLS, or mTLS, certificates reloaded when their files change) with
+//! grpc.health.v1, and HTTP /metrics, /healthz, /readyz.
+//!
+//! Every CloudProvider call passes [`Limits`] first: at most `--max-concurrent-requests` at a time,
+//! answered within `--request-timeout`, no request larger than `--max-message-size`, and none whose
+//! few bytes would decode into far more memory (see [`crate::wire`]).
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::task::{Context as TaskContext, Poll};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use http_body_util::BodyExt;
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tokio::sync::Semaphore;
+use tonic::body::Body;
+use tonic::transport::Server;
 
 use crate::config::{Config, KubeconfigSource, ServeArgs};
 use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
 use crate::service::Service;
 use crate::snapshot::Settings;
-use crate::store::{CapiApis, Store};
+use crate::store::{CapiApis, Store, WatchSettings};
+use crate::tls::{ReloadingTls, TlsFiles};
+use crate::version;
+use crate::wire::{self, Shape};
 
-/// A client for a kubeconfig file, or the inferred (in-cluster) configuration.
-pub async fn client_for(source: &KubeconfigSource) -> anyhow::Result<Client> {
-    let config = match source {
+/// The client configuration for a kubeconfig file, or the inferred (in-cluster) configuration, with
+/// our User-Agent on every request.
+pub async fn kube_config(source: &KubeconfigSource) -> anyhow::Result<kube::Config> {
+    let mut config = match source {
         KubeconfigSource::File(path) => {
             let kubeconfig = Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;
@@ -31,6 +45,21 @@ pub async fn client_for(source: &KubeconfigSource) -> anyhow::Result<Client> {
             .await
             .context("no in-cluster or default kubeconfig")?,
     };
+    // kube sends no User-Agent of its own: without ours the apiserver's audit log shows none and
+    // merge patches get no field manager named after us.
+    config
+        .headers
+        .retain(|(name, _)| name != http::header::USER_AGENT);
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(version::USER_AGENT),
+    ));
+    Ok(config)
+}
+
+/// A client for a kubeconfig file, or the inferred (in-cluster) configuration.
+pub async fn client_for(source: &KubeconfigSource) -> anyhow::Result<Client> {
+    let config = kube_config(source).await?;
     Client::try_from(config).context("building the Kubernetes client")
 }
 
@@ -50,6 +79,7 @@ pub async fn start_store(
     config: &Config,
     metrics: Arc<Metrics>,
     events: bool,
+    watch_settings: WatchSettings,
 ) -> anyhow::Result<Arc<Store>> {
     let management = client_for(&config.management)
         .await
@@ -76,17 +106,38 @@ pub async fn start_store(
         settings(config),
         metrics,
         events,
+        watch_settings,
     ))
 }
 
-fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
-    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
-}
-
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    tracing::info!(
+        version = version::VERSION,
+        commit = version::COMMIT,
+        "capi-autoscaler-provider starting"
+    );
     let config = args.connection.config()?;
     let metrics = Arc::new(Metrics::new());
-    let store = start_store(&config, Arc::clone(&metrics), true).await?;
+    // TLS files are read before anything else: a wrong path fails the start at once.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            ReloadingTls::new(
+                TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: args.tls_client_ca.clone(),
+                },
+                Arc::clone(&metrics),
+            )
+            .map_err(|e| anyhow::anyhow!("TLS configuration: {e}"))?,
+        ),
+        _ => None,
+    };
+    let watch_settings = WatchSettings {
+        timeout: args.watch_timeout,
+        stale_after: args.watch_stale_after,
+    };
+    let store = start_store(&config, Arc::clone(&metrics), true, watch_settings).await?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     // Both the overall status and the service's are NOT_SERVING until every watch has listed.
@@ -96,21 +147,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     health
         .set_not_serving::<CloudProviderServer<Service>>()
         .await;
-    {
-        let store = Arc::clone(&store);
-        let health = health.clone();
-        tokio::spawn(async move {
-            let started = std::time::Instant::now();
-            while !store.wait_ready(Duration::from_secs(30)).await {
-                tracing::warn!(after = ?started.elapsed(), "still waiting for the first list of every watched kind");
-            }
-            tracing::info!(after = ?started.elapsed(), groups = store.snapshot().groups.len(), "ready");
-            health.set_serving::<CloudProviderServer<Service>>().await;
-            health
-                .set_service_status("", tonic_health::ServingStatus::Serving)
-                .await;
-        });
-    }
+    tokio::spawn(report_health(Arc::clone(&store), health));
 
     if let Some(address) = args.metrics_address.as_deref().filter(|a| !a.is_empty()) {
         let address: SocketAddr = address
@@ -127,14 +164,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ));
     }
 
-    let mut server = Server::builder();
-    if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-        let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
-        if let Some(ca) = &args.tls_client_ca {
-            tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
-        }
-        server = server.tls_config(tls).context("TLS configuration")?;
-    }
     let listener = tokio::net::TcpListener::bind(args.address)
         .await
         .with_context(|| format!("binding {}", args.address))?;
@@ -142,18 +171,125 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         address = %args.address,
         tls = args.tls_cert.is_some(),
         mtls = args.tls_client_ca.is_some(),
+        max_message_size = args.max_message_size,
+        max_concurrent_requests = args.max_concurrent_requests,
+        request_timeout = ?args.request_timeout,
         "serving externalgrpc CloudProvider"
     );
-    server
+    let limits = Limits::new(
+        args.max_message_size,
+        args.max_concurrent_requests as usize,
+        args.request_timeout,
+        Arc::clone(&metrics),
+    );
+    let service = Service::new(store, metrics);
+    service
+        .actuator()
+        .spawn_repair(args.repair_interval, args.mark_grace_period);
+    let router = Server::builder()
+        .layer(limits)
         .add_service(health_service)
-        .add_service(CloudProviderServer::new(Service::new(store, metrics)))
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown(),
-        )
-        .await
-        .context("gRPC server")?;
+        .add_service(reflection_v1()?)
+        .add_service(reflection_v1alpha()?)
+        .add_service(
+            CloudProviderServer::new(service).max_decoding_message_size(args.max_message_size),
+        );
+    match tls {
+        Some(tls) => {
+            tls.spawn_poll();
+            router
+                .serve_with_incoming_shutdown(tls.incoming(listener), shutdown())
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    shutdown(),
+                )
+                .await
+        }
+    }
+    .context("gRPC server")?;
     Ok(())
+}
+
+/// Keeps grpc.health.v1 telling the truth: NOT_SERVING until every watch has listed, then SERVING
+/// while no required watch is stale (failing for longer than `--watch-stale-after`, or forbidden or
+/// not found at all), NOT_SERVING with the reason logged while one is.
+async fn report_health(store: Arc<Store>, health: tonic_health::server::HealthReporter) {
+    let started = Instant::now();
+    let mut last_warning = Instant::now();
+    while !store.wait_ready(Duration::from_secs(1)).await {
+        let reasons = store.not_ready_reasons();
+        if last_warning.elapsed() >= Duration::from_secs(30) {
+            tracing::warn!(after = ?started.elapsed(), "not ready yet: {}", reasons.join("; "));
+            last_warning = Instant::now();
+        }
+    }
+    tracing::info!(after = ?started.elapsed(), groups = store.snapshot().groups.len(), "ready");
+    let mut serving = false;
+    let mut first = true;
+    loop {
+        let reasons = store.not_ready_reasons();
+        match (serving, reasons.is_empty()) {
+            (false, true) => {
+                health.set_serving::<CloudProviderServer<Service>>().await;
+                health
+                    .set_service_status("", tonic_health::ServingStatus::Serving)
+                    .await;
+                if !first {
+                    tracing::info!("serving again: every watch is in sync");
+                }
+                first = false;
+                serving = true;
+            }
+            (true, false) => {
+                health
+                    .set_not_serving::<CloudProviderServer<Service>>()
+                    .await;
+                health
+                    .set_service_status("", tonic_health::ServingStatus::NotServing)
+                    .await;
+                tracing::error!("not serving: {}", reasons.join("; "));
+                serving = false;
+            }
+            _ => {}
+        }
+        store.publish_watch_metrics();
+        // A watch failing or recovering wakes this at once; the stale bound passing is seen on the
+        // next tick.
+        tokio::select! {
+            () = store.health_changed() => {},
+            () = tokio::time::sleep(Duration::from_millis(500)) => {},
+        }
+    }
+}
+
+/// gRPC server reflection (v1, and v1alpha for older clients) over the CloudProvider, health and
+/// reflection services: grpcurl and similar tools list and call them without the .proto files.
+fn reflection_v1() -> anyhow::Result<
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("gRPC reflection (v1)")
+}
+
+fn reflection_v1alpha() -> anyhow::Result<
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
+    >,
+> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("gRPC reflection (v1alpha)")
 }
 
 async fn shutdown() {
@@ -175,12 +311,15 @@ async fn shutdown() {
 async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metrics: Arc<Metrics>) {
     use axum::http::StatusCode;
     use axum::routing::get;
+    let store_for_metrics = Arc::clone(&store);
     let app = axum::Router::new()
         .route(
             "/metrics",
             get(move || {
                 let metrics = Arc::clone(&metrics);
+                let store = Arc::clone(&store_for_metrics);
                 async move {
+                    store.publish_watch_metrics();
                     (
                         [(
                             "content-type",
@@ -197,12 +336,15 @@ async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metric
             get(move || {
                 let store = Arc::clone(&store);
                 async move {
-                    if store.is_ready() {
-                        (StatusCode::OK, "ready")
+                    // Empty exactly when every watch has listed, none is stale and the
+                    // infrastructure templates referenced so far have listed or failed.
+                    let reasons = store.not_ready_reasons();
+                    if reasons.is_empty() {
+                        (StatusCode::OK, "ready\n".to_string())
                     } else {
                         (
                             StatusCode::SERVICE_UNAVAILABLE,
-                            "listing Cluster API objects",
+                            format!("not ready:\n{}\n", reasons.join("\n")),
                         )
                     }
                 }
@@ -210,5 +352,415 @@ async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metric
         );
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!("HTTP server: {e}");
+    }
+}
+
+/// The CloudProvider service's path prefix; health and reflection are not limited.
+const CLOUD_PROVIDER: &str = "/clusterautoscaler.cloudprovider.v1.externalgrpc.CloudProvider/";
+
+/// Every CloudProvider method (bounded label values for the metrics).
+const METHODS: [&str; 15] = [
+    "NodeGroups",
+    "NodeGroupForNode",
+    "PricingNodePrice",
+    "PricingPodPrice",
+    "GPULabel",
+    "GetAvailableGPUTypes",
+    "Cleanup",
+    "Refresh",
+    "NodeGroupTargetSize",
+    "NodeGroupIncreaseSize",
+    "NodeGroupDeleteNodes",
+    "NodeGroupDecreaseTargetSize",
+    "NodeGroupNodes",
+    "NodeGroupTemplateNodeInfo",
+    "NodeGroupGetOptions",
+];
+
+/// Memory a request that carries nodes (their labels and annotations) may decode into.
+const NODE_REQUEST_BUDGET: u64 = 64 << 20;
+
+/// The requests whose decoded form can be far larger than their bytes: they carry
+/// `ExternalGrpcNode`s, whose maps and (for DeleteNodes) whose list cost hundreds of bytes per two
+/// bytes on the wire. PricingPodPrice carries its pod as bytes, checked by the handler.
+fn carries_nodes(method: &str) -> bool {
+    matches!(
+        method,
+        "NodeGroupDeleteNodes" | "NodeGroupForNode" | "PricingNodePrice"
+    )
+}
+
+/// Limits on every CloudProvider call, as a tower layer around the gRPC routes.
+#[derive(Clone)]
+pub struct Limits {
+    max_message: usize,
+    timeout: Duration,
+    permits: Arc<Semaphore>,
+    concurrency: usize,
+    metrics: Arc<Metrics>,
+}
+
+impl Limits {
+    pub fn new(
+        max_message: usize,
+        concurrency: usize,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let concurrency = concurrency.clamp(1, Semaphore::MAX_PERMITS);
+        Limits {
+            max_message,
+            timeout,
+            permits: Arc::new(Semaphore::new(concurrency)),
+            concurrency,
+            metrics,
+        }
+    }
+
+    fn reject(
+        &self,
+        method: &'static str,
+        reason: &'static str,
+        status: tonic::Status,
+    ) -> http::Response<Body> {
+        self.metrics.rejected(method, reason);
+        self.metrics.rpc(method, status.code(), Duration::ZERO);
+        tracing::warn!(method, reason, "{}", status.message());
+        status.into_http()
+    }
+
+    /// Reads the request (at most one message of `max_message` bytes) and, for requests that carry
+    /// nodes, refuses it when its decoded form would pass [`NODE_REQUEST_BUDGET`]; else gives it back
+    /// whole.
+    async fn screen(
+        &self,
+        method: &'static str,
+        request: http::Request<Body>,
+    ) -> Result<http::Request<Body>, http::Response<Body>> {
+        let (parts, body) = request.into_parts();
+        // The gRPC frame: one byte "compressed", four bytes length, the message.
+        let limit = self.max_message.saturating_add(5);
+        let bytes = match http_body_util::Limited::new(body, limit).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(self.reject(
+                    method,
+                    "message-size",
+                    tonic::Status::resource_exhausted(format!(
+                        "{method}: the request is larger than --max-message-size ({} bytes)",
+                        self.max_message
+                    )),
+                ));
+            }
+            Err(e) => {
+                return Err(tonic::Status::cancelled(format!(
+                    "{method}: reading the request: {e}"
+                ))
+                .into_http());
+            }
+        };
+        // Unary: one frame. A compressed one is refused by the codec (no compression is enabled).
+        if carries_nodes(method)
+            && let Some((&0, rest)) = bytes.split_first()
+            && let Some(message) = rest.get(4..)
+            && let Err(e) = wire::cost(message, Shape::NodeRequest, NODE_REQUEST_BUDGET)
+        {
+            return Err(self.reject(
+                method,
+                "decoded-size",
+                tonic::Status::resource_exhausted(format!(
+                    "{method}: too many nodes, labels or annotations: {e}"
+                )),
+            ));
+        }
+        Ok(http::Request::from_parts(
+            parts,
+            Body::new(http_body_util::Full::new(bytes)),
+        ))
+    }
+}
+
+impl<S> tower::Layer<S> for Limits {
+    type Service = Limited<S>;
+
+    fn layer(&self, inner: S) -> Limited<S> {
+        Limited {
+            inner,
+            limits: self.clone(),
+        }
+    }
+}
+
+/// The gRPC routes behind [`Limits`].
+#[derive(Clone)]
+pub struct Limited<S> {
+    inner: S,
+    limits: Limits,
+}
+
+type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+impl<S> tower::Service<http::Request<Body>> for Limited<S>
+where
+    S: tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<http::Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let method = request
+            .uri()
+            .path()
+            .strip_prefix(CLOUD_PROVIDER)
+            .map(|name| {
+                METHODS
+                    .into_iter()
+                    .find(|m| *m == name)
+                    .unwrap_or("unknown")
+            });
+        // The ready service answers this call; a clone takes its place for the next one.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let Some(method) = method else {
+            return Box::pin(inner.call(request));
+        };
+        let limits = self.limits.clone();
+        Box::pin(async move {
+            let deadline = tokio::time::Instant::now() + limits.timeout;
+            let permit = match tokio::time::timeout_at(
+                deadline,
+                Arc::clone(&limits.permits).acquire_owned(),
+            )
+            .await
+            {
+                Ok(Ok(permit)) => permit,
+                Ok(Err(_)) | Err(_) => {
+                    return Ok(limits.reject(
+                        method,
+                        "concurrency",
+                        tonic::Status::unavailable(format!(
+                            "{method}: {} calls in progress (--max-concurrent-requests) for longer than {:?}; retry",
+                            limits.concurrency, limits.timeout
+                        )),
+                    ));
+                }
+            };
+            let request = match tokio::time::timeout_at(deadline, limits.screen(method, request))
+                .await
+            {
+                Ok(Ok(request)) => request,
+                Ok(Err(response)) => return Ok(response),
+                Err(_) => {
+                    return Ok(limits.reject(
+                        method,
+                        "timeout",
+                        tonic::Status::deadline_exceeded(format!(
+                            "{method}: the request was not received within {:?} (--request-timeout)",
+                            limits.timeout
+                        )),
+                    ));
+                }
+            };
+            let response = match tokio::time::timeout_at(deadline, inner.call(request)).await {
+                Ok(response) => response,
+                Err(_) => Ok(limits.reject(
+                    method,
+                    "timeout",
+                    tonic::Status::deadline_exceeded(format!(
+                        "{method}: no answer within {:?} (--request-timeout); a scale operation that was accepted goes on to completion, retry to see its outcome",
+                        limits.timeout
+                    )),
+                )),
+            };
+            drop(permit);
+            response
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn every_api_request_carries_our_user_agent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        std::fs::write(
+            &path,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \"http://127.0.0.1:1\"}\n\
+             users:\n- name: u\n  user: {token: t}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n\
+             current-context: x\n",
+        )
+        .unwrap();
+        let config = kube_config(&KubeconfigSource::File(path)).await.unwrap();
+        let agents: Vec<_> = config
+            .headers
+            .iter()
+            .filter(|(name, _)| name == http::header::USER_AGENT)
+            .map(|(_, value)| value.to_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            agents,
+            [format!("capi-autoscaler-provider/{}", version::VERSION)]
+        );
+    }
+
+    #[test]
+    fn reflection_services_build_from_the_descriptor_sets() {
+        // A descriptor set that does not decode, or a missing import, fails here and not at start-up.
+        reflection_v1().unwrap();
+        reflection_v1alpha().unwrap();
+    }
+
+    mod limits {
+        use super::*;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tower::{Layer, Service as _};
+
+        /// Stands in for the gRPC routes: reads the request, waits `delay`, answers OK.
+        #[derive(Clone)]
+        struct Routes {
+            delay: Duration,
+            called: Arc<AtomicUsize>,
+            body_len: Arc<AtomicUsize>,
+        }
+
+        impl tower::Service<http::Request<Body>> for Routes {
+            type Response = http::Response<Body>;
+            type Error = Infallible;
+            type Future = BoxFuture<Result<http::Response<Body>, Infallible>>;
+
+            fn poll_ready(&mut self, _: &mut TaskContext<'_>) -> Poll<Result<(), Infallible>> {
+                Poll::Ready(Ok(()))
+            }
+
+            fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+                let me = self.clone();
+                Box::pin(async move {
+                    me.called.fetch_add(1, Ordering::SeqCst);
+                    let body = request.into_body().collect().await.unwrap().to_bytes();
+                    me.body_len.store(body.len(), Ordering::SeqCst);
+                    tokio::time::sleep(me.delay).await;
+                    Ok(tonic::Status::ok("").into_http())
+                })
+            }
+        }
+
+        fn routes(delay: Duration) -> Routes {
+            Routes {
+                delay,
+                called: Arc::new(AtomicUsize::new(0)),
+                body_len: Arc::new(AtomicUsize::new(0)),
+            }
+        }
+
+        fn limits(concurrency: usize, timeout: Duration) -> Limits {
+            Limits::new(1 << 20, concurrency, timeout, Arc::new(Metrics::new()))
+        }
+
+        /// A unary gRPC request to `method` carrying `message`.
+        fn call(method: &str, message: &[u8]) -> http::Request<Body> {
+            let mut framed = vec![0u8];
+            framed.extend((message.len() as u32).to_be_bytes());
+            framed.extend_from_slice(message);
+            http::Request::post(format!("{CLOUD_PROVIDER}{method}"))
+                .body(Body::new(http_body_util::Full::new(
+                    prost::bytes::Bytes::from(framed),
+                )))
+                .unwrap()
+        }
+
+        fn code(response: &http::Response<Body>) -> tonic::Code {
+            tonic::Status::from_header_map(response.headers())
+                .map(|s| s.code())
+                .unwrap_or(tonic::Code::Ok)
+        }
+
+        #[tokio::test]
+        async fn a_normal_call_passes_whole() {
+            let inner = routes(Duration::ZERO);
+            let mut svc = limits(4, Duration::from_secs(1)).layer(inner.clone());
+            let response = svc
+                .call(call("NodeGroupDeleteNodes", &[0x12, 0x01, b'x']))
+                .await
+                .unwrap();
+            assert_eq!(code(&response), tonic::Code::Ok);
+            assert_eq!(inner.body_len.load(Ordering::SeqCst), 8);
+        }
+
+        #[tokio::test]
+        async fn millions_of_empty_nodes_are_refused_before_decoding() {
+            let inner = routes(Duration::ZERO);
+            let mut svc = limits(4, Duration::from_secs(5)).layer(inner.clone());
+            let nodes: Vec<u8> = std::iter::repeat_n([0x0a, 0x00], 500_000)
+                .flatten()
+                .collect();
+            let response = svc
+                .call(call("NodeGroupDeleteNodes", &nodes))
+                .await
+                .unwrap();
+            assert_eq!(code(&response), tonic::Code::ResourceExhausted);
+            assert_eq!(inner.called.load(Ordering::SeqCst), 0);
+            // Over the size limit: refused whatever the method.
+            let big = vec![0u8; (1 << 20) + 1];
+            let response = svc.call(call("NodeGroupTargetSize", &big)).await.unwrap();
+            assert_eq!(code(&response), tonic::Code::ResourceExhausted);
+            assert_eq!(inner.called.load(Ordering::SeqCst), 0);
+        }
+
+        #[tokio::test]
+        async fn a_slow_call_is_answered_deadline_exceeded_in_time() {
+            let inner = routes(Duration::from_secs(30));
+            let mut svc = limits(4, Duration::from_millis(200)).layer(inner);
+            let started = Instant::now();
+            let response = svc.call(call("NodeGroupIncreaseSize", &[])).await.unwrap();
+            assert_eq!(code(&response), tonic::Code::DeadlineExceeded);
+            assert!(started.elapsed() < Duration::from_secs(5));
+        }
+
+        #[tokio::test]
+        async fn calls_over_the_concurrency_limit_wait_then_are_unavailable() {
+            let inner = routes(Duration::from_secs(30));
+            let layer = limits(1, Duration::from_millis(300));
+            let mut first = layer.layer(inner.clone());
+            let mut second = layer.layer(inner.clone());
+            let busy = tokio::spawn(first.call(call("NodeGroups", &[])));
+            // The first call holds the only permit until its own timeout.
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while inner.called.load(Ordering::SeqCst) == 0 {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .expect("the first call reaches the routes");
+            let response = second.call(call("NodeGroups", &[])).await.unwrap();
+            assert_eq!(code(&response), tonic::Code::Unavailable);
+            assert_eq!(
+                code(&busy.await.unwrap().unwrap()),
+                tonic::Code::DeadlineExceeded
+            );
+            assert_eq!(inner.called.load(Ordering::SeqCst), 1);
+        }
+
+        #[tokio::test]
+        async fn health_and_reflection_are_not_limited() {
+            let inner = routes(Duration::from_millis(400));
+            let mut svc = limits(1, Duration::from_millis(100)).layer(inner);
+            let request = http::Request::post("/grpc.health.v1.Health/Check")
+                .body(Body::empty())
+                .unwrap();
+            let response = svc.call(request).await.unwrap();
+            assert_eq!(code(&response), tonic::Code::Ok);
+        }
     }
 }

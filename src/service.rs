@@ -7,8 +7,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tonic::{Request, Response, Status};
 
-use crate::actuator::{Actuator, NodeToDelete};
-use crate::capi::{GPU_LABEL, Keys};
+use crate::actuator::{Actuator, ActuatorError, NodeToDelete};
+use crate::capi::{GPU_LABEL, Keys, ScalableKind};
 use crate::metrics::Metrics;
 use crate::options::{Defaults, GroupOptions};
 use crate::pricing;
@@ -19,23 +19,85 @@ use crate::snapshot::{InstanceState, NodeGroup as Group, NodeRef, Snapshot};
 use crate::store::Store;
 use crate::template::NODE_GROUP_ANNOTATION;
 
+/// The status code CA acts on for each actuator error: it retries UNAVAILABLE and ABORTED, and
+/// gives up on the others.
+impl From<ActuatorError> for Status {
+    fn from(e: ActuatorError) -> Self {
+        match e {
+            ActuatorError::Missing(m) => Status::not_found(m),
+            ActuatorError::BadRequest(m) => Status::invalid_argument(m),
+            ActuatorError::Refused(m) => Status::failed_precondition(m),
+            ActuatorError::ApiUnavailable(m) => Status::unavailable(m),
+            ActuatorError::Forbidden(m) => Status::permission_denied(m),
+            ActuatorError::Conflict(m) => Status::aborted(m),
+            ActuatorError::Internal(m) => Status::internal(m),
+        }
+    }
+}
+
 /// CA renames template nodes `template-node-for-<group id>-<random>` before pricing them.
 const TEMPLATE_NODE_PREFIX: &str = "template-node-for-";
 
+/// Longest status message sent back: a hostile id or node name is not echoed whole.
+const MAX_STATUS_MESSAGE: usize = 1024;
+
+/// Largest `pod_bytes` decoded: the API server refuses objects over 3 MiB, so no real pod is larger.
+const MAX_POD_BYTES: usize = 3 << 20;
+
+/// Memory a pod may decode into (see [`crate::wire`]): thousands of containers, not millions.
+const POD_DECODE_BUDGET: u64 = 64 << 20;
+
 pub struct Service {
     store: Arc<Store>,
-    actuator: Actuator,
+    actuator: Arc<Actuator>,
     metrics: Arc<Metrics>,
 }
 
 impl Service {
     pub fn new(store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
-        let actuator = Actuator::new(Arc::clone(&store), Arc::clone(&metrics));
+        let actuator = Arc::new(Actuator::new(Arc::clone(&store), Arc::clone(&metrics)));
         Service {
             store,
             actuator,
             metrics,
         }
+    }
+
+    /// The writer behind the scale RPCs (its repair loop runs beside the server).
+    pub fn actuator(&self) -> Arc<Actuator> {
+        Arc::clone(&self.actuator)
+    }
+
+    /// Nothing is answered from a partial view: until every watch (Nodes included) has listed and a
+    /// snapshot was built from that, CA would take unmapped nodes for unmanaged ones. UNAVAILABLE
+    /// makes CA retry the call or its loop.
+    fn serving(&self) -> Result<(), Status> {
+        if self.store.is_complete() {
+            Ok(())
+        } else {
+            Err(Status::unavailable(
+                "the provider is still listing the management cluster (not every watch has synced yet); retry shortly",
+            ))
+        }
+    }
+
+    /// Writes need the bounds and replicas of the group, its MachineSets and Machines as they are: while
+    /// a watch they depend on is stale, they are refused with UNAVAILABLE (CA retries) rather than made
+    /// against an old view.
+    fn writable(&self, id: &str) -> Result<(), Status> {
+        let Some(kind) = id.split('/').next().and_then(ScalableKind::from_kind) else {
+            return Ok(()); // not a group id: the actuator answers NOT_FOUND
+        };
+        let stale = self.store.stale_for_write(kind);
+        if stale.is_empty() {
+            return Ok(());
+        }
+        let reasons: Vec<String> = stale.iter().map(ToString::to_string).collect();
+        Err(Status::unavailable(format!(
+            "not writing to node group {}: {}; its bounds and replicas may be out of date",
+            shorten(id, 200),
+            reasons.join("; ")
+        )))
     }
 
     fn keys(&self) -> &Keys {
@@ -48,6 +110,13 @@ impl Service {
         started: Instant,
         result: Result<T, Status>,
     ) -> Result<Response<T>, Status> {
+        let result = result.map_err(|status| {
+            if status.message().len() > MAX_STATUS_MESSAGE {
+                Status::new(status.code(), shorten(status.message(), MAX_STATUS_MESSAGE))
+            } else {
+                status
+            }
+        });
         let code = match &result {
             Ok(_) => tonic::Code::Ok,
             Err(status) => status.code(),
@@ -62,10 +131,22 @@ impl Service {
     }
 }
 
+/// `text` cut to at most `max` bytes (at a character boundary), saying how long it was.
+fn shorten(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &text[..end], text.len())
+}
+
 fn wire_group(group: &Group) -> NodeGroup {
     NodeGroup {
         id: group.id.clone(),
-        min_size: group.min,
+        min_size: group.served_min(),
         max_size: group.max,
         debug: group.debug(),
     }
@@ -216,6 +297,9 @@ impl CloudProvider for Service {
         _: Request<NodeGroupsRequest>,
     ) -> Result<Response<NodeGroupsResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroups", started, Err(status));
+        }
         let snapshot = self.store.snapshot();
         let response = NodeGroupsResponse {
             node_groups: snapshot.groups.values().map(wire_group).collect(),
@@ -228,6 +312,9 @@ impl CloudProvider for Service {
         request: Request<NodeGroupForNodeRequest>,
     ) -> Result<Response<NodeGroupForNodeResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupForNode", started, Err(status));
+        }
         let result = (|| {
             let node = request
                 .get_ref()
@@ -252,6 +339,9 @@ impl CloudProvider for Service {
         request: Request<PricingNodePriceRequest>,
     ) -> Result<Response<PricingNodePriceResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("PricingNodePrice", started, Err(status));
+        }
         let result = (|| {
             let r = request.get_ref();
             let node = r
@@ -285,6 +375,9 @@ impl CloudProvider for Service {
         request: Request<PricingPodPriceRequest>,
     ) -> Result<Response<PricingPodPriceResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("PricingPodPrice", started, Err(status));
+        }
         let result = (|| {
             let r = request.get_ref();
             let snapshot = self.store.snapshot();
@@ -299,6 +392,17 @@ impl CloudProvider for Service {
             if bytes.is_empty() {
                 return Err(Status::invalid_argument("pod_bytes is required"));
             }
+            if bytes.len() > MAX_POD_BYTES {
+                return Err(Status::resource_exhausted(format!(
+                    "pod_bytes: {} bytes, more than any Kubernetes object can be ({MAX_POD_BYTES})",
+                    bytes.len()
+                )));
+            }
+            crate::wire::cost(bytes, crate::wire::Shape::Pod, POD_DECODE_BUDGET).map_err(|e| {
+                Status::resource_exhausted(format!(
+                    "pod_bytes: too many containers, volumes or other elements: {e}"
+                ))
+            })?;
             let pod = pricing::decode_pod(bytes)
                 .map_err(|e| Status::invalid_argument(format!("pod_bytes: {e}")))?;
             let (start, end) = period(
@@ -318,6 +422,9 @@ impl CloudProvider for Service {
         _: Request<GpuLabelRequest>,
     ) -> Result<Response<GpuLabelResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("GPULabel", started, Err(status));
+        }
         self.observe(
             "GPULabel",
             started,
@@ -332,6 +439,9 @@ impl CloudProvider for Service {
         _: Request<GetAvailableGpuTypesRequest>,
     ) -> Result<Response<GetAvailableGpuTypesResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("GetAvailableGPUTypes", started, Err(status));
+        }
         let snapshot = self.store.snapshot();
         let gpu_types: HashMap<String, prost_types::Any> = snapshot
             .groups
@@ -362,6 +472,9 @@ impl CloudProvider for Service {
         _: Request<RefreshRequest>,
     ) -> Result<Response<RefreshResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("Refresh", started, Err(status));
+        }
         self.store.refresh();
         self.observe("Refresh", started, Ok(RefreshResponse {}))
     }
@@ -371,6 +484,9 @@ impl CloudProvider for Service {
         request: Request<NodeGroupTargetSizeRequest>,
     ) -> Result<Response<NodeGroupTargetSizeResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupTargetSize", started, Err(status));
+        }
         let snapshot = self.store.snapshot();
         let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupTargetSizeResponse {
             target_size: g.target,
@@ -383,7 +499,13 @@ impl CloudProvider for Service {
         request: Request<NodeGroupIncreaseSizeRequest>,
     ) -> Result<Response<NodeGroupIncreaseSizeResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupIncreaseSize", started, Err(status));
+        }
         let r = request.get_ref();
+        if let Err(status) = self.writable(&r.id) {
+            return self.observe("NodeGroupIncreaseSize", started, Err(status));
+        }
         let result = self
             .actuator
             .increase_size(&r.id, r.delta)
@@ -398,6 +520,12 @@ impl CloudProvider for Service {
         request: Request<NodeGroupDeleteNodesRequest>,
     ) -> Result<Response<NodeGroupDeleteNodesResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupDeleteNodes", started, Err(status));
+        }
+        if let Err(status) = self.writable(&request.get_ref().id) {
+            return self.observe("NodeGroupDeleteNodes", started, Err(status));
+        }
         let r = request.into_inner();
         let nodes: Vec<NodeToDelete> = r
             .nodes
@@ -422,7 +550,13 @@ impl CloudProvider for Service {
         request: Request<NodeGroupDecreaseTargetSizeRequest>,
     ) -> Result<Response<NodeGroupDecreaseTargetSizeResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupDecreaseTargetSize", started, Err(status));
+        }
         let r = request.get_ref();
+        if let Err(status) = self.writable(&r.id) {
+            return self.observe("NodeGroupDecreaseTargetSize", started, Err(status));
+        }
         let result = self
             .actuator
             .decrease_target_size(&r.id, r.delta)
@@ -437,6 +571,9 @@ impl CloudProvider for Service {
         request: Request<NodeGroupNodesRequest>,
     ) -> Result<Response<NodeGroupNodesResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupNodes", started, Err(status));
+        }
         let snapshot = self.store.snapshot();
         let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupNodesResponse {
             instances: g
@@ -463,6 +600,9 @@ impl CloudProvider for Service {
         request: Request<NodeGroupTemplateNodeInfoRequest>,
     ) -> Result<Response<NodeGroupTemplateNodeInfoResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupTemplateNodeInfo", started, Err(status));
+        }
         let snapshot = self.store.snapshot();
         let result = find(&snapshot, &request.get_ref().id).and_then(|g| match &g.template {
             Some(template) => {
@@ -486,6 +626,9 @@ impl CloudProvider for Service {
         request: Request<NodeGroupAutoscalingOptionsRequest>,
     ) -> Result<Response<NodeGroupAutoscalingOptionsResponse>, Status> {
         let started = Instant::now();
+        if let Err(status) = self.serving() {
+            return self.observe("NodeGroupGetOptions", started, Err(status));
+        }
         let snapshot = self.store.snapshot();
         let r = request.get_ref();
         let result = find(&snapshot, &r.id)
@@ -495,201 +638,4 @@ impl CloudProvider for Service {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use prost::Message;
-
-    /// NodeGroupTemplateNodeInfoResponse as CA ≤ 1.34.1 declares it: `k8s.io.api.core.v1.Node nodeInfo = 1`.
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct OldTemplateResponse {
-        #[prost(message, optional, tag = "1")]
-        node_info: Option<k8s_pb::api::core::v1::Node>,
-    }
-
-    /// meta.v1.Duration: `optional int64 duration = 1` (nanoseconds).
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct OldDuration {
-        #[prost(int64, optional, tag = "1")]
-        duration: Option<i64>,
-    }
-
-    /// NodeGroupAutoscalingOptions as CA ≤ 1.34.1 declares it.
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct OldOptions {
-        #[prost(double, tag = "1")]
-        scale_down_utilization_threshold: f64,
-        #[prost(double, tag = "2")]
-        scale_down_gpu_utilization_threshold: f64,
-        #[prost(message, optional, tag = "3")]
-        scale_down_unneeded_time: Option<OldDuration>,
-        #[prost(message, optional, tag = "4")]
-        scale_down_unready_time: Option<OldDuration>,
-        #[prost(message, optional, tag = "5")]
-        max_node_provision_time: Option<OldDuration>,
-    }
-
-    /// meta.v1.Time: `optional int64 seconds = 1; optional int32 nanos = 2`.
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct OldTime {
-        #[prost(int64, optional, tag = "1")]
-        seconds: Option<i64>,
-        #[prost(int32, optional, tag = "2")]
-        nanos: Option<i32>,
-    }
-
-    /// PricingPodPriceRequest as CA ≤ 1.34.1 sends it.
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct OldPodPriceRequest {
-        #[prost(message, optional, tag = "1")]
-        pod: Option<k8s_pb::api::core::v1::Pod>,
-        #[prost(message, optional, tag = "2")]
-        start_time: Option<OldTime>,
-        #[prost(message, optional, tag = "3")]
-        end_time: Option<OldTime>,
-    }
-
-    fn node() -> k8s_pb::api::core::v1::Node {
-        k8s_pb::api::core::v1::Node {
-            metadata: Some(k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-                name: Some("template".into()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn an_old_ca_reads_the_template_from_the_legacy_field() {
-        let bytes = node().encode_to_vec();
-        let response = NodeGroupTemplateNodeInfoResponse {
-            node_info: bytes.clone(),
-            node_bytes: bytes,
-        };
-        let old = OldTemplateResponse::decode(response.encode_to_vec().as_slice()).unwrap();
-        assert_eq!(old.node_info, Some(node()));
-        let new =
-            NodeGroupTemplateNodeInfoResponse::decode(response.encode_to_vec().as_slice()).unwrap();
-        assert_eq!(
-            k8s_pb::api::core::v1::Node::decode(new.node_bytes.as_slice()).unwrap(),
-            node()
-        );
-    }
-
-    fn defaults() -> NodeGroupAutoscalingOptions {
-        NodeGroupAutoscalingOptions {
-            scale_down_utilization_threshold: 0.5,
-            scale_down_gpu_utilization_threshold: 0.5,
-            scale_down_unneeded_duration: Some(wire_duration(Duration::from_secs(600))),
-            scale_down_unready_duration: Some(wire_duration(Duration::from_secs(1200))),
-            max_node_provision_duration: Some(wire_duration(Duration::from_secs(900))),
-            zero_or_max_node_scaling: true,
-            ignore_daemon_sets_utilization: true,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn options_without_annotations_answer_empty_so_ca_keeps_its_defaults() {
-        let r = options_response(None, Some(&defaults())).unwrap();
-        assert_eq!(r.node_group_autoscaling_options, None);
-        assert!(r.encode_to_vec().is_empty());
-    }
-
-    #[test]
-    fn options_override_their_field_and_echo_every_other_default_in_both_layouts() {
-        let overrides = GroupOptions {
-            scale_down_unneeded_time: Some(Duration::from_secs(300)),
-            scale_down_utilization_threshold: Some(0.7),
-            ..Default::default()
-        };
-        let r = options_response(Some(&overrides), Some(&defaults())).unwrap();
-        let o = r.node_group_autoscaling_options.unwrap();
-        assert_eq!(o.scale_down_utilization_threshold, 0.7);
-        assert_eq!(o.scale_down_gpu_utilization_threshold, 0.5);
-        assert_eq!(
-            o.scale_down_unneeded_duration,
-            Some(wire_duration(Duration::from_secs(300)))
-        );
-        assert_eq!(
-            o.scale_down_unready_duration,
-            Some(wire_duration(Duration::from_secs(1200)))
-        );
-        assert_eq!(
-            o.max_node_provision_duration,
-            Some(wire_duration(Duration::from_secs(900)))
-        );
-        assert!(o.zero_or_max_node_scaling && o.ignore_daemon_sets_utilization);
-        // An old CA reads fields 3/4/5 as meta.v1.Duration.
-        let old = OldOptions::decode(o.encode_to_vec().as_slice()).unwrap();
-        assert_eq!(old.scale_down_utilization_threshold, 0.7);
-        assert_eq!(
-            old.scale_down_unneeded_time.and_then(|d| d.duration),
-            Some(300_000_000_000)
-        );
-        assert_eq!(
-            old.scale_down_unready_time.and_then(|d| d.duration),
-            Some(1_200_000_000_000)
-        );
-        assert_eq!(
-            old.max_node_provision_time.and_then(|d| d.duration),
-            Some(900_000_000_000)
-        );
-        assert!(options_response(Some(&overrides), None).is_err());
-    }
-
-    #[test]
-    fn defaults_from_an_old_ca_are_read_from_the_legacy_durations() {
-        let old = OldOptions {
-            scale_down_utilization_threshold: 0.4,
-            scale_down_unneeded_time: Some(OldDuration {
-                duration: Some(60_000_000_000),
-            }),
-            max_node_provision_time: Some(OldDuration {
-                duration: Some(120_000_000_000),
-            }),
-            ..Default::default()
-        };
-        let wire = NodeGroupAutoscalingOptions::decode(old.encode_to_vec().as_slice()).unwrap();
-        let d = defaults_from_wire(&wire);
-        assert_eq!(d.scale_down_utilization_threshold, 0.4);
-        assert_eq!(d.scale_down_unneeded_time, Duration::from_secs(60));
-        assert_eq!(d.max_node_provision_time, Duration::from_secs(120));
-        assert_eq!(d.scale_down_unready_time, Duration::ZERO);
-    }
-
-    #[test]
-    fn an_old_pod_price_request_is_understood() {
-        let pod = k8s_pb::api::core::v1::Pod::default();
-        let old = OldPodPriceRequest {
-            pod: Some(pod.clone()),
-            start_time: Some(OldTime {
-                seconds: Some(1_000),
-                nanos: None,
-            }),
-            end_time: Some(OldTime {
-                seconds: Some(4_600),
-                nanos: None,
-            }),
-        };
-        let r = PricingPodPriceRequest::decode(old.encode_to_vec().as_slice()).unwrap();
-        assert!(r.pod_bytes.is_empty());
-        assert_eq!(
-            k8s_pb::api::core::v1::Pod::decode(r.pod.as_slice()).unwrap(),
-            pod
-        );
-        let (start, end) = period(
-            (r.start_timestamp.as_ref(), r.start_time.as_ref()),
-            (r.end_timestamp.as_ref(), r.end_time.as_ref()),
-        )
-        .unwrap();
-        assert_eq!(pricing::hours_between(start, end), 1.0);
-    }
-
-    #[test]
-    fn a_price_request_without_times_is_invalid() {
-        assert_eq!(
-            period((None, None), (None, None)).unwrap_err().code(),
-            tonic::Code::InvalidArgument
-        );
-    }
-}
+mod tests;

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
 use crate::capi::{
     ClusterTopology, InfraRef, InfraTemplate, Keys, Machine, Node, ObjectKey, ScalableKind,
     ScalableResource, providerid,
@@ -70,6 +71,21 @@ pub struct Index {
     infra: HashMap<(InfraKind, ObjectKey), Parsed<InfraTemplate>>,
     /// Clusters by namespace/name, for the topology check.
     clusters: HashMap<ObjectKey, Arc<ClusterTopology>>,
+    /// What changed since the snapshot `journal.since` was built.
+    journal: Journal,
+    /// The basis of the last snapshot built with [`Index::snapshot_reusing`].
+    epoch: u64,
+}
+
+/// The changes since a snapshot, when they are all of the kinds a rebuild can apply to the groups they
+/// touch alone (a write of replicas, a Machine's annotations): the rest of that snapshot still holds.
+#[derive(Clone, Debug, Default)]
+struct Journal {
+    since: u64,
+    resources: BTreeSet<(ScalableKind, ObjectKey)>,
+    machines: BTreeSet<ObjectKey>,
+    /// Any other change: the next snapshot is built from scratch.
+    other: bool,
 }
 
 impl Index {
@@ -79,10 +95,20 @@ impl Index {
         key: ObjectKey,
         parsed: Parsed<ScalableResource>,
     ) {
+        let local = match (self.resources.get(&(kind, key.clone())), &parsed) {
+            (Some(Ok(old)), Ok(new)) => same_layout(old, new),
+            _ => false,
+        };
+        if local {
+            self.journal.resources.insert((kind, key.clone()));
+        } else {
+            self.journal.other = true;
+        }
         self.resources.insert((kind, key), parsed);
     }
 
     pub fn delete_resource(&mut self, kind: ScalableKind, key: &ObjectKey) {
+        self.journal.other = true;
         self.resources.remove(&(kind, key.clone()));
     }
 
@@ -92,6 +118,7 @@ impl Index {
         kind: ScalableKind,
         objects: impl IntoIterator<Item = (ObjectKey, Parsed<ScalableResource>)>,
     ) {
+        self.journal.other = true;
         self.resources.retain(|(k, _), _| *k != kind);
         for (key, parsed) in objects {
             self.resources.insert((kind, key), parsed);
@@ -105,10 +132,20 @@ impl Index {
     }
 
     pub fn apply_machine(&mut self, key: ObjectKey, parsed: Parsed<Machine>) {
+        let local = match (self.machines.get(&key), &parsed) {
+            (Some(Ok(old)), Ok(new)) => same_machine_layout(old, new),
+            _ => false,
+        };
+        if local {
+            self.journal.machines.insert(key.clone());
+        } else {
+            self.journal.other = true;
+        }
         self.machines.insert(key, parsed);
     }
 
     pub fn delete_machine(&mut self, key: &ObjectKey) {
+        self.journal.other = true;
         self.machines.remove(key);
     }
 
@@ -116,7 +153,21 @@ impl Index {
         &mut self,
         objects: impl IntoIterator<Item = (ObjectKey, Parsed<Machine>)>,
     ) {
+        self.journal.other = true;
         self.machines = objects.into_iter().collect();
+    }
+
+    /// The keys and resourceVersions of the Machines cached in `namespace` (`None` for one that could
+    /// not be read).
+    pub fn machine_versions_in(&self, namespace: &str) -> Vec<(ObjectKey, Option<String>)> {
+        self.machines
+            .iter()
+            .filter(|(k, _)| k.namespace == namespace)
+            .map(|(k, m)| {
+                let version = m.as_ref().ok().map(|m| m.resource_version.clone());
+                (k.clone(), version)
+            })
+            .collect()
     }
 
     pub fn machine(&self, key: &ObjectKey) -> Option<&Arc<Machine>> {
@@ -124,14 +175,17 @@ impl Index {
     }
 
     pub fn apply_node(&mut self, node: Node) {
+        self.journal.other = true;
         self.nodes.insert(node.name.clone(), Arc::new(node));
     }
 
     pub fn delete_node(&mut self, name: &str) {
+        self.journal.other = true;
         self.nodes.remove(name);
     }
 
     pub fn reset_nodes(&mut self, nodes: impl IntoIterator<Item = Node>) {
+        self.journal.other = true;
         self.nodes = nodes
             .into_iter()
             .map(|n| (n.name.clone(), Arc::new(n)))
@@ -139,6 +193,7 @@ impl Index {
     }
 
     pub fn set_infra_kind_state(&mut self, kind: InfraKind, state: InfraKindState) {
+        self.journal.other = true;
         self.infra_kinds.insert(kind, state);
     }
 
@@ -147,10 +202,12 @@ impl Index {
     }
 
     pub fn apply_infra(&mut self, kind: InfraKind, key: ObjectKey, parsed: Parsed<InfraTemplate>) {
+        self.journal.other = true;
         self.infra.insert((kind, key), parsed);
     }
 
     pub fn delete_infra(&mut self, kind: &InfraKind, key: &ObjectKey) {
+        self.journal.other = true;
         self.infra.remove(&(kind.clone(), key.clone()));
     }
 
@@ -159,6 +216,7 @@ impl Index {
         kind: &InfraKind,
         objects: impl IntoIterator<Item = (ObjectKey, Parsed<InfraTemplate>)>,
     ) {
+        self.journal.other = true;
         self.infra.retain(|(k, _), _| k != kind);
         for (key, parsed) in objects {
             self.infra.insert((kind.clone(), key), parsed);
@@ -166,14 +224,17 @@ impl Index {
     }
 
     pub fn apply_cluster(&mut self, cluster: ClusterTopology) {
+        self.journal.other = true;
         self.clusters.insert(cluster.key.clone(), Arc::new(cluster));
     }
 
     pub fn delete_cluster(&mut self, key: &ObjectKey) {
+        self.journal.other = true;
         self.clusters.remove(key);
     }
 
     pub fn reset_clusters(&mut self, clusters: impl IntoIterator<Item = ClusterTopology>) {
+        self.journal.other = true;
         self.clusters = clusters
             .into_iter()
             .map(|c| (c.key.clone(), Arc::new(c)))
@@ -194,7 +255,31 @@ impl Index {
 
     /// Builds the snapshot: node groups, their instances and templates, lookup tables, problems.
     pub fn snapshot(&self, settings: &Settings, generation: u64) -> Snapshot {
-        Builder::new(self, settings).build(generation)
+        Builder::new(self, settings, None, None).build(generation, 0)
+    }
+
+    /// [`snapshot`](Self::snapshot) for a store that rebuilds over and over: `previous` is the last
+    /// snapshot this index built this way (with the same settings). When everything that changed since
+    /// is local to some groups (replicas written, Machines marked: the provider's own writes), only
+    /// those groups are rebuilt and the rest, lookups included, is shared with `previous`; otherwise
+    /// it is built from scratch, reusing the templates whose inputs did not change. Either way the
+    /// result equals [`snapshot`](Self::snapshot)'s.
+    pub fn snapshot_reusing(
+        &mut self,
+        settings: &Settings,
+        generation: u64,
+        previous: &Snapshot,
+    ) -> Snapshot {
+        self.epoch += 1;
+        let basis = self.epoch;
+        let journal = std::mem::replace(
+            &mut self.journal,
+            Journal {
+                since: basis,
+                ..Journal::default()
+            },
+        );
+        Builder::new(self, settings, Some(previous), Some(&journal)).build(generation, basis)
     }
 }
 
@@ -240,6 +325,8 @@ pub struct NodeGroup {
     pub template: Option<Arc<TemplateNode>>,
     pub options: Option<GroupOptions>,
     pub price: Option<f64>,
+    /// Set while the group's MachineDeployment rolls out: scale-down of the group is paused.
+    pub rollout: Option<Rollout>,
 }
 
 impl NodeGroup {
@@ -247,11 +334,37 @@ impl NodeGroup {
         self.resource.kind
     }
 
+    /// The min size CA is told. While rolling out it is raised to the target size (not above max):
+    /// CA never picks nodes of a group at its minimum for scale-down, and the MachineDeployment
+    /// controller, not CA, would decide which node a lower replica count removes. Scale-up still has
+    /// room up to max. Replica writes keep checking the configured `min`.
+    pub fn served_min(&self) -> i32 {
+        match &self.rollout {
+            Some(_) => self.min.max(self.target.min(self.max)),
+            None => self.min,
+        }
+    }
+
     pub fn debug(&self) -> String {
+        let rolling = match &self.rollout {
+            Some(_) => ", rolling out: scale-down paused",
+            None => "",
+        };
         format!(
-            "{} (min: {}, max: {}, replicas: {})",
+            "{} (min: {}, max: {}, replicas: {}{rolling})",
             self.id, self.min, self.max, self.target
         )
+    }
+
+    /// Why DeleteNodes is refused and CA sees a raised min, for people.
+    pub fn rollout_note(&self) -> Option<String> {
+        self.rollout.as_ref().map(|r| {
+            format!(
+                "rolling out: {}; scale-down paused (min size sent to CA: {})",
+                r.reason(),
+                self.served_min()
+            )
+        })
     }
 }
 
@@ -276,13 +389,17 @@ pub struct NodeRef<'a> {
 #[derive(Clone, Debug)]
 pub struct Snapshot {
     pub generation: u64,
-    pub groups: BTreeMap<String, NodeGroup>,
-    /// Exact instance id (providerID or made-up id) → where it lives.
-    by_instance_id: HashMap<String, Location>,
-    /// Normalised providerID → where it lives; only ids that normalise uniquely.
-    by_normalized_id: HashMap<String, Location>,
-    /// Machine → where it lives (also Machines that are not listed as instances).
-    by_machine: HashMap<ObjectKey, Location>,
+    pub groups: Groups,
+    /// Where nodes live. Shared by the snapshots built after changes that moved no node.
+    lookup: Arc<Lookup>,
+    /// What each group's template was built from, for [`Index::snapshot_reusing`].
+    templates: HashMap<String, Arc<TemplateMemo>>,
+    /// The problems of each served group (its options, price, rollout, template)…
+    group_problems: HashMap<String, Vec<Problem>>,
+    /// … and all the others (objects that cannot be read, resources not served, claimed ids).
+    base_problems: Vec<Problem>,
+    /// Which state of the index this was built from ([`Index::snapshot_reusing`]); 0: none known.
+    basis: u64,
     /// Resources that are candidates but not served (paused, bad bounds, …) by id, for `check`.
     pub skipped: BTreeMap<String, String>,
     pub problems: Vec<Problem>,
@@ -290,6 +407,131 @@ pub struct Snapshot {
     pub reference_prices: ReferencePrices,
     pub reference_sources: [PriceSource; 2],
     pub machines: usize,
+}
+
+/// The served node groups by id. A group is shared by every snapshot it did not change in, so a
+/// rebuild after a write copies pointers, not groups.
+#[derive(Clone, Debug, Default)]
+pub struct Groups(BTreeMap<String, Arc<NodeGroup>>);
+
+impl Groups {
+    pub fn get(&self, id: &str) -> Option<&NodeGroup> {
+        self.0.get(id).map(Arc::as_ref)
+    }
+
+    pub fn contains_key(&self, id: &str) -> bool {
+        self.0.contains_key(id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Ids in order.
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.0.keys()
+    }
+
+    /// Groups in id order.
+    pub fn values(&self) -> impl Iterator<Item = &NodeGroup> {
+        self.0.values().map(Arc::as_ref)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &NodeGroup)> {
+        self.0.iter().map(|(id, g)| (id, g.as_ref()))
+    }
+}
+
+impl<'a> IntoIterator for &'a Groups {
+    type Item = (&'a String, &'a NodeGroup);
+    type IntoIter = std::iter::Map<
+        std::collections::btree_map::Iter<'a, String, Arc<NodeGroup>>,
+        fn((&'a String, &'a Arc<NodeGroup>)) -> (&'a String, &'a NodeGroup),
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|(id, g)| (id, g.as_ref()))
+    }
+}
+
+/// Every place a node can live, each once, and the maps that find it. (A Location per map entry
+/// would triple the largest part of a snapshot: one entry per Machine in each map.)
+#[derive(Clone, Debug, Default)]
+struct Lookup {
+    locations: Vec<Location>,
+    /// Exact instance id (providerID or made-up id) → where it lives.
+    by_instance_id: HashMap<String, u32>,
+    /// Normalised providerID → where it lives; only ids that normalise uniquely.
+    by_normalized_id: HashMap<String, u32>,
+    /// Machine → where it lives (also Machines that are not listed as instances).
+    by_machine: HashMap<ObjectKey, u32>,
+}
+
+impl Lookup {
+    /// Where `instance` of group `id` lives: its Machine's location when that says the same (the
+    /// usual case), else a new one.
+    fn place(&mut self, id: &str, instance: &Instance, in_pool_list: bool) -> u32 {
+        let same = instance
+            .machine
+            .as_ref()
+            .and_then(|m| self.by_machine.get(m))
+            .copied()
+            .filter(|&at| {
+                self.locations
+                    .get(at as usize)
+                    .is_some_and(|l| l.group_id == id && l.in_pool_list == in_pool_list)
+            });
+        if let Some(at) = same {
+            return at;
+        }
+        let at = position(&self.locations);
+        self.locations.push(Location {
+            group_id: id.to_string(),
+            machine: instance.machine.clone(),
+            in_pool_list,
+        });
+        at
+    }
+}
+
+/// Normalised providerIDs → locations, for nodes whose providerID is spelled differently from the
+/// Machine's; an id that normalises to two different places is left out.
+fn normalized_ids(lookup: &Lookup) -> HashMap<String, u32> {
+    let mut by_normalized_id: HashMap<String, u32> = HashMap::new();
+    let mut ambiguous: BTreeSet<String> = BTreeSet::new();
+    for (id, &at) in &lookup.by_instance_id {
+        if is_synthetic(id) {
+            continue;
+        }
+        let normalized = providerid::normalize(id);
+        if normalized.is_empty() || ambiguous.contains(normalized) {
+            continue;
+        }
+        if let Some(&previous) = by_normalized_id.get(normalized)
+            && lookup.locations.get(previous as usize) != lookup.locations.get(at as usize)
+        {
+            ambiguous.insert(normalized.to_string());
+            continue;
+        }
+        by_normalized_id.insert(normalized.to_string(), at);
+    }
+    for normalized in ambiguous {
+        by_normalized_id.remove(&normalized);
+    }
+    by_normalized_id
+}
+
+/// The Machines a build found for each served group.
+#[derive(Default)]
+struct GroupMachines {
+    /// Group id → the instances of its Machines.
+    instances: BTreeMap<String, Vec<Instance>>,
+    /// Group id → how many of its Machines have a Node but no instance (counted as registered).
+    unlisted_registered: BTreeMap<String, i32>,
 }
 
 impl Default for Snapshot {
@@ -306,32 +548,42 @@ impl Snapshot {
     /// The group and Machine of a node, by providerID (exact, then normalised), by the ids this provider
     /// made up for Machines without one, and by the node's machine annotations.
     pub fn locate(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&Location> {
+        let lookup = self.lookup.as_ref();
+        let at = |i: &u32| lookup.locations.get(*i as usize);
         if !node.provider_id.is_empty() {
-            if let Some(found) = self.by_instance_id.get(node.provider_id) {
+            if let Some(found) = lookup.by_instance_id.get(node.provider_id).and_then(at) {
                 return Some(found);
             }
-            if let Some(found) = self
+            if let Some(found) = lookup
                 .by_normalized_id
                 .get(providerid::normalize(node.provider_id))
+                .and_then(at)
             {
                 return Some(found);
             }
         }
         // CA's fake nodes for instances that never registered carry the instance id as their name.
-        if let Some(found) = self.by_instance_id.get(node.name) {
+        if let Some(found) = lookup.by_instance_id.get(node.name).and_then(at) {
             return Some(found);
         }
         let annotations = node.annotations?;
         let name = annotations.get(&keys.node_machine)?;
         let namespace = annotations.get(&keys.node_cluster_namespace)?;
-        self.by_machine
+        lookup
+            .by_machine
             .get(&ObjectKey::new(namespace.as_str(), name.as_str()))
+            .and_then(at)
     }
 
     pub fn group_for_node(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&NodeGroup> {
         self.locate(node, keys)
             .and_then(|l| self.groups.get(&l.group_id))
     }
+}
+
+/// The index the next location pushed onto `locations` gets.
+fn position(locations: &[Location]) -> u32 {
+    u32::try_from(locations.len()).unwrap_or(u32::MAX)
 }
 
 /// The made-up instance id of a Machine without a providerID.
@@ -360,8 +612,150 @@ impl OwnerLabels {
 struct Builder<'a> {
     index: &'a Index,
     settings: &'a Settings,
+    previous: Option<&'a Snapshot>,
+    /// What changed since `previous`, when known.
+    journal: Option<&'a Journal>,
+    /// Problems not of a served group (see `Snapshot::base_problems`); a group's are collected apart.
     problems: Vec<Problem>,
     skipped: BTreeMap<String, String>,
+}
+
+/// What a group's template was built from, and what came of it.
+#[derive(Clone, Debug)]
+struct TemplateMemo {
+    resource: Arc<ScalableResource>,
+    infra: InfraInput,
+    /// The labels templates copy from an existing Node of the group.
+    node_labels: Vec<(String, String)>,
+    template: Option<Arc<TemplateNode>>,
+    problems: Vec<Problem>,
+}
+
+impl TemplateMemo {
+    fn holds_for(
+        &self,
+        resource: &Arc<ScalableResource>,
+        infra: &InfraInput,
+        node_labels: &[(String, String)],
+    ) -> bool {
+        (Arc::ptr_eq(&self.resource, resource) || same_for_template(&self.resource, resource))
+            && self.infra.same(infra)
+            && self.node_labels == node_labels
+    }
+}
+
+/// Whether a new version of a resource changes only what a rebuild of its own group (and, for a
+/// MachineSet, of its MachineDeployment's) picks up: replica counts (not whether there are any), the
+/// resourceVersion, the rollout state.
+fn same_layout(a: &ScalableResource, b: &ScalableResource) -> bool {
+    same_but_counts(a, b, |x, y| x.is_some() == y.is_some())
+}
+
+/// Whether two resources agree on everything but the resourceVersion, `status.replicas`, the
+/// rollout state and `spec.replicas`, which `same_replicas` judges. Destructured, so a new field
+/// must be placed here.
+fn same_but_counts(
+    a: &ScalableResource,
+    b: &ScalableResource,
+    same_replicas: impl Fn(Option<i32>, Option<i32>) -> bool,
+) -> bool {
+    let ScalableResource {
+        kind,
+        key,
+        uid,
+        resource_version: _,
+        labels,
+        annotations,
+        cluster_name,
+        replicas,
+        status_replicas: _,
+        rolling_out: _,
+        paused,
+        owners,
+        template,
+        provider_id_list,
+        topology,
+    } = a;
+    *kind == b.kind
+        && *key == b.key
+        && *uid == b.uid
+        && *labels == b.labels
+        && *annotations == b.annotations
+        && *cluster_name == b.cluster_name
+        && same_replicas(*replicas, b.replicas)
+        && *paused == b.paused
+        && *owners == b.owners
+        && *template == b.template
+        && *provider_id_list == b.provider_id_list
+        && *topology == b.topology
+}
+
+/// Whether a new version of a Machine changes only its annotations (its delete mark) and its
+/// resourceVersion: its group, instance id and state stay what they were.
+fn same_machine_layout(a: &Machine, b: &Machine) -> bool {
+    let Machine {
+        key,
+        uid,
+        resource_version: _,
+        labels,
+        annotations: _,
+        cluster_name,
+        provider_id,
+        node_ref,
+        deleting,
+        owners,
+        phase,
+        failure,
+    } = a;
+    *key == b.key
+        && *uid == b.uid
+        && *labels == b.labels
+        && *cluster_name == b.cluster_name
+        && *provider_id == b.provider_id
+        && *node_ref == b.node_ref
+        && *deleting == b.deleting
+        && *owners == b.owners
+        && *phase == b.phase
+        && *failure == b.failure
+}
+
+/// Whether two versions of a resource give the same template: everything but the replica counts
+/// (only whether the group is at zero matters: it decides whether a missing capacity is a problem),
+/// the resourceVersion and the rollout state.
+fn same_for_template(a: &ScalableResource, b: &ScalableResource) -> bool {
+    same_but_counts(a, b, |x, y| (x.unwrap_or(0) == 0) == (y.unwrap_or(0) == 0))
+}
+
+/// The infrastructure template input of a group's template, owned.
+#[derive(Clone, Debug)]
+enum InfraInput {
+    NoReference,
+    Found(Arc<InfraTemplate>),
+    Unavailable(String),
+    /// The reference itself is malformed (a problem on the group).
+    Malformed(Problem),
+}
+
+impl InfraInput {
+    fn same(&self, other: &InfraInput) -> bool {
+        match (self, other) {
+            (InfraInput::NoReference, InfraInput::NoReference) => true,
+            (InfraInput::Found(a), InfraInput::Found(b)) => Arc::ptr_eq(a, b) || a == b,
+            (InfraInput::Unavailable(a), InfraInput::Unavailable(b)) => a == b,
+            (InfraInput::Malformed(a), InfraInput::Malformed(b)) => a == b,
+            _ => false,
+        }
+    }
+
+    fn source(&self) -> InfraSource<'_> {
+        match self {
+            InfraInput::NoReference | InfraInput::Malformed(_) => InfraSource::NoReference,
+            InfraInput::Found(template) => InfraSource::Found(template),
+            InfraInput::Unavailable(reason) => InfraSource::Unavailable {
+                reason: reason.clone(),
+            },
+        }
+    }
 }
 
 fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> String {
@@ -421,10 +815,17 @@ pub fn scaling_bounds(
 }
 
 impl<'a> Builder<'a> {
-    fn new(index: &'a Index, settings: &'a Settings) -> Self {
+    fn new(
+        index: &'a Index,
+        settings: &'a Settings,
+        previous: Option<&'a Snapshot>,
+        journal: Option<&'a Journal>,
+    ) -> Self {
         Builder {
             index,
             settings,
+            previous,
+            journal,
             problems: Vec::new(),
             skipped: BTreeMap::new(),
         }
@@ -479,6 +880,67 @@ impl<'a> Builder<'a> {
             .or_else(|| serving(ScalableKind::MachineSet, name))
     }
 
+    /// MachineSets by the MachineDeployment they belong to (namespace, name): owned by it, or carrying
+    /// its name in the deployment-name label.
+    fn machine_sets_by_deployment(
+        &self,
+        labels: &OwnerLabels,
+    ) -> HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> {
+        let index: &'a Index = self.index;
+        let mut sets: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = HashMap::new();
+        for ((kind, key), parsed) in &index.resources {
+            let Ok(ms) = parsed else {
+                continue;
+            };
+            if *kind != ScalableKind::MachineSet {
+                continue;
+            }
+            let mut deployments: BTreeSet<&'a str> = ms
+                .owners
+                .iter()
+                .filter(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
+                .map(|o| o.name.as_str())
+                .collect();
+            if let Some(name) = ms.labels.get(&labels.deployment) {
+                deployments.insert(name.as_str());
+            }
+            for md in deployments {
+                sets.entry((key.namespace.as_str(), md))
+                    .or_default()
+                    .push(ms.as_ref());
+            }
+        }
+        sets
+    }
+
+    /// The rollout of a MachineDeployment group, with a problem for every revision that cannot be read.
+    fn rollout_of(
+        &mut self,
+        deployment: &ScalableResource,
+        sets: &HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>>,
+    ) -> Option<Rollout> {
+        let key = (
+            deployment.key.namespace.as_str(),
+            deployment.key.name.as_str(),
+        );
+        let found = rollout::rollout(
+            deployment,
+            sets.get(&key).map(Vec::as_slice).unwrap_or_default(),
+        )?;
+        for bad in &found.unreadable {
+            self.problems.push(Problem::new(
+                object_name(ScalableKind::MachineSet, &bad.key),
+                Problem::annotation_field(REVISION_ANNOTATION),
+                format!(
+                    "{:?} is not an integer revision: MachineDeployment {} counts as rolling out \
+                     and its scale-down stays paused until this is fixed",
+                    bad.value, deployment.key
+                ),
+            ));
+        }
+        Some(found)
+    }
+
     /// An autoscaled group whose replicas its Cluster's managed topology also sets: the topology
     /// controller would undo every scale the autoscaler makes.
     fn topology_conflict(&self, resource: &ScalableResource) -> Option<Problem> {
@@ -514,11 +976,12 @@ impl<'a> Builder<'a> {
         ))
     }
 
-    fn infra_source(&self, resource: &ScalableResource) -> Result<InfraSource<'a>, Problem> {
+    /// The infrastructure template input of a group's template.
+    fn infra_input(&self, resource: &ScalableResource) -> InfraInput {
         let index = self.index;
         match &resource.template.infrastructure_ref {
-            None => Ok(InfraSource::NoReference),
-            Some(Err(e)) => Err(Problem::new(
+            None => InfraInput::NoReference,
+            Some(Err(e)) => InfraInput::Malformed(Problem::new(
                 object_name(resource.kind, &resource.key),
                 format!("spec.template.spec.infrastructureRef: {}", e.field),
                 e.message.clone(),
@@ -530,35 +993,209 @@ impl<'a> Builder<'a> {
                     "{} {}/{} ({})",
                     reference.kind, key.namespace, key.name, reference.api_group
                 );
-                Ok(match index.infra_kinds.get(&kind) {
-                    None | Some(InfraKindState::Syncing) => InfraSource::Unavailable {
-                        reason: format!(
-                            "{what}: the watch of {} has not listed yet",
-                            reference.kind
-                        ),
-                    },
-                    Some(InfraKindState::Unavailable(why)) => InfraSource::Unavailable {
-                        reason: format!("{what}: cannot read {}: {why}", reference.kind),
-                    },
+                match index.infra_kinds.get(&kind) {
+                    None | Some(InfraKindState::Syncing) => InfraInput::Unavailable(format!(
+                        "{what}: the watch of {} has not listed yet",
+                        reference.kind
+                    )),
+                    Some(InfraKindState::Unavailable(why)) => InfraInput::Unavailable(format!(
+                        "{what}: cannot read {}: {why}",
+                        reference.kind
+                    )),
                     Some(InfraKindState::Synced) => match index.infra.get(&(kind, key)) {
-                        Some(Ok(template)) => InfraSource::Found(template),
-                        Some(Err(problem)) => InfraSource::Unavailable {
-                            reason: format!("{what}: {}: {}", problem.field, problem.message),
-                        },
-                        None => InfraSource::Unavailable {
-                            reason: format!("{what}: not found"),
-                        },
+                        Some(Ok(template)) => InfraInput::Found(Arc::clone(template)),
+                        Some(Err(problem)) => InfraInput::Unavailable(format!(
+                            "{what}: {}: {}",
+                            problem.field, problem.message
+                        )),
+                        None => InfraInput::Unavailable(format!("{what}: not found")),
                     },
-                })
+                }
             }
         }
     }
 
-    fn build(mut self, generation: u64) -> Snapshot {
-        let keys = self.settings.keys.clone();
-        let mut groups: BTreeMap<String, NodeGroup> = BTreeMap::new();
+    /// Runs `f` with a problem list of its own; returns its result and the problems it found.
+    fn collecting<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> (T, Vec<Problem>) {
+        let outer = std::mem::take(&mut self.problems);
+        let value = f(self);
+        let inner = std::mem::replace(&mut self.problems, outer);
+        (value, inner)
+    }
 
-        for ((kind, key), parsed) in &self.index.resources {
+    /// The group a resource is, without its instances and template, and the group's own problems; or
+    /// `None` for a resource that is not a served group (problems of those go to `self.problems`).
+    fn served_group(
+        &mut self,
+        kind: ScalableKind,
+        key: &ObjectKey,
+        resource: &Arc<ScalableResource>,
+        sets_by_deployment: &HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>>,
+    ) -> Option<(NodeGroup, Vec<Problem>)> {
+        let keys = &self.settings.keys;
+        let id = group_id(kind, key);
+        let object = object_name(kind, key);
+        if kind == ScalableKind::MachineSet
+            && resource
+                .owners
+                .iter()
+                .any(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
+        {
+            return None;
+        }
+        if !discovery::allowed(
+            &self.settings.discovery,
+            &key.namespace,
+            &resource.cluster_name,
+            &resource.labels,
+        ) {
+            return None;
+        }
+        let (min, max) = match scaling_bounds(keys, &object, &resource.annotations) {
+            Ok(Some(bounds)) => bounds,
+            Ok(None) => return None,
+            Err(problem) => {
+                self.skip(id, format!("{}: {}", problem.field, problem.message));
+                self.problems.push(problem);
+                return None;
+            }
+        };
+        if max == 0 {
+            self.skip(id, "max size is 0");
+            return None;
+        }
+        if resource.paused {
+            let why = "paused (spec.paused or the cluster.x-k8s.io/paused annotation): not autoscaled until resumed";
+            self.problems
+                .push(Problem::new(&object, "spec.paused", why));
+            self.skip(id, why);
+            return None;
+        }
+        let Some(target) = resource.replicas else {
+            let problem = Problem::new(
+                &object,
+                "spec.replicas",
+                "not set: the group has no target size",
+            );
+            self.skip(id, format!("{}: {}", problem.field, problem.message));
+            self.problems.push(problem);
+            return None;
+        };
+        let (group, problems) = self.collecting(|b| {
+            let keys = &b.settings.keys;
+            if let Some(problem) = b.topology_conflict(resource) {
+                b.problems.push(problem);
+            }
+            let (options, option_problems) = options::parse(keys, &object, &resource.annotations);
+            b.problems.extend(option_problems);
+            let price = match pricing::group_price(&object, &resource.annotations) {
+                Ok(price) => price,
+                Err(problem) => {
+                    b.problems.push(problem);
+                    None
+                }
+            };
+            let rollout = match kind {
+                ScalableKind::MachineDeployment => b.rollout_of(resource, sets_by_deployment),
+                _ => None,
+            };
+            NodeGroup {
+                id,
+                min,
+                max,
+                target,
+                resource: Arc::clone(resource),
+                instances: Vec::new(),
+                registered: 0,
+                template: None,
+                options,
+                price,
+                rollout,
+            }
+        });
+        Some((group, problems))
+    }
+
+    /// The template of `group`: taken from the previous snapshot when its inputs are the same.
+    fn template_memo(
+        &self,
+        group: &NodeGroup,
+        node_labels: Option<&BTreeMap<String, String>>,
+        copied: Vec<(String, String)>,
+    ) -> Arc<TemplateMemo> {
+        let infra = self.infra_input(&group.resource);
+        if let Some(memo) = self
+            .previous
+            .and_then(|p| p.templates.get(&group.id))
+            .filter(|m| m.holds_for(&group.resource, &infra, &copied))
+        {
+            return Arc::clone(memo);
+        }
+        let outcome = template::build(&TemplateInputs {
+            keys: &self.settings.keys,
+            group_id: &group.id,
+            resource: &group.resource,
+            infra: infra.source(),
+            node_labels,
+            default_arch: self.settings.default_arch.as_deref(),
+        });
+        let mut problems = outcome.problems;
+        if let InfraInput::Malformed(problem) = &infra {
+            problems.push(problem.clone());
+        }
+        Arc::new(TemplateMemo {
+            resource: Arc::clone(&group.resource),
+            infra,
+            node_labels: copied,
+            template: outcome.template.map(Arc::new),
+            problems,
+        })
+    }
+
+    fn build(mut self, generation: u64, basis: u64) -> Snapshot {
+        if let Some(snapshot) = self.patch(generation, basis) {
+            return snapshot;
+        }
+        let owner_labels = OwnerLabels::new(&self.settings.keys);
+        let (mut groups, mut group_problems) = self.candidate_groups(&owner_labels);
+        let mut lookup = Lookup::default();
+        let found = self.machines_by_group(&groups, &owner_labels, &mut lookup);
+        self.attach_instances(&mut groups, found, &mut lookup);
+        lookup.by_normalized_id = normalized_ids(&lookup);
+        let templates = self.templates(&mut groups, &mut group_problems);
+        let groups = Groups(
+            groups
+                .into_iter()
+                .map(|(id, g)| (id, Arc::new(g)))
+                .collect(),
+        );
+        let mut base_problems = std::mem::take(&mut self.problems);
+        base_problems.sort();
+        base_problems.dedup();
+        let skipped = std::mem::take(&mut self.skipped);
+        self.finish(
+            generation,
+            basis,
+            groups,
+            Arc::new(lookup),
+            templates,
+            group_problems,
+            base_problems,
+            skipped,
+        )
+    }
+
+    /// The served groups (by id) and each one's own problems; a resource that could not be read is
+    /// a problem of the snapshot.
+    fn candidate_groups(
+        &mut self,
+        owner_labels: &OwnerLabels,
+    ) -> (BTreeMap<String, NodeGroup>, HashMap<String, Vec<Problem>>) {
+        let mut groups: BTreeMap<String, NodeGroup> = BTreeMap::new();
+        let mut group_problems: HashMap<String, Vec<Problem>> = HashMap::new();
+        let sets_by_deployment = self.machine_sets_by_deployment(owner_labels);
+        let index: &'a Index = self.index;
+        for ((kind, key), parsed) in &index.resources {
             let resource = match parsed {
                 Ok(r) => r,
                 Err(problem) => {
@@ -566,91 +1203,31 @@ impl<'a> Builder<'a> {
                     continue;
                 }
             };
-            let id = group_id(*kind, key);
-            let object = object_name(kind, key);
-            if *kind == ScalableKind::MachineSet
-                && resource
-                    .owners
-                    .iter()
-                    .any(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
+            if let Some((group, problems)) =
+                self.served_group(*kind, key, resource, &sets_by_deployment)
             {
-                continue;
-            }
-            if !discovery::allowed(
-                &self.settings.discovery,
-                &key.namespace,
-                &resource.cluster_name,
-                &resource.labels,
-            ) {
-                continue;
-            }
-            let (min, max) = match scaling_bounds(&keys, &object, &resource.annotations) {
-                Ok(Some(bounds)) => bounds,
-                Ok(None) => continue,
-                Err(problem) => {
-                    self.skip(id, format!("{}: {}", problem.field, problem.message));
-                    self.problems.push(problem);
-                    continue;
+                if !problems.is_empty() {
+                    group_problems.insert(group.id.clone(), problems);
                 }
-            };
-            if max == 0 {
-                self.skip(id, "max size is 0");
-                continue;
+                groups.insert(group.id.clone(), group);
             }
-            if resource.paused {
-                let why = "paused (spec.paused or the cluster.x-k8s.io/paused annotation): not autoscaled until resumed";
-                self.problems
-                    .push(Problem::new(&object, "spec.paused", why));
-                self.skip(id, why);
-                continue;
-            }
-            let Some(target) = resource.replicas else {
-                let problem = Problem::new(
-                    &object,
-                    "spec.replicas",
-                    "not set: the group has no target size",
-                );
-                self.skip(id, format!("{}: {}", problem.field, problem.message));
-                self.problems.push(problem);
-                continue;
-            };
-            if let Some(problem) = self.topology_conflict(resource) {
-                self.problems.push(problem);
-            }
-            let (options, option_problems) = options::parse(&keys, &object, &resource.annotations);
-            self.problems.extend(option_problems);
-            let price = match pricing::group_price(&object, &resource.annotations) {
-                Ok(price) => price,
-                Err(problem) => {
-                    self.problems.push(problem);
-                    None
-                }
-            };
-            groups.insert(
-                id.clone(),
-                NodeGroup {
-                    id,
-                    min,
-                    max,
-                    target,
-                    resource: resource.clone(),
-                    instances: Vec::new(),
-                    registered: 0,
-                    template: None,
-                    options,
-                    price,
-                },
-            );
         }
+        (groups, group_problems)
+    }
 
-        // Instances: Machines through their owners, MachinePools also through providerIDList.
-        let mut by_instance_id: HashMap<String, Location> = HashMap::new();
-        let mut by_machine: HashMap<ObjectKey, Location> = HashMap::new();
-        let mut unlisted_registered: BTreeMap<String, i32> = BTreeMap::new();
-        let mut instances: BTreeMap<String, Vec<Instance>> = BTreeMap::new();
-        let owner_labels = OwnerLabels::new(&keys);
+    /// Every Machine of a served group, through its owner (a MachineSet not cached or not served
+    /// falls back to the Machine's deployment label); each gets its location in `lookup`.
+    fn machines_by_group(
+        &mut self,
+        groups: &BTreeMap<String, NodeGroup>,
+        owner_labels: &OwnerLabels,
+        lookup: &mut Lookup,
+    ) -> GroupMachines {
+        let mut found = GroupMachines::default();
+        let index: &'a Index = self.index;
+        // Many Machines share an owner: each owner is resolved to its group once per build.
         let mut owner_groups: HashMap<(&str, ScalableKind, &str), Option<String>> = HashMap::new();
-        for (key, parsed) in &self.index.machines {
+        for (key, parsed) in &index.machines {
             let machine = match parsed {
                 Ok(m) => m,
                 Err(problem) => {
@@ -658,16 +1235,13 @@ impl<'a> Builder<'a> {
                     continue;
                 }
             };
-            // Many Machines share an owner: resolve each owner to its group once per build.
-            let Some(owner) = self.machine_owner(machine, &owner_labels) else {
+            let Some(owner) = self.machine_owner(machine, owner_labels) else {
                 continue;
             };
             let namespace = machine.key.namespace.as_str();
             let resolved = owner_groups
                 .entry((namespace, owner.0, owner.1))
-                .or_insert_with(|| self.owner_group(namespace, owner, &groups));
-            // A MachineSet not (yet) cached or not served: the Machine's deployment label may still name
-            // a served MachineDeployment.
+                .or_insert_with(|| self.owner_group(namespace, owner, groups));
             let fallback = || {
                 let md = machine.labels.get(&owner_labels.deployment)?;
                 let id = group_id(
@@ -684,21 +1258,33 @@ impl<'a> Builder<'a> {
                 },
                 None => continue,
             };
-            by_machine.insert(
-                key.clone(),
-                Location {
-                    group_id: group_id.clone(),
-                    machine: Some(key.clone()),
-                    in_pool_list: false,
-                },
-            );
+            lookup
+                .by_machine
+                .insert(key.clone(), position(&lookup.locations));
+            lookup.locations.push(Location {
+                group_id: group_id.clone(),
+                machine: Some(key.clone()),
+                in_pool_list: false,
+            });
             match self.instance_of(machine) {
-                Some(instance) => instances.entry(group_id).or_default().push(instance),
-                None => *unlisted_registered.entry(group_id).or_default() += 1,
+                Some(instance) => found.instances.entry(group_id).or_default().push(instance),
+                None => *found.unlisted_registered.entry(group_id).or_default() += 1,
             }
         }
+        found
+    }
+
+    /// Each group's instances (its Machines', and a MachinePool's providerIDList entries without a
+    /// Machine), sorted, with their locations in `lookup`; an instance claimed by two groups is a
+    /// problem.
+    fn attach_instances(
+        &mut self,
+        groups: &mut BTreeMap<String, NodeGroup>,
+        mut found: GroupMachines,
+        lookup: &mut Lookup,
+    ) {
         for (id, group) in groups.iter_mut() {
-            let mut list = instances.remove(id).unwrap_or_default();
+            let mut list = found.instances.remove(id).unwrap_or_default();
             if group.kind() == ScalableKind::MachinePool {
                 let known: BTreeSet<String> = list.iter().map(|i| i.id.clone()).collect();
                 for provider_id in &group.resource.provider_id_list {
@@ -714,6 +1300,7 @@ impl<'a> Builder<'a> {
             }
             list.sort_by(|a, b| a.id.cmp(&b.id));
             list.dedup_by(|a, b| a.id == b.id);
+            self.mark_leaving(&mut list, group.target);
             let pool: BTreeSet<&str> = group
                 .resource
                 .provider_id_list
@@ -721,19 +1308,17 @@ impl<'a> Builder<'a> {
                 .map(String::as_str)
                 .collect();
             for instance in &list {
-                let location = Location {
-                    group_id: id.clone(),
-                    machine: instance.machine.clone(),
-                    in_pool_list: pool.contains(instance.id.as_str()),
-                };
-                if let Some(previous) = by_instance_id.insert(instance.id.clone(), location) {
+                let at = lookup.place(id, instance, pool.contains(instance.id.as_str()));
+                if let Some(previous) = lookup.by_instance_id.insert(instance.id.clone(), at) {
+                    let claimed_by = lookup
+                        .locations
+                        .get(previous as usize)
+                        .map(|l| l.group_id.as_str())
+                        .unwrap_or_default();
                     self.problems.push(Problem::new(
                         object_name(group.kind(), &group.resource.key),
                         "spec.providerID",
-                        format!(
-                            "instance {} is also claimed by {}",
-                            instance.id, previous.group_id
-                        ),
+                        format!("instance {} is also claimed by {claimed_by}", instance.id),
                     ));
                 }
             }
@@ -741,80 +1326,78 @@ impl<'a> Builder<'a> {
                 .iter()
                 .filter(|i| i.state == InstanceState::Running)
                 .count() as i32
-                + unlisted_registered.get(id).copied().unwrap_or(0);
+                + found.unlisted_registered.get(id).copied().unwrap_or(0);
             group.instances = list;
         }
+    }
 
-        // Normalised providerIDs, for nodes whose providerID is spelled differently from the Machine's.
-        let mut by_normalized_id: HashMap<String, Location> = HashMap::new();
-        let mut ambiguous: BTreeSet<String> = BTreeSet::new();
-        for (id, location) in &by_instance_id {
-            if is_synthetic(id) {
-                continue;
-            }
-            let normalized = providerid::normalize(id).to_string();
-            if normalized.is_empty() {
-                continue;
-            }
-            if let Some(previous) = by_normalized_id.get(&normalized)
-                && previous != location
-            {
-                ambiguous.insert(normalized);
-                continue;
-            }
-            by_normalized_id.insert(normalized, location.clone());
-        }
-        for normalized in ambiguous {
-            by_normalized_id.remove(&normalized);
-        }
-
-        // Templates, and the node labels of an existing node of the group when the workload cluster is watched.
+    /// Each group's template, with the node labels of an existing node of the group when the
+    /// workload cluster is watched. A template whose inputs are those of the previous build is
+    /// taken from it.
+    fn templates(
+        &self,
+        groups: &mut BTreeMap<String, NodeGroup>,
+        group_problems: &mut HashMap<String, Vec<Problem>>,
+    ) -> HashMap<String, Arc<TemplateMemo>> {
         let node_labels_by_provider: HashMap<&str, &BTreeMap<String, String>> = self
             .index
             .nodes
             .values()
             .filter_map(|n| n.provider_id.as_deref().map(|p| (p, &n.labels)))
             .collect();
-        let mut priced: Vec<(f64, f64, f64, bool)> = Vec::new();
-        let ids: Vec<String> = groups.keys().cloned().collect();
-        for id in ids {
-            let Some(group) = groups.get(&id) else {
-                continue;
-            };
-            let resource = group.resource.clone();
+        let mut templates: HashMap<String, Arc<TemplateMemo>> =
+            HashMap::with_capacity(groups.len());
+        for (id, group) in groups.iter_mut() {
             let node_labels = group
                 .instances
                 .iter()
                 .find_map(|i| node_labels_by_provider.get(i.id.as_str()).copied());
-            let infra = match self.infra_source(&resource) {
-                Ok(source) => source,
-                Err(problem) => {
-                    self.problems.push(problem);
-                    InfraSource::NoReference
-                }
-            };
-            let outcome = template::build(&TemplateInputs {
-                keys: &keys,
-                group_id: &id,
-                resource: &resource,
-                infra,
-                node_labels,
-                default_arch: self.settings.default_arch.as_deref(),
-            });
-            self.problems.extend(outcome.problems);
-            if let Some(group) = groups.get_mut(&id) {
-                if let (Some(price), Some(template)) = (group.price, outcome.template.as_ref()) {
-                    priced.push((
-                        price,
-                        template.summary.cpu_cores,
-                        template.summary.memory_gib,
-                        template.summary.gpu.is_some(),
-                    ));
-                }
-                group.template = outcome.template.map(Arc::new);
+            let copied: Vec<(String, String)> = node_labels
+                .map(|labels| {
+                    template::NODE_LABELS_COPIED
+                        .iter()
+                        .filter_map(|k| labels.get(*k).map(|v| (k.to_string(), v.clone())))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let memo = self.template_memo(group, node_labels, copied);
+            if !memo.problems.is_empty() {
+                group_problems
+                    .entry(id.clone())
+                    .or_default()
+                    .extend(memo.problems.iter().cloned());
             }
+            group.template = memo.template.clone();
+            templates.insert(id.clone(), memo);
         }
+        templates
+    }
 
+    /// The rest of a snapshot, from its groups and problems.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &self,
+        generation: u64,
+        basis: u64,
+        groups: Groups,
+        lookup: Arc<Lookup>,
+        templates: HashMap<String, Arc<TemplateMemo>>,
+        group_problems: HashMap<String, Vec<Problem>>,
+        base_problems: Vec<Problem>,
+        skipped: BTreeMap<String, String>,
+    ) -> Snapshot {
+        let priced: Vec<(f64, f64, f64, bool)> = groups
+            .values()
+            .filter_map(|g| {
+                let (price, template) = (g.price?, g.template.as_ref()?);
+                Some((
+                    price,
+                    template.summary.cpu_cores,
+                    template.summary.memory_gib,
+                    template.summary.gpu.is_some(),
+                ))
+            })
+            .collect();
         // GPU nodes cost more than their CPU and memory: they set pod prices only when nothing else is priced.
         let reference: Vec<(f64, f64, f64)> = if priced.iter().any(|p| !p.3) {
             priced
@@ -830,19 +1413,178 @@ impl<'a> Builder<'a> {
             self.settings.gib_hour_price,
             &reference,
         );
-        self.problems.sort();
-        self.problems.dedup();
+        let mut problems: Vec<Problem> = base_problems
+            .iter()
+            .chain(group_problems.values().flatten())
+            .cloned()
+            .collect();
+        problems.sort();
+        problems.dedup();
         Snapshot {
             generation,
             groups,
-            by_instance_id,
-            by_normalized_id,
-            by_machine,
-            skipped: self.skipped,
-            problems: self.problems,
+            lookup,
+            templates,
+            group_problems,
+            base_problems,
+            basis,
+            skipped,
+            problems,
             reference_prices,
             reference_sources,
             machines: self.index.machines.len(),
+        }
+    }
+
+    /// The snapshot after changes local to some groups (see [`Journal`]): those groups are rebuilt,
+    /// everything else is taken from the previous snapshot. `None` when the changes are of another
+    /// kind, or the previous snapshot is not the one they are relative to.
+    fn patch(&mut self, generation: u64, basis: u64) -> Option<Snapshot> {
+        let (previous, journal) = (self.previous?, self.journal?);
+        if journal.other || previous.basis == 0 || previous.basis != journal.since {
+            return None;
+        }
+        let index: &'a Index = self.index;
+        let owner_labels = OwnerLabels::new(&self.settings.keys);
+        let mut affected: BTreeSet<&str> = BTreeSet::new();
+        let mut served = |id: String| {
+            if let Some((id, _)) = previous.groups.0.get_key_value(&id) {
+                affected.insert(id.as_str());
+            }
+        };
+        for (kind, key) in &journal.resources {
+            served(group_id(*kind, key));
+            // A MachineSet's replicas are its MachineDeployment's rollout.
+            if *kind == ScalableKind::MachineSet
+                && let Some(set) = index.resource(*kind, key)
+            {
+                let named = set.labels.get(&owner_labels.deployment);
+                for md in set
+                    .owners
+                    .iter()
+                    .filter(|o| o.kind == "MachineDeployment")
+                    .map(|o| &o.name)
+                    .chain(named)
+                {
+                    served(group_id(
+                        ScalableKind::MachineDeployment,
+                        &ObjectKey::new(key.namespace.as_str(), md.as_str()),
+                    ));
+                }
+            }
+        }
+        for key in &journal.machines {
+            if let Some(location) = previous
+                .lookup
+                .by_machine
+                .get(key)
+                .and_then(|at| previous.lookup.locations.get(*at as usize))
+            {
+                served(location.group_id.clone());
+            }
+        }
+        let sets_by_deployment = if affected.iter().any(|id| {
+            previous.groups.get(id).map(NodeGroup::kind) == Some(ScalableKind::MachineDeployment)
+        }) {
+            self.machine_sets_by_deployment(&owner_labels)
+        } else {
+            HashMap::new()
+        };
+        let mut groups = previous.groups.clone();
+        let mut templates = previous.templates.clone();
+        let mut group_problems = previous.group_problems.clone();
+        for id in affected {
+            let old = previous.groups.get(id)?;
+            let (kind, key) = (old.kind(), &old.resource.key);
+            let resource = index.resource(kind, key)?;
+            let (rebuilt, base) =
+                self.collecting(|b| b.served_group(kind, key, resource, &sets_by_deployment));
+            let (mut group, mut problems) = rebuilt?;
+            if !base.is_empty() || group.id != id {
+                return None;
+            }
+            // Same Machines, same ids: their states again, then the marks against the new target.
+            let mut list = Vec::with_capacity(old.instances.len());
+            for instance in &old.instances {
+                match &instance.machine {
+                    Some(machine) => {
+                        let fresh = self.instance_of(index.machine(machine)?)?;
+                        if fresh.id != instance.id {
+                            return None;
+                        }
+                        list.push(fresh);
+                    }
+                    None => list.push(Instance {
+                        state: InstanceState::Running,
+                        error: None,
+                        ..instance.clone()
+                    }),
+                }
+            }
+            let running = |list: &[Instance]| {
+                list.iter()
+                    .filter(|i| i.state == InstanceState::Running)
+                    .count() as i32
+            };
+            let unlisted = old.registered - running(&old.instances);
+            self.mark_leaving(&mut list, group.target);
+            group.registered = running(&list) + unlisted;
+            group.instances = list;
+            // Nodes did not change: the labels copied from the group's Node neither.
+            let copied = previous.templates.get(id)?.node_labels.clone();
+            let node_labels: BTreeMap<String, String> = copied.iter().cloned().collect();
+            let memo = self.template_memo(&group, Some(&node_labels), copied);
+            problems.extend(memo.problems.iter().cloned());
+            group.template = memo.template.clone();
+            templates.insert(id.to_string(), memo);
+            if problems.is_empty() {
+                group_problems.remove(id);
+            } else {
+                group_problems.insert(id.to_string(), problems);
+            }
+            groups.0.insert(id.to_string(), Arc::new(group));
+        }
+        Some(self.finish(
+            generation,
+            basis,
+            groups,
+            Arc::clone(&previous.lookup),
+            templates,
+            group_problems,
+            previous.base_problems.clone(),
+            previous.skipped.clone(),
+        ))
+    }
+
+    /// Marked Machines that the replica count no longer covers are on their way out: CAPI deletes
+    /// marked Machines first when replicas drop below the Machines it has. Reported as deleting, CA
+    /// stops counting them: an unregistered one is otherwise "removed" again every loop and its
+    /// group scaled up again for the capacity CA believes it lost. A mark replicas still cover (a
+    /// decrement not yet written) leaves the instance as it was, so CA's retry can complete it.
+    fn mark_leaving(&self, list: &mut [Instance], target: i32) {
+        let delete_key = &self.settings.keys.delete_machine;
+        let active = list
+            .iter()
+            .filter(|i| i.machine.is_some() && i.state != InstanceState::Deleting)
+            .count();
+        let mut surplus = crate::removal::surplus(active, target);
+        for instance in list.iter_mut() {
+            if surplus == 0 {
+                break;
+            }
+            if instance.state == InstanceState::Deleting {
+                continue;
+            }
+            let marked = instance
+                .machine
+                .as_ref()
+                .and_then(|key| self.index.machines.get(key))
+                .and_then(|m| m.as_ref().ok())
+                .is_some_and(|m| m.annotations.contains_key(delete_key));
+            if marked {
+                instance.state = InstanceState::Deleting;
+                surplus -= 1;
+            }
         }
     }
 
@@ -911,565 +1653,4 @@ fn is_synthetic(id: &str) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::capi::{MachineFailure, MachineTemplate, OwnerRef};
-
-    fn keys() -> Keys {
-        Keys::default()
-    }
-
-    fn settings() -> Settings {
-        Settings::default()
-    }
-
-    fn resource(
-        kind: ScalableKind,
-        name: &str,
-        min: Option<&str>,
-        max: Option<&str>,
-        replicas: i32,
-    ) -> ScalableResource {
-        let keys = keys();
-        let mut annotations = BTreeMap::new();
-        if let Some(min) = min {
-            annotations.insert(keys.min_size.clone(), min.to_string());
-        }
-        if let Some(max) = max {
-            annotations.insert(keys.max_size.clone(), max.to_string());
-        }
-        ScalableResource {
-            kind,
-            key: ObjectKey::new("ns", name),
-            uid: format!("uid-{name}"),
-            resource_version: "1".into(),
-            labels: BTreeMap::new(),
-            annotations,
-            cluster_name: "c1".into(),
-            replicas: Some(replicas),
-            paused: false,
-            owners: Vec::new(),
-            template: MachineTemplate::default(),
-            provider_id_list: Vec::new(),
-            topology: None,
-        }
-    }
-
-    fn machine(
-        name: &str,
-        owner_kind: &str,
-        owner: &str,
-        provider_id: Option<&str>,
-        node: bool,
-    ) -> Machine {
-        Machine {
-            key: ObjectKey::new("ns", name),
-            uid: format!("uid-{name}"),
-            resource_version: "1".into(),
-            labels: BTreeMap::new(),
-            annotations: BTreeMap::new(),
-            cluster_name: "c1".into(),
-            provider_id: provider_id.map(str::to_string),
-            node_ref: node.then(|| name.to_string()),
-            deleting: false,
-            owners: vec![OwnerRef {
-                kind: owner_kind.into(),
-                name: owner.into(),
-            }],
-            phase: None,
-            failure: None,
-        }
-    }
-
-    fn add(index: &mut Index, r: ScalableResource) {
-        index.apply_resource(r.kind, r.key.clone(), Ok(Arc::new(r)));
-    }
-
-    fn add_machine(index: &mut Index, m: Machine) {
-        index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
-    }
-
-    /// An MD with its MS and two machines: one running, one pending without providerID.
-    fn deployment_index() -> Index {
-        let mut index = Index::default();
-        add(
-            &mut index,
-            resource(
-                ScalableKind::MachineDeployment,
-                "md",
-                Some("1"),
-                Some("5"),
-                2,
-            ),
-        );
-        let mut ms = resource(ScalableKind::MachineSet, "md-abc", Some("1"), Some("5"), 2);
-        ms.owners.push(OwnerRef {
-            kind: "MachineDeployment".into(),
-            name: "md".into(),
-        });
-        add(&mut index, ms);
-        add_machine(
-            &mut index,
-            machine("m1", "MachineSet", "md-abc", Some("e2e:///ns/m1"), true),
-        );
-        add_machine(
-            &mut index,
-            machine("m2", "MachineSet", "md-abc", None, false),
-        );
-        index
-    }
-
-    fn node<'a>(provider_id: &'a str, name: &'a str) -> NodeRef<'a> {
-        NodeRef {
-            provider_id,
-            name,
-            annotations: None,
-        }
-    }
-
-    #[test]
-    fn a_machine_set_owned_by_a_deployment_is_not_a_group_and_its_machines_belong_to_the_deployment()
-     {
-        let s = deployment_index().snapshot(&settings(), 1);
-        assert_eq!(
-            s.groups.keys().collect::<Vec<_>>(),
-            ["MachineDeployment/ns/md"]
-        );
-        let g = s.group("MachineDeployment/ns/md").unwrap();
-        assert_eq!((g.min, g.max, g.target), (1, 5, 2));
-        let ids: Vec<_> = g
-            .instances
-            .iter()
-            .map(|i| (i.id.as_str(), i.state))
-            .collect();
-        assert_eq!(
-            ids,
-            [
-                ("e2e:///ns/m1", InstanceState::Running),
-                ("pending-machine-ns_m2", InstanceState::Creating)
-            ]
-        );
-        assert_eq!(
-            g.debug(),
-            "MachineDeployment/ns/md (min: 1, max: 5, replicas: 2)"
-        );
-    }
-
-    #[test]
-    fn nodes_map_by_exact_normalised_and_made_up_ids_and_by_annotations() {
-        let s = deployment_index().snapshot(&settings(), 1);
-        let k = keys();
-        let id = |n: &NodeRef<'_>| s.group_for_node(n, &k).map(|g| g.id.clone());
-        let md = Some("MachineDeployment/ns/md".to_string());
-        assert_eq!(id(&node("e2e:///ns/m1", "n")), md);
-        assert_eq!(id(&node("other:////m1", "n")), md, "normalised providerID");
-        assert_eq!(
-            id(&node("pending-machine-ns_m2", "pending-machine-ns_m2")),
-            md,
-            "CA's fake node"
-        );
-        assert_eq!(id(&node("", "pending-machine-ns_m2")), md);
-        assert_eq!(id(&node("unknown://x", "x")), None);
-        let annotations: HashMap<String, String> = [
-            (k.node_machine.clone(), "m1".to_string()),
-            (k.node_cluster_namespace.clone(), "ns".to_string()),
-        ]
-        .into();
-        let by_annotation = NodeRef {
-            provider_id: "",
-            name: "node-without-provider-id",
-            annotations: Some(&annotations),
-        };
-        assert_eq!(id(&by_annotation), md);
-        assert_eq!(
-            s.locate(&by_annotation, &k).and_then(|l| l.machine.clone()),
-            Some(ObjectKey::new("ns", "m1"))
-        );
-    }
-
-    #[test]
-    fn one_malformed_group_is_skipped_alone_with_a_problem_naming_the_field() {
-        let mut index = deployment_index();
-        add(
-            &mut index,
-            resource(
-                ScalableKind::MachineDeployment,
-                "bad-max",
-                Some("1"),
-                Some("lots"),
-                1,
-            ),
-        );
-        add(
-            &mut index,
-            resource(
-                ScalableKind::MachineDeployment,
-                "max-below-min",
-                Some("4"),
-                Some("2"),
-                3,
-            ),
-        );
-        add(
-            &mut index,
-            resource(
-                ScalableKind::MachineDeployment,
-                "min-only",
-                Some("1"),
-                None,
-                1,
-            ),
-        );
-        add(
-            &mut index,
-            resource(
-                ScalableKind::MachineDeployment,
-                "negative",
-                Some("-1"),
-                Some("2"),
-                1,
-            ),
-        );
-        let s = index.snapshot(&settings(), 1);
-        assert_eq!(
-            s.groups.keys().collect::<Vec<_>>(),
-            ["MachineDeployment/ns/md"]
-        );
-        let k = keys();
-        let problem = |name: &str| {
-            s.problems
-                .iter()
-                .find(|p| p.object == format!("MachineDeployment ns/{name}"))
-                .unwrap_or_else(|| panic!("no problem for {name}: {:?}", s.problems))
-        };
-        assert_eq!(
-            problem("bad-max").field,
-            Problem::annotation_field(&k.max_size)
-        );
-        assert!(problem("bad-max").message.contains("\"lots\""));
-        assert!(
-            problem("max-below-min")
-                .message
-                .contains("below min size 4")
-        );
-        assert_eq!(
-            problem("min-only").field,
-            Problem::annotation_field(&k.max_size)
-        );
-        assert_eq!(
-            problem("negative").field,
-            Problem::annotation_field(&k.min_size)
-        );
-    }
-
-    #[test]
-    fn unannotated_zero_max_paused_and_replica_less_resources_are_not_served() {
-        let mut index = Index::default();
-        add(
-            &mut index,
-            resource(ScalableKind::MachineDeployment, "plain", None, None, 1),
-        );
-        add(
-            &mut index,
-            resource(
-                ScalableKind::MachineDeployment,
-                "zero",
-                Some("0"),
-                Some("0"),
-                0,
-            ),
-        );
-        let mut paused = resource(
-            ScalableKind::MachineDeployment,
-            "paused",
-            Some("0"),
-            Some("3"),
-            1,
-        );
-        paused.paused = true;
-        add(&mut index, paused);
-        let mut unset = resource(ScalableKind::MachineSet, "unset", Some("0"), Some("3"), 0);
-        unset.replicas = None;
-        add(&mut index, unset);
-        let s = index.snapshot(&settings(), 1);
-        assert!(s.groups.is_empty(), "{:?}", s.groups.keys());
-        assert!(s.skipped.contains_key("MachineDeployment/ns/paused"));
-        assert!(
-            s.problems
-                .iter()
-                .any(|p| p.object == "MachineSet ns/unset" && p.field == "spec.replicas")
-        );
-        assert!(
-            s.problems
-                .iter()
-                .any(|p| p.object == "MachineDeployment ns/paused" && p.field == "spec.paused")
-        );
-    }
-
-    #[test]
-    fn machine_pools_list_their_provider_ids_and_their_machines() {
-        let mut index = Index::default();
-        let mut pool = resource(ScalableKind::MachinePool, "mp", Some("0"), Some("4"), 3);
-        pool.provider_id_list = vec!["e2e:///ns/a".into(), "e2e:///ns/b".into()];
-        add(&mut index, pool);
-        add_machine(
-            &mut index,
-            machine("mp-a", "MachinePool", "mp", Some("e2e:///ns/a"), true),
-        );
-        add_machine(
-            &mut index,
-            machine("mp-c", "MachinePool", "mp", None, false),
-        );
-        let s = index.snapshot(&settings(), 1);
-        let g = s.group("MachinePool/ns/mp").unwrap();
-        let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
-        assert_eq!(
-            ids,
-            ["e2e:///ns/a", "e2e:///ns/b", "pending-machine-ns_mp-c"]
-        );
-        let k = keys();
-        let b = s.locate(&node("e2e:///ns/b", "b"), &k).unwrap();
-        assert_eq!((b.machine.clone(), b.in_pool_list), (None, true));
-        let a = s.locate(&node("e2e:///ns/a", "a"), &k).unwrap();
-        assert_eq!(a.machine, Some(ObjectKey::new("ns", "mp-a")));
-    }
-
-    #[test]
-    fn failed_and_deleting_machines_get_upstream_ids_states_and_error_info() {
-        let mut index = Index::default();
-        add(
-            &mut index,
-            resource(ScalableKind::MachineSet, "ms", Some("0"), Some("9"), 4),
-        );
-        let mut failed = machine("failed", "MachineSet", "ms", None, false);
-        failed.failure = Some(MachineFailure {
-            reason: "CreateError".into(),
-            message: "quota exceeded".into(),
-        });
-        add_machine(&mut index, failed);
-        let mut deleting = machine("deleting", "MachineSet", "ms", None, true);
-        deleting.deleting = true;
-        add_machine(&mut index, deleting);
-        let mut failed_deleting = machine("fd", "MachineSet", "ms", None, true);
-        failed_deleting.deleting = true;
-        failed_deleting.failure = Some(MachineFailure {
-            reason: String::new(),
-            message: String::new(),
-        });
-        add_machine(&mut index, failed_deleting);
-        let s = index.snapshot(&settings(), 1);
-        let g = s.group("MachineSet/ns/ms").unwrap();
-        let by_id: BTreeMap<_, _> = g.instances.iter().map(|i| (i.id.as_str(), i)).collect();
-        let f = by_id["failed-machine-ns_failed"];
-        assert_eq!(f.state, InstanceState::Creating);
-        let e = f.error.as_ref().unwrap();
-        assert_eq!(
-            (e.code.as_str(), e.class),
-            ("ProvisioningFailed", OTHER_ERROR_CLASS)
-        );
-        assert!(e.message.contains("quota exceeded"));
-        assert_eq!(
-            by_id["deleting-machine-ns_deleting"].state,
-            InstanceState::Deleting
-        );
-        let fd = by_id["failed-machine-ns_fd"];
-        assert_eq!(fd.state, InstanceState::Deleting);
-        assert_eq!(fd.error.as_ref().unwrap().code, "DeletingFailed");
-    }
-
-    #[test]
-    fn a_registered_machine_without_a_known_provider_id_is_no_instance_but_counts_and_maps() {
-        let mut index = Index::default();
-        add(
-            &mut index,
-            resource(ScalableKind::MachineSet, "ms", Some("0"), Some("3"), 2),
-        );
-        add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));
-        add_machine(
-            &mut index,
-            machine("known", "MachineSet", "ms", Some("p://known"), true),
-        );
-        let s = index.snapshot(&settings(), 1);
-        let g = s.group("MachineSet/ns/ms").unwrap();
-        let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
-        assert_eq!(
-            ids,
-            ["p://known"],
-            "a made-up id would look unregistered to CA"
-        );
-        assert_eq!(g.registered, 2);
-        let k = keys();
-        let annotations: HashMap<String, String> = [
-            (k.node_machine.clone(), "no-id".to_string()),
-            (k.node_cluster_namespace.clone(), "ns".to_string()),
-        ]
-        .into();
-        let n = NodeRef {
-            provider_id: "",
-            name: "no-id",
-            annotations: Some(&annotations),
-        };
-        assert_eq!(
-            s.locate(&n, &k).and_then(|l| l.machine.clone()),
-            Some(ObjectKey::new("ns", "no-id"))
-        );
-        // With the workload cluster watched, the Node's providerID is used.
-        index.apply_node(Node {
-            name: "no-id".into(),
-            provider_id: Some("p://no-id".into()),
-            labels: BTreeMap::new(),
-        });
-        let s = index.snapshot(&settings(), 2);
-        let ids: Vec<_> = s
-            .group("MachineSet/ns/ms")
-            .unwrap()
-            .instances
-            .iter()
-            .map(|i| i.id.clone())
-            .collect();
-        assert_eq!(ids, ["p://known", "p://no-id"]);
-    }
-
-    #[test]
-    fn a_cluster_topology_that_sets_an_autoscaled_groups_replicas_is_a_problem_on_the_cluster() {
-        use crate::capi::TopologyWorker;
-        let mut index = Index::default();
-        let mut md = resource(
-            ScalableKind::MachineDeployment,
-            "c1-md-0-x",
-            Some("0"),
-            Some("5"),
-            1,
-        );
-        md.topology = Some("md-0".into());
-        add(&mut index, md);
-        let mut quiet = resource(
-            ScalableKind::MachineDeployment,
-            "c1-md-1-y",
-            Some("0"),
-            Some("5"),
-            1,
-        );
-        quiet.topology = Some("md-1".into());
-        add(&mut index, quiet);
-        let worker = |name: &str, replicas: Option<i32>| TopologyWorker {
-            kind: ScalableKind::MachineDeployment,
-            name: name.into(),
-            replicas,
-        };
-        index.apply_cluster(ClusterTopology {
-            key: ObjectKey::new("ns", "c1"),
-            workers: vec![worker("md-0", Some(3)), worker("md-1", None)],
-        });
-        let s = index.snapshot(&settings(), 1);
-        let topology: Vec<_> = s
-            .problems
-            .iter()
-            .filter(|p| p.object == "Cluster ns/c1")
-            .collect();
-        assert_eq!(topology.len(), 1, "{:?}", s.problems);
-        assert_eq!(
-            topology[0].field,
-            "spec.topology.workers.machineDeployments[0].replicas"
-        );
-        assert!(
-            topology[0]
-                .message
-                .contains("MachineDeployment ns/c1-md-0-x")
-        );
-        // Still served: the conflict is the Cluster's to fix.
-        assert_eq!(s.groups.len(), 2);
-        index.delete_cluster(&ObjectKey::new("ns", "c1"));
-        assert!(index.snapshot(&settings(), 2).problems.is_empty());
-    }
-
-    #[test]
-    fn a_reset_replaces_every_object_of_that_kind_only() {
-        let mut index = deployment_index();
-        index.reset_resources(ScalableKind::MachineDeployment, Vec::new());
-        let s = index.snapshot(&settings(), 2);
-        assert!(s.group("MachineDeployment/ns/md").is_none());
-        assert!(
-            index
-                .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"))
-                .is_some()
-        );
-        index.reset_machines(Vec::new());
-        assert_eq!(index.snapshot(&settings(), 3).machines, 0);
-        index.delete_resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"));
-        assert!(
-            index
-                .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"))
-                .is_none()
-        );
-    }
-
-    #[test]
-    fn a_machine_set_whose_deployment_is_not_served_is_its_own_group() {
-        let mut index = Index::default();
-        let mut ms = resource(ScalableKind::MachineSet, "ms", Some("0"), Some("3"), 1);
-        ms.owners.push(OwnerRef {
-            kind: "MachineDeployment".into(),
-            name: "".into(),
-        });
-        add(&mut index, ms);
-        add_machine(
-            &mut index,
-            machine("m", "MachineSet", "ms", Some("p://m"), true),
-        );
-        let s = index.snapshot(&settings(), 1);
-        assert_eq!(
-            s.group_for_node(&node("p://m", "m"), &keys())
-                .map(|g| g.id.as_str()),
-            Some("MachineSet/ns/ms")
-        );
-    }
-
-    #[test]
-    fn discovery_filters_which_resources_are_groups() {
-        let mut index = deployment_index();
-        let mut other = resource(
-            ScalableKind::MachineDeployment,
-            "other",
-            Some("0"),
-            Some("3"),
-            0,
-        );
-        other.key.namespace = "elsewhere".into();
-        add(&mut index, other);
-        let mut s = settings();
-        s.discovery = vec!["clusterapi:namespace=elsewhere".parse().unwrap()];
-        let snap = index.snapshot(&s, 1);
-        assert_eq!(
-            snap.groups.keys().collect::<Vec<_>>(),
-            ["MachineDeployment/elsewhere/other"]
-        );
-    }
-
-    #[test]
-    fn scaling_bounds_follow_upstream_rules() {
-        let k = keys();
-        let ann = |min: Option<&str>, max: Option<&str>| {
-            let mut a = BTreeMap::new();
-            if let Some(v) = min {
-                a.insert(k.min_size.clone(), v.to_string());
-            }
-            if let Some(v) = max {
-                a.insert(k.max_size.clone(), v.to_string());
-            }
-            a
-        };
-        assert_eq!(scaling_bounds(&k, "o", &ann(None, None)), Ok(None));
-        assert_eq!(
-            scaling_bounds(&k, "o", &ann(None, Some("3"))),
-            Ok(Some((0, 3)))
-        );
-        assert_eq!(
-            scaling_bounds(&k, "o", &ann(Some("2"), Some("2"))),
-            Ok(Some((2, 2)))
-        );
-        assert!(scaling_bounds(&k, "o", &ann(Some("x"), Some("2"))).is_err());
-        assert!(scaling_bounds(&k, "o", &ann(Some("3"), Some("2"))).is_err());
-        assert!(scaling_bounds(&k, "o", &ann(Some("1"), None)).is_err());
-    }
-}
+mod tests;

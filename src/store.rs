@@ -4,23 +4,21 @@
 //! snapshot is rebuilt (coalescing bursts) and swapped in atomically. Read RPCs only load the snapshot.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use futures::StreamExt;
+use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::discovery::{self, ApiGroup};
-use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::watcher::{self, Event};
-use kube::{Client, ResourceExt};
 use tokio::sync::Notify;
 
-use crate::capi::{
-    ClusterTopology, InfraTemplate, Machine, Node, ObjectKey, ScalableKind, ScalableResource,
-};
+use crate::capi::{Machine, ObjectKey, ScalableKind, ScalableResource};
+use crate::index::{self, Prepared, Watched};
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
@@ -30,6 +28,111 @@ const INFRA_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Least time between two snapshot builds triggered by watch events.
 const REBUILD_SPACING: Duration = Duration::from_millis(100);
+
+/// First and longest wait before a failed watch is started again (doubling in between).
+const RESTART_MIN: Duration = Duration::from_millis(500);
+const RESTART_MAX: Duration = Duration::from_secs(15);
+
+/// How the watches run and when they count as stale.
+#[derive(Clone, Copy, Debug)]
+pub struct WatchSettings {
+    /// Server-side timeout of each watch request: a watch is re-established (and so re-authorized) at
+    /// least this often.
+    pub timeout: Duration,
+    /// A watch failing for longer is stale: not ready, and writes that need it are refused.
+    /// Forbidden (403) and not found (404) are stale at once.
+    pub stale_after: Duration,
+}
+
+impl Default for WatchSettings {
+    fn default() -> Self {
+        WatchSettings {
+            timeout: Duration::from_secs(60),
+            stale_after: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The state of one watch.
+#[derive(Debug)]
+struct WatchHealth {
+    /// Readiness and writes depend on it (not the optional Cluster and infrastructure watches).
+    required: bool,
+    started: Instant,
+    /// Listed completely at least once.
+    listed: bool,
+    /// Failing since its last complete list.
+    failure: Option<WatchFailure>,
+}
+
+#[derive(Debug, Clone)]
+struct WatchFailure {
+    since: Instant,
+    message: String,
+    /// Forbidden (403) or not found (404): nothing gets better by waiting.
+    fatal: bool,
+}
+
+/// A watch that is not in sync: what readiness, `/readyz`, `check` and refused writes say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchProblem {
+    /// e.g. `machines.cluster.x-k8s.io`, `nodes`.
+    pub resource: String,
+    /// Forbidden (403) or not found (404).
+    pub fatal: bool,
+    pub message: String,
+}
+
+impl std::fmt::Display for WatchProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "watch of {}: {}", self.resource, self.message)
+    }
+}
+
+/// What a watch problem says: why it is out of sync, since when.
+fn describe(health: &WatchHealth, now: Instant, stale_after: Duration) -> Option<(bool, String)> {
+    let secs = |since: Instant| now.saturating_duration_since(since).as_secs();
+    match (&health.failure, health.listed) {
+        (None, true) => None,
+        (None, false) => Some((
+            false,
+            format!("has not listed yet (waiting {}s)", secs(health.started)),
+        )),
+        (Some(f), listed) => {
+            let stale = f.fatal || now.saturating_duration_since(f.since) >= stale_after;
+            if listed && !stale {
+                return None;
+            }
+            let what = if listed {
+                "out of sync"
+            } else {
+                "has not listed yet"
+            };
+            let hint = if f.fatal {
+                " (not transient: fix the RBAC rules or serve the resource; retried meanwhile)"
+            } else {
+                ""
+            };
+            Some((
+                f.fatal,
+                format!(
+                    "{what}, failing for {}s: {}{hint}",
+                    secs(f.since),
+                    f.message
+                ),
+            ))
+        }
+    }
+}
+
+/// `plural.group` (`plural` for the core group): how watches are named in logs, metrics and reasons.
+pub fn resource_name(resource: &ApiResource) -> String {
+    if resource.group.is_empty() {
+        resource.plural.clone()
+    } else {
+        format!("{}.{}", resource.plural, resource.group)
+    }
+}
 
 /// The Cluster API resources this provider reads and writes, at the version in use.
 #[derive(Clone, Debug)]
@@ -140,17 +243,6 @@ impl CapiApis {
     }
 }
 
-/// What a watch feeds.
-#[derive(Clone, Debug)]
-enum Watched {
-    Scalable(ScalableKind),
-    Machine,
-    Node,
-    Infra(InfraKind),
-    /// Optional: readiness does not wait for it (older RBAC may not allow it).
-    Cluster,
-}
-
 pub struct Store {
     settings: Settings,
     /// The one namespace discovery specs allow, when they all name the same.
@@ -162,8 +254,13 @@ pub struct Store {
     generation: AtomicU64,
     dirty: AtomicBool,
     changed: Notify,
-    watches_total: usize,
-    watches_listed: AtomicUsize,
+    watch_settings: WatchSettings,
+    /// Every watch by resource name.
+    health: Mutex<BTreeMap<String, WatchHealth>>,
+    /// Signalled when a watch fails or recovers.
+    health_changed: Notify,
+    /// Set once a snapshot built from a complete listing is published.
+    complete: AtomicBool,
     infra_started: Mutex<BTreeSet<InfraKind>>,
     reported: Mutex<BTreeSet<Problem>>,
     /// Problems become Events on their objects; `None` for read-only uses (`check`).
@@ -176,14 +273,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn object_key(obj: &DynamicObject) -> ObjectKey {
-    ObjectKey::new(obj.namespace().unwrap_or_default(), obj.name_any())
-}
-
-fn to_json(obj: &DynamicObject) -> serde_json::Value {
-    serde_json::to_value(obj).unwrap_or(serde_json::Value::Null)
-}
-
 impl Store {
     fn new(
         client: Client,
@@ -192,7 +281,7 @@ impl Store {
         index: Index,
         metrics: Arc<Metrics>,
         recorder: Option<Recorder>,
-        watches_total: usize,
+        watch_settings: WatchSettings,
     ) -> Store {
         Store {
             watch_namespace: crate::discovery::watch_namespace(&settings.discovery),
@@ -204,8 +293,10 @@ impl Store {
             generation: AtomicU64::new(0),
             dirty: AtomicBool::new(false),
             changed: Notify::new(),
-            watches_total,
-            watches_listed: AtomicUsize::new(0),
+            watch_settings,
+            health: Mutex::new(BTreeMap::new()),
+            health_changed: Notify::new(),
+            complete: AtomicBool::new(false),
             infra_started: Mutex::new(BTreeSet::new()),
             reported: Mutex::new(BTreeSet::new()),
             recorder,
@@ -222,6 +313,7 @@ impl Store {
         settings: Settings,
         metrics: Arc<Metrics>,
         events: bool,
+        watch_settings: WatchSettings,
     ) -> Arc<Store> {
         let recorder = events.then(|| {
             Recorder::new(
@@ -232,8 +324,6 @@ impl Store {
                 },
             )
         });
-        // Readiness waits for every watch but the optional Cluster one.
-        let watches_total = apis.scalable.len() + 1 + usize::from(workload.is_some());
         let store = Arc::new(Store::new(
             client,
             apis,
@@ -241,22 +331,43 @@ impl Store {
             Index::default(),
             metrics,
             recorder,
-            watches_total,
+            watch_settings,
         ));
-        let mut watches: Vec<(Watched, Api<DynamicObject>)> = Vec::new();
+        let mut watches: Vec<(Watched, Api<DynamicObject>, String)> = Vec::new();
         for (kind, resource) in &store.apis.scalable {
-            watches.push((Watched::Scalable(*kind), store.watch_api(resource)));
+            watches.push((
+                Watched::Scalable(*kind),
+                store.watch_api(resource),
+                resource_name(resource),
+            ));
         }
-        watches.push((Watched::Machine, store.watch_api(&store.apis.machine)));
+        watches.push((
+            Watched::Machine,
+            store.watch_api(&store.apis.machine),
+            resource_name(&store.apis.machine),
+        ));
         if let Some(cluster) = &store.apis.cluster {
-            watches.push((Watched::Cluster, store.watch_api(cluster)));
+            watches.push((
+                Watched::Cluster,
+                store.watch_api(cluster),
+                resource_name(cluster),
+            ));
         }
         if let Some(workload) = &workload {
             let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
-            watches.push((Watched::Node, Api::all_with(workload.clone(), &nodes)));
+            watches.push((
+                Watched::Node,
+                Api::all_with(workload.clone(), &nodes),
+                resource_name(&nodes),
+            ));
         }
-        for (what, api) in watches {
-            tokio::spawn(Arc::clone(&store).watch(what, api));
+        // Every watch is known before any of them runs, so readiness never counts a partial set.
+        for (what, _, name) in &watches {
+            // Readiness waits for every watch but the optional Cluster one.
+            store.register_watch(name, !matches!(what, Watched::Cluster));
+        }
+        for (what, api, name) in watches {
+            tokio::spawn(Arc::clone(&store).watch(what, api, name));
         }
         tokio::spawn(Arc::clone(&store).rebuild_loop());
         store
@@ -270,7 +381,15 @@ impl Store {
         index: Index,
         metrics: Arc<Metrics>,
     ) -> Arc<Store> {
-        let store = Arc::new(Store::new(client, apis, settings, index, metrics, None, 0));
+        let store = Arc::new(Store::new(
+            client,
+            apis,
+            settings,
+            index,
+            metrics,
+            None,
+            WatchSettings::default(),
+        ));
         store.rebuild();
         store
     }
@@ -300,31 +419,190 @@ impl Store {
         self.snapshot.load_full()
     }
 
-    /// Every watch has listed once, and every infrastructure kind referenced so far has listed or failed.
+    /// A snapshot built after every watch had listed is being served: the RPCs may answer.
+    pub fn is_complete(&self) -> bool {
+        self.complete.load(Ordering::Acquire)
+    }
+
+    /// Every required watch has listed once, and every infrastructure kind referenced so far has
+    /// listed or failed: the index holds a complete view (possibly an old one).
+    pub fn is_listed(&self) -> bool {
+        lock(&self.health).values().all(|h| h.listed || !h.required) && self.infra_settled()
+    }
+
+    fn infra_settled(&self) -> bool {
+        let index = lock(&self.index);
+        index.wanted_infra_kinds().is_empty()
+            && lock(&self.infra_started).iter().all(|k| {
+                !matches!(
+                    index.infra_kind_state(k),
+                    Some(InfraKindState::Syncing) | None
+                )
+            })
+    }
+
+    /// Listed, and no required watch stale: what readiness, health and the repair loop go by.
     pub fn is_ready(&self) -> bool {
-        self.watches_listed.load(Ordering::Acquire) >= self.watches_total && {
-            let index = lock(&self.index);
-            index.wanted_infra_kinds().is_empty()
-                && lock(&self.infra_started).iter().all(|k| {
-                    !matches!(
-                        index.infra_kind_state(k),
-                        Some(InfraKindState::Syncing) | None
-                    )
+        self.is_listed() && self.watch_problems().is_empty()
+    }
+
+    /// The required watches that have not listed yet or are stale (failing for longer than the
+    /// stale bound, or forbidden / not found at all).
+    pub fn watch_problems(&self) -> Vec<WatchProblem> {
+        let now = Instant::now();
+        let stale_after = self.watch_settings.stale_after;
+        lock(&self.health)
+            .iter()
+            .filter(|(_, h)| h.required)
+            .filter_map(|(name, h)| {
+                describe(h, now, stale_after).map(|(fatal, message)| WatchProblem {
+                    resource: name.clone(),
+                    fatal,
+                    message,
                 })
+            })
+            .collect()
+    }
+
+    /// Why the provider is not ready, one reason per line; empty when it is.
+    pub fn not_ready_reasons(&self) -> Vec<String> {
+        let mut reasons: Vec<String> = self
+            .watch_problems()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        if reasons.is_empty() && !self.infra_settled() {
+            reasons.push(
+                "infrastructure templates referenced by node groups are still being listed".into(),
+            );
+        }
+        reasons
+    }
+
+    /// The stale watches a write to a group of `kind` depends on: its own kind, MachineSets (a
+    /// MachineDeployment's rollout), Machines (which nodes are whose, which are marked).
+    pub fn stale_for_write(&self, kind: ScalableKind) -> Vec<WatchProblem> {
+        let mut needed: Vec<String> = vec![resource_name(&self.apis.machine)];
+        for k in [kind, ScalableKind::MachineSet] {
+            if let Some(resource) = self.apis.scalable.get(&k) {
+                needed.push(resource_name(resource));
+            }
+        }
+        self.watch_problems()
+            .into_iter()
+            .filter(|p| needed.contains(&p.resource))
+            .collect()
+    }
+
+    /// Resolves at the next failure or recovery of a watch.
+    pub async fn health_changed(&self) {
+        self.health_changed.notified().await;
+    }
+
+    /// Sets `watch_stale_seconds` of every watch to now.
+    pub fn publish_watch_metrics(&self) {
+        let now = Instant::now();
+        for (name, h) in lock(&self.health).iter() {
+            let since = match (&h.failure, h.listed) {
+                (Some(f), _) => Some(f.since),
+                (None, false) => Some(h.started),
+                (None, true) => None,
+            };
+            let seconds = since.map_or(0.0, |s| now.saturating_duration_since(s).as_secs_f64());
+            self.metrics.watch_stale(name, seconds);
+        }
+    }
+
+    fn register_watch(&self, name: &str, required: bool) {
+        lock(&self.health)
+            .entry(name.to_string())
+            .or_insert_with(|| WatchHealth {
+                required,
+                started: Instant::now(),
+                listed: false,
+                failure: None,
+            });
+    }
+
+    /// A complete list arrived: the watch is in sync again.
+    fn watch_synced(&self, name: &str) {
+        let recovered = {
+            let mut health = lock(&self.health);
+            let Some(h) = health.get_mut(name) else {
+                return;
+            };
+            h.listed = true;
+            h.failure.take()
+        };
+        if let Some(f) = recovered {
+            tracing::info!(watch = name, after = ?f.since.elapsed(), "watch in sync again (was failing: {})", f.message);
+            self.health_changed.notify_waiters();
+        }
+    }
+
+    /// The watch failed; it is started again after a pause. Logged when the failure starts or
+    /// changes, at error level when it is forbidden or not found.
+    fn watch_failed(&self, name: &str, message: String, fatal: bool) {
+        let changed = {
+            let mut health = lock(&self.health);
+            let Some(h) = health.get_mut(name) else {
+                return;
+            };
+            match &mut h.failure {
+                Some(f) if f.message == message => false,
+                Some(f) => {
+                    f.message = message.clone();
+                    f.fatal = fatal;
+                    true
+                }
+                None => {
+                    h.failure = Some(WatchFailure {
+                        since: Instant::now(),
+                        message: message.clone(),
+                        fatal,
+                    });
+                    true
+                }
+            }
+        };
+        if changed {
+            if fatal {
+                tracing::error!(
+                    watch = name,
+                    "watch failed, not a transient error: {message}; the provider is not ready until it is fixed"
+                );
+            } else {
+                tracing::warn!(watch = name, "watch failed: {message}; retrying");
+            }
+            self.health_changed.notify_waiters();
+        } else {
+            tracing::debug!(watch = name, "watch failed again: {message}");
         }
     }
 
     /// Polls readiness until `timeout`; the snapshot is rebuilt before returning true.
     pub async fn wait_ready(self: &Arc<Self>, timeout: Duration) -> bool {
+        self.wait_ready_or_fatal(timeout, false).await.is_ok()
+    }
+
+    /// Polls readiness until `timeout`; the snapshot is rebuilt before returning `Ok`. With
+    /// `fail_fast`, returns at once when a required watch is forbidden or not found. `Err` holds the
+    /// reasons it is not ready.
+    pub async fn wait_ready_or_fatal(
+        self: &Arc<Self>,
+        timeout: Duration,
+        fail_fast: bool,
+    ) -> Result<(), Vec<String>> {
         let deadline = Instant::now() + timeout;
         loop {
             self.refresh();
             if self.is_ready() {
                 self.rebuild();
-                return true;
+                return Ok(());
             }
-            if Instant::now() >= deadline {
-                return false;
+            let problems = self.watch_problems();
+            if (fail_fast && problems.iter().any(|p| p.fatal)) || Instant::now() >= deadline {
+                return Err(self.not_ready_reasons());
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
@@ -337,39 +615,73 @@ impl Store {
         }
     }
 
-    /// Read-your-writes: the replicas a successful write returned, before the watch delivers them. The
-    /// index sees it at once; the snapshot with the next `refresh` (the actuator's, after each operation).
-    pub fn record_replicas(
-        self: &Arc<Self>,
-        kind: ScalableKind,
-        key: &ObjectKey,
-        replicas: i32,
-        resource_version: &str,
-    ) {
-        {
-            let mut index = lock(&self.index);
-            if let Some(current) = index.resource(kind, key) {
-                let mut updated = ScalableResource::clone(current);
-                updated.replicas = Some(replicas);
-                updated.resource_version = resource_version.to_string();
-                index.apply_resource(kind, key.clone(), Ok(Arc::new(updated)));
-            }
+    /// Read-your-writes: a Machine, MachineDeployment, MachineSet or MachinePool as a write of the
+    /// actuator got it back goes into the index at once (unless the watch has delivered a later
+    /// version meanwhile); the snapshot follows on the next build.
+    pub fn record(self: &Arc<Self>, kind: Option<ScalableKind>, object: DynamicObject) {
+        let what = kind.map_or(Watched::Machine, Watched::Scalable);
+        if index::apply(&mut lock(&self.index), &self.settings.keys, &what, object) {
+            self.mark_dirty();
         }
-        self.mark_dirty();
     }
 
-    /// Read-your-writes for a Machine the actuator patched.
-    pub fn record_machine(self: &Arc<Self>, object: &DynamicObject) {
-        let parsed = Machine::from_json(&self.settings.keys, &to_json(object));
-        let key = object_key(object);
-        {
-            let mut index = lock(&self.index);
-            index.apply_machine(
-                key.clone(),
-                parsed.map(Arc::new).map_err(|e| machine_problem(&key, &e)),
-            );
-        }
+    /// The Machines of `namespace` as a LIST just returned them (see [`index::machines_listed`]);
+    /// the snapshot is rebuilt at once, since the caller decides from it next.
+    pub fn record_machines(
+        self: &Arc<Self>,
+        namespace: &str,
+        list_version: Option<&str>,
+        items: Vec<DynamicObject>,
+    ) {
+        index::machines_listed(
+            &mut lock(&self.index),
+            &self.settings.keys,
+            namespace,
+            list_version,
+            items,
+        );
         self.mark_dirty();
+        self.refresh();
+    }
+
+    /// A resource as cached.
+    pub fn cached_resource(
+        &self,
+        kind: ScalableKind,
+        key: &ObjectKey,
+    ) -> Option<Arc<ScalableResource>> {
+        lock(&self.index).resource(kind, key).cloned()
+    }
+
+    /// Records a Warning Event on a cached Machine (no-op for read-only uses).
+    pub fn machine_event(self: &Arc<Self>, key: &ObjectKey, reason: &str, note: String) {
+        let Some(recorder) = self.recorder.clone() else {
+            return;
+        };
+        let Some(uid) = lock(&self.index).machine(key).map(|m| m.uid.clone()) else {
+            return;
+        };
+        let reference = k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some(self.apis.machine.api_version.clone()),
+            kind: Some(self.apis.machine.kind.clone()),
+            name: Some(key.name.clone()),
+            namespace: Some(key.namespace.clone()),
+            uid: Some(uid),
+            ..Default::default()
+        };
+        let event = KubeEvent {
+            type_: EventType::Warning,
+            reason: reason.to_string(),
+            note: Some(truncate(&note, 1000)),
+            action: reason.to_string(),
+            secondary: None,
+        };
+        let key = key.clone();
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&event, &reference).await {
+                tracing::debug!(machine = %key, "recording event: {e}");
+            }
+        });
     }
 
     /// Replicas and resourceVersion of a resource as cached.
@@ -395,22 +707,28 @@ impl Store {
 
     fn rebuild(self: &Arc<Self>) {
         let started = Instant::now();
+        // Judged before the build: a snapshot is complete only if everything had listed before it.
+        let ready = self.is_listed();
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let (snapshot, wanted) = {
-            let index = lock(&self.index);
-            (
-                index.snapshot(&self.settings, generation),
-                index.wanted_infra_kinds(),
-            )
+            let mut index = lock(&self.index);
+            // Built from the snapshot served now: only the groups changed since are rebuilt when that is
+            // enough (the provider's own writes), templates whose inputs did not change are reused.
+            // Published under the index lock, so two builds never publish out of order.
+            let previous = self.snapshot.load();
+            let snapshot = Arc::new(index.snapshot_reusing(&self.settings, generation, &previous));
+            self.snapshot.store(Arc::clone(&snapshot));
+            (snapshot, index.wanted_infra_kinds())
         };
-        let snapshot = Arc::new(snapshot);
-        self.snapshot.store(Arc::clone(&snapshot));
+        if ready {
+            self.complete.store(true, Ordering::Release);
+        }
         self.metrics.observe_snapshot(&snapshot, started.elapsed());
         for kind in wanted {
             self.start_infra_watch(kind);
         }
         // Until everything has listed, missing objects are just not seen yet: not problems to report.
-        if self.is_ready() {
+        if self.is_listed() {
             self.report(&snapshot);
         }
     }
@@ -524,7 +842,9 @@ impl Store {
                 }
             };
             let api = store.watch_api(&resource);
-            store.watch(Watched::Infra(kind), api).await;
+            let name = resource_name(&resource);
+            store.register_watch(&name, false);
+            store.watch(Watched::Infra(kind), api, name).await;
         });
     }
 
@@ -545,200 +865,78 @@ impl Store {
             .ok_or_else(|| format!("API group {} serves no kind {}", kind.api_group, kind.kind))
     }
 
-    async fn watch(self: Arc<Self>, what: Watched, api: Api<DynamicObject>) {
-        let mut stream = watcher::watcher(api, watcher::Config::default())
-            .default_backoff()
-            .boxed();
-        let mut buffer: Vec<DynamicObject> = Vec::new();
+    /// Runs one watch for good. After an error the watcher is dropped and started again (a fresh
+    /// list) after a pause: the next complete list is what says the watch is in sync again, since a
+    /// watch resumed from a resourceVersion delivers nothing when nothing changed.
+    async fn watch(self: Arc<Self>, what: Watched, api: Api<DynamicObject>, name: String) {
+        let timeout = u32::try_from(self.watch_settings.timeout.as_secs())
+            .unwrap_or(290)
+            .clamp(1, 290);
+        let config = watcher::Config::default().timeout(timeout);
         let mut listed_once = false;
-        while let Some(event) = stream.next().await {
-            match event {
-                Ok(Event::Init) => buffer.clear(),
-                Ok(Event::InitApply(obj)) => buffer.push(obj),
-                Ok(Event::InitDone) => {
-                    let objects = std::mem::take(&mut buffer);
-                    self.metrics.watch_event(label(&what), "list");
-                    self.reset(&what, objects);
-                    if !listed_once {
-                        listed_once = true;
-                        if !matches!(what, Watched::Infra(_) | Watched::Cluster) {
-                            self.watches_listed.fetch_add(1, Ordering::AcqRel);
-                        }
+        let mut delay = RESTART_MIN;
+        loop {
+            let mut stream = watcher::watcher(api.clone(), config.clone()).boxed();
+            // A (re)list is parsed object by object as it arrives: only the views are held until it
+            // is complete, never the JSON of every object (which is many times their size).
+            let mut buffer: Vec<Prepared> = Vec::new();
+            let failure = loop {
+                let Some(event) = stream.next().await else {
+                    break None;
+                };
+                match event {
+                    Ok(Event::Init) => buffer.clear(),
+                    Ok(Event::InitApply(obj)) => {
+                        buffer.push(index::prepare(&self.settings.keys, &what, obj))
                     }
-                    self.mark_dirty();
-                }
-                Ok(Event::Apply(obj)) => {
-                    self.metrics.watch_event(label(&what), "apply");
-                    self.apply(&what, &obj);
-                    self.mark_dirty();
-                }
-                Ok(Event::Delete(obj)) => {
-                    self.metrics.watch_event(label(&what), "delete");
-                    self.delete(&what, &obj);
-                    self.mark_dirty();
-                }
-                Err(e) => {
-                    self.metrics.watch_event(label(&what), "error");
-                    let text = watch_error_text(&e);
-                    tracing::warn!(watch = label(&what), "watch error: {text}");
-                    if let Watched::Infra(kind) = &what
-                        && !listed_once
-                    {
-                        lock(&self.index)
-                            .set_infra_kind_state(kind.clone(), InfraKindState::Unavailable(text));
+                    Ok(Event::InitDone) => {
+                        let objects = std::mem::take(&mut buffer);
+                        self.metrics.watch_event(what.label(), "list");
+                        index::reset(&mut lock(&self.index), &what, objects);
+                        listed_once = true;
+                        self.watch_synced(&name);
+                        delay = RESTART_MIN;
                         self.mark_dirty();
                     }
+                    Ok(Event::Apply(obj)) => {
+                        self.metrics.watch_event(what.label(), "apply");
+                        index::apply(&mut lock(&self.index), &self.settings.keys, &what, obj);
+                        self.mark_dirty();
+                    }
+                    Ok(Event::Delete(obj)) => {
+                        self.metrics.watch_event(what.label(), "delete");
+                        index::delete(&mut lock(&self.index), &what, &obj);
+                        self.mark_dirty();
+                    }
+                    // 410 Gone: the resourceVersion is too old; the watcher lists again by itself.
+                    Err(e) if watch_error_code(&e) == Some(410) => {
+                        self.metrics.watch_event(what.label(), "expired");
+                        tracing::debug!(watch = %name, "watch expired, listing again: {}", watch_error_text(&e));
+                    }
+                    Err(e) => break Some(e),
                 }
+            };
+            drop(stream);
+            let (text, fatal) = match &failure {
+                Some(e) => (
+                    watch_error_text(e),
+                    matches!(watch_error_code(e), Some(403 | 404)),
+                ),
+                None => ("the watch stream ended".to_string(), false),
+            };
+            self.metrics.watch_event(what.label(), "error");
+            self.watch_failed(&name, text.clone(), fatal);
+            if let Watched::Infra(kind) = &what
+                && !listed_once
+            {
+                lock(&self.index)
+                    .set_infra_kind_state(kind.clone(), InfraKindState::Unavailable(text));
+                self.mark_dirty();
             }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(RESTART_MAX);
         }
     }
-
-    fn reset(&self, what: &Watched, objects: Vec<DynamicObject>) {
-        let keys = &self.settings.keys;
-        let mut index = lock(&self.index);
-        match what {
-            Watched::Scalable(kind) => index.reset_resources(
-                *kind,
-                objects
-                    .iter()
-                    .map(|o| (object_key(o), parse_resource(*kind, keys, o))),
-            ),
-            Watched::Machine => index.reset_machines(objects.iter().map(|o| {
-                let key = object_key(o);
-                let parsed = Machine::from_json(keys, &to_json(o))
-                    .map(Arc::new)
-                    .map_err(|e| machine_problem(&key, &e));
-                (key, parsed)
-            })),
-            Watched::Node => index.reset_nodes(objects.iter().filter_map(parse_node)),
-            Watched::Cluster => index.reset_clusters(objects.iter().filter_map(parse_cluster)),
-            Watched::Infra(kind) => {
-                index.reset_infra(
-                    kind,
-                    objects.iter().map(|o| (object_key(o), parse_infra(o))),
-                );
-                index.set_infra_kind_state(kind.clone(), InfraKindState::Synced);
-            }
-        }
-    }
-
-    fn apply(&self, what: &Watched, obj: &DynamicObject) {
-        let keys = &self.settings.keys;
-        let key = object_key(obj);
-        let mut index = lock(&self.index);
-        match what {
-            Watched::Scalable(kind) => {
-                if is_older(
-                    index
-                        .resource(*kind, &key)
-                        .map(|r| r.resource_version.as_str()),
-                    obj,
-                ) {
-                    return;
-                }
-                index.apply_resource(*kind, key, parse_resource(*kind, keys, obj));
-            }
-            Watched::Machine => {
-                if is_older(
-                    index.machine(&key).map(|m| m.resource_version.as_str()),
-                    obj,
-                ) {
-                    return;
-                }
-                let parsed = Machine::from_json(keys, &to_json(obj))
-                    .map(Arc::new)
-                    .map_err(|e| machine_problem(&key, &e));
-                index.apply_machine(key, parsed);
-            }
-            Watched::Node => {
-                if let Some(node) = parse_node(obj) {
-                    index.apply_node(node);
-                }
-            }
-            Watched::Infra(kind) => index.apply_infra(kind.clone(), key, parse_infra(obj)),
-            Watched::Cluster => {
-                if let Some(cluster) = parse_cluster(obj) {
-                    index.apply_cluster(cluster);
-                }
-            }
-        }
-    }
-
-    fn delete(&self, what: &Watched, obj: &DynamicObject) {
-        let key = object_key(obj);
-        let mut index = lock(&self.index);
-        match what {
-            Watched::Scalable(kind) => index.delete_resource(*kind, &key),
-            Watched::Machine => index.delete_machine(&key),
-            Watched::Node => index.delete_node(&key.name),
-            Watched::Infra(kind) => index.delete_infra(kind, &key),
-            Watched::Cluster => index.delete_cluster(&key),
-        }
-    }
-}
-
-fn label(what: &Watched) -> &'static str {
-    match what {
-        Watched::Scalable(kind) => kind.plural(),
-        Watched::Machine => "machines",
-        Watched::Node => "nodes",
-        Watched::Infra(_) => "infrastructure-templates",
-        Watched::Cluster => "clusters",
-    }
-}
-
-/// A watch event older than what a write of ours already recorded. resourceVersions are opaque to
-/// clients in general, but etcd-backed ones are increasing integers; anything else is never "older".
-fn is_older(cached: Option<&str>, incoming: &DynamicObject) -> bool {
-    let parse = |s: &str| s.parse::<u64>().ok();
-    match (
-        cached.and_then(parse),
-        incoming.resource_version().as_deref().and_then(parse),
-    ) {
-        (Some(cached), Some(incoming)) => incoming < cached,
-        _ => false,
-    }
-}
-
-fn parse_resource(
-    kind: ScalableKind,
-    keys: &crate::capi::Keys,
-    obj: &DynamicObject,
-) -> Result<Arc<ScalableResource>, Problem> {
-    ScalableResource::from_json(kind, keys, &to_json(obj))
-        .map(Arc::new)
-        .map_err(|e| Problem::new(format!("{kind} {}", object_key(obj)), e.field, e.message))
-}
-
-fn machine_problem(key: &ObjectKey, e: &crate::capi::ParseError) -> Problem {
-    Problem::new(format!("Machine {key}"), e.field.clone(), e.message.clone())
-}
-
-fn parse_infra(obj: &DynamicObject) -> Result<Arc<InfraTemplate>, Problem> {
-    let kind = obj
-        .types
-        .as_ref()
-        .map(|t| t.kind.clone())
-        .unwrap_or_default();
-    InfraTemplate::from_json(&to_json(obj))
-        .map(Arc::new)
-        .map_err(|e| Problem::new(format!("{kind} {}", object_key(obj)), e.field, e.message))
-}
-
-/// A Cluster whose topology cannot be read is left out: it only feeds an advisory check.
-fn parse_cluster(obj: &DynamicObject) -> Option<ClusterTopology> {
-    match ClusterTopology::from_json(&to_json(obj)) {
-        Ok(cluster) => Some(cluster),
-        Err(e) => {
-            tracing::debug!(cluster = %object_key(obj), "topology not read: {e}");
-            None
-        }
-    }
-}
-
-fn parse_node(obj: &DynamicObject) -> Option<Node> {
-    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(to_json(obj)).ok()?;
-    Some(Node::from_k8s(&node))
 }
 
 fn problem_hash(problem: &Problem) -> u64 {
@@ -754,11 +952,41 @@ fn watch_error_text(e: &watcher::Error) -> String {
         watcher::Error::InitialListFailed(e)
         | watcher::Error::WatchStartFailed(e)
         | watcher::Error::WatchFailed(e) => e,
+        watcher::Error::WatchError(status) => {
+            return format!("{} ({})", status.message, status.code);
+        }
         other => return other.to_string(),
     };
     match source {
         kube::Error::Api(status) => format!("{} ({})", status.message, status.code),
-        other => other.to_string(),
+        other => with_causes(other),
+    }
+}
+
+/// An error with its causes (`client error (Connect): tcp connect error: Connection refused`): the
+/// outermost alone rarely says what went wrong.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// The HTTP status code of a watch error that came from the API server.
+fn watch_error_code(e: &watcher::Error) -> Option<u16> {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => Some(status.code),
+        watcher::Error::WatchError(status) => Some(status.code),
+        _ => None,
     }
 }
 
@@ -771,4 +999,80 @@ fn truncate(s: &str, max: usize) -> String {
         end -= 1;
     }
     s[..end].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn health(listed: bool, failure: Option<(u64, &str, bool)>, now: Instant) -> WatchHealth {
+        WatchHealth {
+            required: true,
+            started: now - Duration::from_secs(100),
+            listed,
+            failure: failure.map(|(ago, message, fatal)| WatchFailure {
+                since: now - Duration::from_secs(ago),
+                message: message.to_string(),
+                fatal,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_watch_is_stale_after_the_bound_or_at_once_when_forbidden() {
+        let now = Instant::now();
+        let bound = Duration::from_secs(60);
+        // In sync.
+        assert_eq!(describe(&health(true, None, now), now, bound), None);
+        // A transient error within the bound: still in sync as far as readiness goes.
+        assert_eq!(
+            describe(
+                &health(true, Some((59, "connection refused", false)), now),
+                now,
+                bound
+            ),
+            None
+        );
+        // Past the bound: stale, with how long and why.
+        let (fatal, text) = describe(
+            &health(true, Some((61, "connection refused", false)), now),
+            now,
+            bound,
+        )
+        .unwrap();
+        assert!(!fatal);
+        assert!(
+            text.contains("failing for 61s: connection refused"),
+            "{text}"
+        );
+        // Forbidden: at once.
+        let (fatal, text) = describe(
+            &health(true, Some((0, "machines is forbidden (403)", true)), now),
+            now,
+            bound,
+        )
+        .unwrap();
+        assert!(fatal);
+        assert!(text.contains("machines is forbidden (403)"), "{text}");
+        // Never listed: a problem whatever the error, saying so.
+        let (_, text) = describe(&health(false, None, now), now, bound).unwrap();
+        assert!(text.contains("has not listed yet"), "{text}");
+        let (_, text) =
+            describe(&health(false, Some((1, "timeout", false)), now), now, bound).unwrap();
+        assert!(
+            text.contains("has not listed yet, failing for 1s: timeout"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn watches_are_named_by_resource_and_group() {
+        let md = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("cluster.x-k8s.io", "v1beta2", "MachineDeployment"),
+            "machinedeployments",
+        );
+        assert_eq!(resource_name(&md), "machinedeployments.cluster.x-k8s.io");
+        let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
+        assert_eq!(resource_name(&nodes), "nodes");
+    }
 }

@@ -281,8 +281,8 @@ async fn template_prints_the_node_as_yaml() {
     let id = capi.id(Kind::MachineDeployment, "good");
     let out = run("template", &[&id], cp.admin_kubeconfig(), &ns).await;
     assert_eq!(out.code, Some(0), "{}", out.describe());
-    let node: serde_yaml::Value =
-        serde_yaml::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", out.describe()));
+    let node: serde_norway::Value =
+        serde_norway::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", out.describe()));
     let name = node["metadata"]["name"].as_str().unwrap_or_default();
     assert!(name.starts_with("good-template-"), "{}", out.stdout);
     assert_eq!(node["status"]["capacity"]["cpu"].as_str(), Some("4"));

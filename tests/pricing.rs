@@ -2,7 +2,7 @@
 //! template nodes (`template-node-for-<group id>-<random>`), for a template node known only by the
 //! annotation our templates carry, and for a real node by providerID; `PricingPodPrice` from a pod's
 //! requests at the reference prices derived from the priced groups, in the current and the legacy
-//! wire layout; the error codes (DESIGN.md "Pricing").
+//! wire layout; the error codes (docs/architecture.md, "Pricing").
 //!
 //! Every test works in a namespace of its own with a provider that only looks at that namespace.
 

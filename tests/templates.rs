@@ -4,7 +4,7 @@
 //! created as a real Node in the apiserver (from the exact gRPC bytes, and from the `template`
 //! command's YAML) so the server validates it. Also: no capacity → `UNIMPLEMENTED` (never OK with
 //! empty bytes), a template that is missing at first and appears later, `GetAvailableGPUTypes`, and
-//! `NodeGroupGetOptions` (DESIGN.md invariants 4 and 5).
+//! `NodeGroupGetOptions` (docs/architecture.md, invariants 4 and 5).
 //!
 //! Every test works in a namespace of its own with a provider that only looks at that namespace.
 

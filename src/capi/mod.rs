@@ -8,6 +8,7 @@ pub mod names;
 mod parse;
 pub mod providerid;
 pub mod quantity;
+pub mod rollout;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -185,6 +186,10 @@ pub struct ScalableResource {
     pub cluster_name: String,
     /// `spec.replicas`; `None` when absent.
     pub replicas: Option<i32>,
+    /// `status.replicas`: the Machines there are, which lags `spec.replicas` while they come and go.
+    pub status_replicas: Option<i32>,
+    /// MachineDeployments: the v1beta2 condition `RollingOut` is `True` (see `rollout`).
+    pub rolling_out: bool,
     /// `spec.paused` (v1beta2) or the paused annotation.
     pub paused: bool,
     pub owners: Vec<OwnerRef>,

@@ -15,10 +15,13 @@ pub fn parse_quantity(raw: &str) -> Result<f64, String> {
             "{s:?} is not a quantity (e.g. 4, 500m, 16Gi, 128G)"
         ));
     }
-    // kube_quantity does not take the exa suffix `E` (it reads an exponent): scale from peta.
-    let (body, factor) = match s.strip_suffix('E') {
-        Some(b) => (format!("{b}P"), 1000.0),
-        None => (s.to_string(), 1.0),
+    // kube_quantity takes neither exa suffix (`E` reads as an exponent, `Ei` fails): scale from peta.
+    let (body, factor) = if let Some(b) = s.strip_suffix("Ei") {
+        (format!("{b}Pi"), 1024.0)
+    } else if let Some(b) = s.strip_suffix('E') {
+        (format!("{b}P"), 1000.0)
+    } else {
+        (s.to_string(), 1.0)
     };
     let q = ParsedQuantity::try_from(body.as_str())
         .map_err(|e| format!("{s:?} is not a quantity: {e}"))?;
@@ -91,6 +94,16 @@ mod tests {
             ("1E3", 1000.0),
             ("2E", 2e18),
             ("1Ki", 1024.0),
+            // found by fuzz/fuzz_targets/quantity.rs: kube_quantity rejects the `Ei` suffix
+            ("1Ei", 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0),
+            (
+                "1.5Ei",
+                1.5 * 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0,
+            ),
+            (
+                "3Ei",
+                3.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0,
+            ),
             (" 8 ", 8.0),
             ("0", 0.0),
         ];

@@ -409,7 +409,10 @@ impl Capi {
     /// make it a group of its own).
     pub async fn create_deployment(&self, md: &Scalable, set_bounds: bool) -> DynamicObject {
         let created = self.create(md).await;
-        let mut ms = Scalable::ms(&Self::set_of(&md.name)).owned_by(&md.name);
+        // CAPI gives every MachineSet of a MachineDeployment its revision.
+        let mut ms = Scalable::ms(&Self::set_of(&md.name))
+            .owned_by(&md.name)
+            .annotation("machinedeployment.clusters.x-k8s.io/revision", "1");
         ms.replicas = md.replicas;
         ms.cluster = md.cluster.clone();
         if set_bounds {
@@ -832,10 +835,10 @@ pub fn shipped_cluster_role() -> k8s_openapi::api::rbac::v1::ClusterRole {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/base/rbac.yaml");
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    serde_yaml::Deserializer::from_str(&text)
-        .filter_map(|doc| serde_yaml::Value::deserialize(doc).ok())
+    serde_norway::Deserializer::from_str(&text)
+        .filter_map(|doc| serde_norway::Value::deserialize(doc).ok())
         .filter(|v| v["kind"].as_str() == Some("ClusterRole"))
-        .map(|v| serde_yaml::from_value::<ClusterRole>(v).expect("a ClusterRole in rbac.yaml"))
+        .map(|v| serde_norway::from_value::<ClusterRole>(v).expect("a ClusterRole in rbac.yaml"))
         .find(|r| r.metadata.name.as_deref() == Some(SHIPPED_ROLE))
         .unwrap_or_else(|| panic!("{} has no ClusterRole {SHIPPED_ROLE}", path.display()))
 }
@@ -904,6 +907,24 @@ impl TcpProxy {
             shutdown,
             task: Some(task),
         })
+    }
+
+    /// Listens on `listen` again after an earlier proxy there stopped (the port may take a moment to
+    /// be free); panics after 10 s.
+    pub async fn restart(listen: SocketAddr, target: SocketAddr) -> TcpProxy {
+        poll_until(
+            &format!("listen on {listen} again"),
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || async move {
+                match TcpProxy::start(listen, target).await {
+                    Ok(p) => Check::Done(p),
+                    Err(e) => Check::Wait(e.to_string()),
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Closes the listener and every forwarded connection; returns when all are closed.
@@ -1088,27 +1109,7 @@ impl EnvProvider {
     pub fn http_status(&self, path: &str) -> impl Future<Output = Result<u16, String>> + use<> {
         let address = self.metrics_address.clone();
         let path = path.to_string();
-        async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut stream = TcpStream::connect(&address)
-                .await
-                .map_err(|e| format!("connect {address}: {e}"))?;
-            let request = format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n");
-            stream
-                .write_all(request.as_bytes())
-                .await
-                .map_err(|e| e.to_string())?;
-            let mut response = Vec::new();
-            stream
-                .read_to_end(&mut response)
-                .await
-                .map_err(|e| e.to_string())?;
-            let text = String::from_utf8_lossy(&response);
-            text.split_whitespace()
-                .nth(1)
-                .and_then(|code| code.parse().ok())
-                .ok_or_else(|| format!("not an HTTP response: {text:?}"))
-        }
+        async move { procs::http_get(&address, &path).await.map(|(code, _)| code) }
     }
 
     /// Whether the process has exited (and how).

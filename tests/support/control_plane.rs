@@ -303,100 +303,16 @@ async fn start(setup: Setup) -> Result<ControlPlane, String> {
         .to_string();
 
     let dir = procs::work_dir().join("control-plane");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-    let ca = Ca::new();
-    let serving = ca.serving_cert("kube-apiserver");
-    let admin = ca.client_cert("e2e-admin", Some("system:masters"));
-    let (sa_key, sa_pub) = pki::service_account_key();
-    let ca_file = pki::write_private(&dir, "ca.crt", &ca.cert_pem);
-    let tls_cert = pki::write_private(&dir, "apiserver.crt", &serving.cert);
-    let tls_key = pki::write_private(&dir, "apiserver.key", &serving.key);
-    let sa_key = pki::write_private(&dir, "sa.key", &sa_key);
-    let sa_pub = pki::write_private(&dir, "sa.pub", &sa_pub);
-    let etcd_log = dir.join("etcd.log");
-    let apiserver_log = dir.join("kube-apiserver.log");
-
-    // Free ports may be taken between choosing and binding: retry with new ones.
-    let mut attempt = 0;
-    let (server, admin_kubeconfig, t_etcd, t_apiserver) = loop {
-        attempt += 1;
-        let etcd_data = procs::scratch_dir();
-        let (client_port, peer_port, secure_port) =
-            (procs::free_port(), procs::free_port(), procs::free_port());
-        let started = Instant::now();
-        let etcd_url = format!("http://127.0.0.1:{client_port}");
-        let peer_url = format!("http://127.0.0.1:{peer_port}");
-        let etcd_args: Vec<String> = vec![
-            "--name=e2e".into(),
-            format!("--data-dir={}", etcd_data.display()),
-            format!("--listen-client-urls={etcd_url}"),
-            format!("--advertise-client-urls={etcd_url}"),
-            format!("--listen-peer-urls={peer_url}"),
-            format!("--initial-advertise-peer-urls={peer_url}"),
-            format!("--initial-cluster=e2e={peer_url}"),
-            "--unsafe-no-fsync".into(),
-            "--log-level=warn".into(),
-        ];
-        let mut etcd = procs::spawn_logged(&bin.join("etcd"), &etcd_args, &etcd_log)
-            .map_err(|e| format!("start etcd: {e}"))?;
-        let etcd_ready = wait_etcd(&mut etcd, client_port, &etcd_log).await;
-        if let Err(e) = etcd_ready {
-            procs::kill_and_reap(&mut etcd);
-            if attempt < 3 && procs::log_tail(&etcd_log, 4096).contains("address already in use") {
-                continue;
-            }
-            return Err(failure(&e, &etcd_log, &apiserver_log));
-        }
-        let t_etcd = started.elapsed();
-
-        let server = format!("https://127.0.0.1:{secure_port}");
-        let apiserver_args: Vec<String> = vec![
-            format!("--etcd-servers={etcd_url}"),
-            "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
-            format!("--secure-port={secure_port}"),
-            format!("--cert-dir={}", dir.display()),
-            format!("--tls-cert-file={}", tls_cert.display()),
-            format!("--tls-private-key-file={}", tls_key.display()),
-            format!("--client-ca-file={}", ca_file.display()),
-            "--authorization-mode=RBAC".into(),
-            "--service-cluster-ip-range=10.0.0.0/24".into(),
-            format!("--service-account-issuer={server}"),
-            format!("--service-account-key-file={}", sa_pub.display()),
-            format!("--service-account-signing-key-file={}", sa_key.display()),
-            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition".into(),
-            "--allow-privileged=true".into(),
-            "--profiling=false".into(),
-            // Nothing here could reach 127.0.0.1 as the `kubernetes` Service endpoint (loopback is
-            // rejected, logged as an error every 10 s); no reconciler, no noise.
-            "--endpoint-reconciler-type=none".into(),
-            "--v=1".into(),
-        ];
-        let mut apiserver =
-            match procs::spawn_logged(&bin.join("kube-apiserver"), &apiserver_args, &apiserver_log)
-            {
-                Ok(child) => child,
-                Err(e) => {
-                    procs::kill_and_reap(&mut etcd);
-                    return Err(format!("start kube-apiserver: {e}"));
-                }
-            };
-        let admin_kubeconfig = write_admin_kubeconfig(&dir, &server, &ca, &admin);
-        let ready = wait_apiserver(&mut apiserver, &admin_kubeconfig, &apiserver_log).await;
-        if let Err(e) = ready {
-            procs::kill_and_reap(&mut apiserver);
-            procs::kill_and_reap(&mut etcd);
-            if attempt < 3
-                && procs::log_tail(&apiserver_log, 8192).contains("address already in use")
-            {
-                continue;
-            }
-            return Err(failure(&e, &etcd_log, &apiserver_log));
-        }
-        procs::keep_until_exit(etcd);
-        procs::keep_until_exit(apiserver);
-        break (server, admin_kubeconfig, t_etcd, started.elapsed() - t_etcd);
-    };
+    let api = start_apiserver(&bin, &dir, "e2e", "10.0.0.0/24").await?;
+    let ApiServer {
+        server,
+        admin_kubeconfig,
+        ca,
+        etcd_log,
+        apiserver_log,
+        t_etcd,
+        t_apiserver,
+    } = api;
 
     let t_crds = Instant::now();
     let mut files = crds::files(&upstream, setup);
@@ -441,11 +357,163 @@ async fn start(setup: Setup) -> Result<ControlPlane, String> {
     })
 }
 
-fn write_admin_kubeconfig(dir: &Path, server: &str, ca: &Ca, admin: &pki::CertPem) -> PathBuf {
+/// An etcd and kube-apiserver pair, up and kept until the test binary exits.
+pub(super) struct ApiServer {
+    /// `https://127.0.0.1:<port>`.
+    pub server: String,
+    /// A `system:masters` kubeconfig, certificates embedded.
+    pub admin_kubeconfig: PathBuf,
+    /// The cluster's own CA (client certificates of further identities).
+    pub ca: Ca,
+    pub etcd_log: PathBuf,
+    pub apiserver_log: PathBuf,
+    pub t_etcd: Duration,
+    pub t_apiserver: Duration,
+}
+
+/// Starts etcd and kube-apiserver (RBAC, client-certificate authentication, its own CA and
+/// service-account keys) on free loopback ports, with files and logs in `dir`; waits until
+/// `/readyz` answers ok. Used for the control plane and for the separate workload cluster.
+pub(super) async fn start_apiserver(
+    bin: &Path,
+    dir: &Path,
+    name: &str,
+    service_cidr: &str,
+) -> Result<ApiServer, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let ca = Ca::new();
+    let serving = ca.serving_cert(&format!("{name}-kube-apiserver"));
+    let admin = ca.client_cert(&format!("{name}-admin"), Some("system:masters"));
+    let (sa_key, sa_pub) = pki::service_account_key();
+    let ca_file = pki::write_private(dir, "ca.crt", &ca.cert_pem);
+    let tls_cert = pki::write_private(dir, "apiserver.crt", &serving.cert);
+    let tls_key = pki::write_private(dir, "apiserver.key", &serving.key);
+    let sa_key = pki::write_private(dir, "sa.key", &sa_key);
+    let sa_pub = pki::write_private(dir, "sa.pub", &sa_pub);
+    let etcd_log = dir.join("etcd.log");
+    let apiserver_log = dir.join("kube-apiserver.log");
+
+    // Free ports may be taken between choosing and binding: retry with new ones.
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let etcd_data = procs::scratch_dir();
+        let (client_port, peer_port, secure_port) =
+            (procs::free_port(), procs::free_port(), procs::free_port());
+        let started = Instant::now();
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let etcd_args: Vec<String> = vec![
+            format!("--name={name}"),
+            format!("--data-dir={}", etcd_data.display()),
+            format!("--listen-client-urls={etcd_url}"),
+            format!("--advertise-client-urls={etcd_url}"),
+            format!("--listen-peer-urls={peer_url}"),
+            format!("--initial-advertise-peer-urls={peer_url}"),
+            format!("--initial-cluster={name}={peer_url}"),
+            "--unsafe-no-fsync".into(),
+            "--log-level=warn".into(),
+        ];
+        let mut etcd = procs::spawn_logged(&bin.join("etcd"), &etcd_args, &etcd_log)
+            .map_err(|e| format!("start etcd: {e}"))?;
+        let etcd_ready = wait_etcd(&mut etcd, client_port, &etcd_log).await;
+        if let Err(e) = etcd_ready {
+            procs::kill_and_reap(&mut etcd);
+            if attempt < 3 && procs::log_tail(&etcd_log, 4096).contains("address already in use") {
+                continue;
+            }
+            return Err(failure(&e, &etcd_log, &apiserver_log));
+        }
+        let t_etcd = started.elapsed();
+
+        let server = format!("https://127.0.0.1:{secure_port}");
+        let apiserver_args: Vec<String> = vec![
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={secure_port}"),
+            format!("--cert-dir={}", dir.display()),
+            format!("--tls-cert-file={}", tls_cert.display()),
+            format!("--tls-private-key-file={}", tls_key.display()),
+            format!("--client-ca-file={}", ca_file.display()),
+            "--authorization-mode=RBAC".into(),
+            format!("--service-cluster-ip-range={service_cidr}"),
+            format!("--service-account-issuer={server}"),
+            format!("--service-account-key-file={}", sa_pub.display()),
+            format!("--service-account-signing-key-file={}", sa_key.display()),
+            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition".into(),
+            "--allow-privileged=true".into(),
+            "--profiling=false".into(),
+            // Nothing here could reach 127.0.0.1 as the `kubernetes` Service endpoint (loopback is
+            // rejected, logged as an error every 10 s); no reconciler, no noise.
+            "--endpoint-reconciler-type=none".into(),
+            "--v=1".into(),
+        ];
+        let mut apiserver =
+            match procs::spawn_logged(&bin.join("kube-apiserver"), &apiserver_args, &apiserver_log)
+            {
+                Ok(child) => child,
+                Err(e) => {
+                    procs::kill_and_reap(&mut etcd);
+                    return Err(format!("start kube-apiserver: {e}"));
+                }
+            };
+        let admin_kubeconfig = write_admin_kubeconfig(dir, &server, &ca, &admin, name);
+        let ready = wait_apiserver(&mut apiserver, &admin_kubeconfig, &apiserver_log).await;
+        if let Err(e) = ready {
+            procs::kill_and_reap(&mut apiserver);
+            procs::kill_and_reap(&mut etcd);
+            if attempt < 3
+                && procs::log_tail(&apiserver_log, 8192).contains("address already in use")
+            {
+                continue;
+            }
+            return Err(failure(&e, &etcd_log, &apiserver_log));
+        }
+        procs::keep_until_exit(etcd);
+        procs::keep_until_exit(apiserver);
+        return Ok(ApiServer {
+            server,
+            admin_kubeconfig,
+            ca,
+            etcd_log,
+            apiserver_log,
+            t_etcd,
+            t_apiserver: started.elapsed() - t_etcd,
+        });
+    }
+}
+
+/// Starts a kube-scheduler (leader election off, loopback only) against the cluster of `kubeconfig`,
+/// kept until the test binary exits.
+pub(super) fn spawn_scheduler(bin: &Path, log: &Path, kubeconfig: &Path) -> Result<(), String> {
+    let kubeconfig = kubeconfig.display().to_string();
+    let args: Vec<String> = vec![
+        format!("--kubeconfig={kubeconfig}"),
+        format!("--authentication-kubeconfig={kubeconfig}"),
+        format!("--authorization-kubeconfig={kubeconfig}"),
+        "--leader-elect=false".into(),
+        "--bind-address=127.0.0.1".into(),
+        format!("--secure-port={}", procs::free_port()),
+        "--v=1".into(),
+    ];
+    let child = procs::spawn_logged(&bin.join("kube-scheduler"), &args, log)
+        .map_err(|e| format!("start kube-scheduler: {e}"))?;
+    procs::keep_until_exit(child);
+    Ok(())
+}
+
+fn write_admin_kubeconfig(
+    dir: &Path,
+    server: &str,
+    ca: &Ca,
+    admin: &pki::CertPem,
+    name: &str,
+) -> PathBuf {
     pki::write_private(
         dir,
         "admin.kubeconfig",
-        &pki::kubeconfig(server, &ca.cert_pem, "e2e-admin", admin),
+        &pki::kubeconfig(server, &ca.cert_pem, &format!("{name}-admin"), admin),
     )
 }
 

@@ -66,8 +66,8 @@ pub fn read(file: &Path) -> Result<Vec<serde_json::Value>, String> {
     let text =
         std::fs::read_to_string(file).map_err(|e| format!("read {}: {e}", file.display()))?;
     let mut docs = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let value = serde_yaml::Value::deserialize(doc)
+    for doc in serde_norway::Deserializer::from_str(&text) {
+        let value = serde_norway::Value::deserialize(doc)
             .map_err(|e| format!("parse {}: {e}", file.display()))?;
         if value.is_null() {
             continue;

@@ -223,7 +223,7 @@ pub async fn template_node(rpc: &mut Rpc, id: &str) -> Result<TemplateAnswer, St
         .into_inner();
     assert!(
         !response.node_bytes.is_empty(),
-        "NodeGroupTemplateNodeInfo({id}) answered OK with empty nodeBytes (DESIGN.md invariant 4)"
+        "NodeGroupTemplateNodeInfo({id}) answered OK with empty nodeBytes (docs/architecture.md, invariant 4)"
     );
     assert_eq!(
         response.node_info, response.node_bytes,
@@ -301,7 +301,7 @@ pub async fn create_node_from_yaml(
     name: &str,
 ) -> k8s_openapi::api::core::v1::Node {
     let mut value: Value =
-        serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("template YAML ({e}):\n{yaml}"));
+        serde_norway::from_str(yaml).unwrap_or_else(|e| panic!("template YAML ({e}):\n{yaml}"));
     value["apiVersion"] = json!("v1");
     value["kind"] = json!("Node");
     value["metadata"]["name"] = json!(name);

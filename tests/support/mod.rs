@@ -15,14 +15,23 @@
 //! when every test passed; it is always kept when a test panicked, and its path is printed.
 #![allow(dead_code, unused_imports)]
 
+pub mod autoscaler;
 pub mod capi;
+pub mod cert_manager;
 pub mod control_plane;
 pub mod crds;
+pub mod faults;
+pub mod hardening;
 pub mod infra;
+pub mod kubelet;
 pub mod pki;
 pub mod procs;
 pub mod provider;
 pub mod reconciler;
+pub mod render;
+pub mod scenario;
+pub mod workload;
+pub mod workload_cluster;
 
 pub use control_plane::{ControlPlane, CrdSet, Setup, client_from_kubeconfig, control_plane};
 pub use procs::{Check, poll_until};

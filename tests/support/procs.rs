@@ -278,3 +278,45 @@ pub async fn wait_exit(
     })
     .await
 }
+
+/// Writes `text` (and a newline) to the process's stderr past libtest's output capture, so that
+/// figures such as a scenario's wall time show in every run, not only in failing ones.
+pub fn announce(text: &str) {
+    use std::io::Write as _;
+    let mut err = io::stderr().lock();
+    let _ = writeln!(err, "{text}");
+}
+
+/// `GET path` on `address` (plain HTTP/1.0 on loopback, 5 s at most): the status code and the body.
+pub async fn http_get(address: &str, path: &str) -> Result<(u16, String), String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(|e| format!("connect {address}: {e}"))?;
+        let request = format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n");
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| format!("write: {e}"))?;
+        let mut response = Vec::new();
+        stream
+            .read_to_end(&mut response)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        let text = String::from_utf8_lossy(&response).into_owned();
+        let code = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| format!("not an HTTP response: {text:?}"))?;
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        Ok((code, body))
+    };
+    tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .map_err(|_| format!("GET {address}{path}: timed out"))?
+}

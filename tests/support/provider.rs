@@ -5,7 +5,7 @@ use std::process::Child;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -60,7 +60,7 @@ impl ProviderProcess {
     /// CloudProvider service, which the provider reports only once its caches have listed; panics
     /// with the provider's log otherwise.
     pub async fn wait_serving(&mut self, service: &str) {
-        if let Err(e) = wait_serving(&mut self.child, &self.address, service).await {
+        if let Err(e) = wait_serving(&mut self.child, &self.address, service, None).await {
             panic!(
                 "{e}\n--- provider log {} ---\n{}",
                 self.log.display(),
@@ -86,65 +86,101 @@ impl Drop for ProviderProcess {
 /// SERVING for the whole server (service ""). Panics with the provider's log when it exits or
 /// does not become healthy within 60 s.
 pub async fn start_provider(args: &[&str], kubeconfig: &Path) -> ProviderProcess {
+    start(args, kubeconfig, None).await
+}
+
+/// [`start_provider`] for a provider whose `args` make it serve TLS: the health check connects with
+/// `tls` (the server's CA and, for mTLS, a client identity).
+pub async fn start_provider_tls(
+    args: &[&str],
+    kubeconfig: &Path,
+    tls: ClientTlsConfig,
+) -> ProviderProcess {
+    start(args, kubeconfig, Some(tls)).await
+}
+
+/// Starts `serve` like [`start_provider`] but returns at once, without waiting for health: for
+/// tests that race the provider's start.
+pub fn spawn_provider(args: &[&str], kubeconfig: &Path) -> ProviderProcess {
+    spawn(args, kubeconfig, "spawned")
+}
+
+/// Spawns `serve --address … --metrics-address … --cloud-config <kubeconfig> <args…>` on free
+/// loopback ports, its log in `provider-<label>-<n>.log`.
+fn spawn(args: &[&str], kubeconfig: &Path, label: &str) -> ProviderProcess {
     static COUNT: AtomicU32 = AtomicU32::new(0);
     let n = COUNT.fetch_add(1, Ordering::SeqCst);
-    let log = procs::work_dir().join(format!("provider-{n}.log"));
+    let log = procs::work_dir().join(format!("provider-{label}-{n}.log"));
+    let address = format!("127.0.0.1:{}", procs::free_port());
+    let metrics_address = format!("127.0.0.1:{}", procs::free_port());
+    let mut argv: Vec<String> = vec![
+        "serve".into(),
+        "--address".into(),
+        address.clone(),
+        "--metrics-address".into(),
+        metrics_address.clone(),
+        "--cloud-config".into(),
+        kubeconfig.display().to_string(),
+    ];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    let child = procs::spawn_logged(Path::new(PROVIDER_BIN), &argv, &log)
+        .unwrap_or_else(|e| panic!("start {PROVIDER_BIN} {}: {e}", argv.join(" ")));
+    ProviderProcess {
+        child,
+        address,
+        metrics_address,
+        log,
+        startup: Duration::ZERO,
+    }
+}
+
+async fn start(args: &[&str], kubeconfig: &Path, tls: Option<ClientTlsConfig>) -> ProviderProcess {
     let mut attempt = 0;
     loop {
         attempt += 1;
-        let address = format!("127.0.0.1:{}", procs::free_port());
-        let metrics_address = format!("127.0.0.1:{}", procs::free_port());
-        let mut argv: Vec<String> = vec![
-            "serve".into(),
-            "--address".into(),
-            address.clone(),
-            "--metrics-address".into(),
-            metrics_address.clone(),
-            "--cloud-config".into(),
-            kubeconfig.display().to_string(),
-        ];
-        argv.extend(args.iter().map(|a| a.to_string()));
         let started = Instant::now();
-        let mut child = procs::spawn_logged(Path::new(PROVIDER_BIN), &argv, &log)
-            .unwrap_or_else(|e| panic!("start {PROVIDER_BIN}: {e}"));
-        match wait_serving(&mut child, &address, "").await {
+        let mut provider = spawn(args, kubeconfig, "serve");
+        match wait_serving(&mut provider.child, &provider.address, "", tls.clone()).await {
             Ok(()) => {
-                let startup = started.elapsed();
+                provider.startup = started.elapsed();
                 eprintln!(
-                    "e2e: provider {address} serving after {:.2}s (log {})",
-                    startup.as_secs_f64(),
-                    log.display()
+                    "e2e: provider {} serving after {:.2}s (log {})",
+                    provider.address,
+                    provider.startup.as_secs_f64(),
+                    provider.log.display()
                 );
-                return ProviderProcess {
-                    child,
-                    address,
-                    metrics_address,
-                    log,
-                    startup,
-                };
+                return provider;
             }
             Err(e) => {
-                procs::kill_and_reap(&mut child);
-                let tail = procs::log_tail(&log, 6000);
+                procs::kill_and_reap(&mut provider.child);
+                let tail = procs::log_tail(&provider.log, 6000);
                 if attempt < 3 && tail.contains("in use") {
                     continue; // a port was taken between choosing and binding
                 }
                 panic!(
-                    "provider `{} {}` did not become healthy: {e}\n--- provider log {} ---\n{tail}",
-                    PROVIDER_BIN,
-                    argv.join(" "),
-                    log.display()
+                    "provider `{PROVIDER_BIN} serve {}` did not become healthy: {e}\n--- provider log {} ---\n{tail}",
+                    args.join(" "),
+                    provider.log.display()
                 );
             }
         }
     }
 }
 
-async fn wait_serving(child: &mut Child, address: &str, service: &str) -> Result<(), String> {
-    let endpoint = Endpoint::from_shared(format!("http://{address}"))
+async fn wait_serving(
+    child: &mut Child,
+    address: &str,
+    service: &str,
+    tls: Option<ClientTlsConfig>,
+) -> Result<(), String> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(Duration::from_millis(500))
         .timeout(Duration::from_secs(2));
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+    }
     poll_until(
         &format!("provider health of {service:?} at {address}"),
         Duration::from_secs(60),

@@ -6,7 +6,8 @@
 //! - **MachineDeployment → MachineSet**: one MachineSet `<md>-<hash>` per MachineDeployment (an
 //!   existing MachineSet the MachineDeployment controls is adopted instead), ownerReference
 //!   `controller: true`, labels `cluster-name`/`deployment-name`, annotation
-//!   `machinedeployment.clusters.x-k8s.io/revision: "1"`; `spec.replicas` mirrored.
+//!   `machinedeployment.clusters.x-k8s.io/revision: "1"`; `spec.replicas` mirrored onto the newest
+//!   MachineSet, less what older MachineSets still hold (a rollout a test drives by hand).
 //! - **MachineSet → Machines**: ownerReference to the MachineSet, labels `cluster-name`, `set-name`,
 //!   `deployment-name`, `spec.providerID = e2e:///<ns>/<machine>`. After
 //!   [`ReconcilerConfig::node_delay`] each Machine gets a Ready Node (name = Machine name, same
@@ -60,6 +61,9 @@ const CAPACITY: &str = "capacity.cluster-autoscaler.kubernetes.io";
 const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 /// CAPI's random-suffix alphabet (no vowels, no look-alikes).
 const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+/// How long a MachineDeployment without a MachineSet waits for one from the test before the
+/// reconciler makes its own.
+const OWN_SET_GRACE: Duration = Duration::from_millis(500);
 /// At most this many errors are kept.
 const MAX_ERRORS: usize = 100;
 
@@ -76,6 +80,8 @@ pub struct ReconcilerConfig {
     pub interval: Duration,
     /// MachineDeployments, MachineSets and MachinePools (by name) whose new instances never get a Node.
     pub never_provision: BTreeSet<String>,
+    /// Start without acting until [`Reconciler::resume`] (to create objects it must not race).
+    pub paused: bool,
 }
 
 impl Default for ReconcilerConfig {
@@ -86,6 +92,7 @@ impl Default for ReconcilerConfig {
             node_delay: Duration::ZERO,
             interval: Duration::from_millis(100),
             never_provision: BTreeSet::new(),
+            paused: false,
         }
     }
 }
@@ -111,6 +118,10 @@ impl ReconcilerConfig {
         self.never_provision.insert(name.into());
         self
     }
+    pub fn paused(mut self) -> Self {
+        self.paused = true;
+        self
+    }
 }
 
 /// What the task shares with its handle.
@@ -119,6 +130,7 @@ struct Shared {
     errors: Mutex<Vec<String>>,
     actions: Mutex<Vec<(Instant, String)>>,
     never_provision: Mutex<BTreeSet<String>>,
+    paused: std::sync::atomic::AtomicBool,
 }
 
 /// A running reconciler for one namespace; stopped when dropped.
@@ -148,6 +160,7 @@ impl Reconciler {
             errors: Mutex::new(Vec::new()),
             actions: Mutex::new(Vec::new()),
             never_provision: Mutex::new(config.never_provision.clone()),
+            paused: std::sync::atomic::AtomicBool::new(config.paused),
         });
         let mut worker = Worker {
             client,
@@ -161,7 +174,9 @@ impl Reconciler {
             let shared = shared.clone();
             async move {
                 loop {
-                    worker.pass().await;
+                    if !shared.paused.load(Ordering::SeqCst) {
+                        worker.pass().await;
+                    }
                     shared.passes.fetch_add(1, Ordering::SeqCst);
                     tokio::time::sleep(interval).await;
                 }
@@ -215,6 +230,31 @@ impl Reconciler {
     /// The actions since the last call, with when they happened.
     pub fn take_actions(&self) -> Vec<(Instant, String)> {
         std::mem::take(&mut *lock(&self.shared.actions))
+    }
+
+    /// Starts acting (after [`ReconcilerConfig::paused`]).
+    pub fn resume(&self) {
+        self.shared.paused.store(false, Ordering::SeqCst);
+    }
+
+    /// Every action so far that [`take_actions`](Self::take_actions) has not taken.
+    pub fn actions(&self) -> Vec<String> {
+        lock(&self.shared.actions)
+            .iter()
+            .map(|(_, a)| a.clone())
+            .collect()
+    }
+
+    /// The Machines deleted so far because they carried the delete-machine annotation.
+    pub fn deleted_marked(&self) -> Vec<String> {
+        self.actions()
+            .iter()
+            .filter_map(|a| {
+                a.strip_prefix("deleted Machine ")?
+                    .strip_suffix(" (delete-machine annotation)")
+                    .map(str::to_string)
+            })
+            .collect()
     }
 
     /// Switches provisioning failure on or off for the group named `name`; affects instances that
@@ -506,28 +546,54 @@ impl Worker {
 
     /// Ensures the MachineSet of `md` exists and mirrors its replicas.
     async fn deployment(
-        &self,
+        &mut self,
         md: &DynamicObject,
         sets: &mut Vec<DynamicObject>,
     ) -> Result<(), String> {
         let md_name = name_of(md);
+        // A test that brings its own MachineSet creates it right after the MachineDeployment: give it
+        // a moment before making one, or two MachineSets would share the replicas.
+        let seen = *self
+            .first_seen
+            .entry(md.metadata.uid.clone().unwrap_or_default())
+            .or_insert_with(Instant::now);
         let owned: Vec<usize> = sets
             .iter()
             .enumerate()
             .filter(|(_, ms)| controller_of(ms, "MachineDeployment").as_deref() == Some(&md_name))
             .map(|(i, _)| i)
             .collect();
-        let index = match owned.last() {
-            Some(&i) => i,
+        // The newest MachineSet: highest revision, then the youngest.
+        let revision = |ms: &DynamicObject| {
+            annotations_of(ms)
+                .get(REVISION_ANNOTATION)
+                .and_then(|r| r.parse::<i64>().ok())
+                .unwrap_or(0)
+        };
+        let newest = owned
+            .iter()
+            .copied()
+            .max_by_key(|&i| (revision(&sets[i]), age_key(&sets[i])));
+        let index = match newest {
+            Some(i) => i,
+            None if seen.elapsed() < OWN_SET_GRACE => return Ok(()),
             None => {
                 let created = self.create_set(md).await?;
                 sets.push(created);
                 sets.len() - 1
             }
         };
-        let Some(want) = replicas_of(md) else {
+        let Some(total) = replicas_of(md) else {
             return Ok(());
         };
+        // Mid-rollout (older MachineSets still hold replicas, which a test scales itself) the newest
+        // MachineSet gets what is left, as CAPI keeps the total at the MachineDeployment's replicas.
+        let older: i64 = owned
+            .iter()
+            .filter(|&&i| i != index)
+            .filter_map(|&i| replicas_of(&sets[i]))
+            .sum();
+        let want = (total - older).max(0);
         if replicas_of(&sets[index]) != Some(want) {
             let ms_name = name_of(&sets[index]);
             let before = replicas_of(&sets[index]);

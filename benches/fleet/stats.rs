@@ -1,0 +1,70 @@
+//! Latency samples and the figures made of them.
+
+use std::time::Duration;
+
+/// Samples of one measured thing (seconds), in arrival order.
+#[derive(Clone, Debug, Default)]
+pub struct Samples(pub Vec<f64>);
+
+impl Samples {
+    pub fn push(&mut self, d: Duration) {
+        self.0.push(d.as_secs_f64());
+    }
+
+    pub fn extend(&mut self, other: &Samples) {
+        self.0.extend_from_slice(&other.0);
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn mean(&self) -> Option<f64> {
+        (!self.0.is_empty()).then(|| self.0.iter().sum::<f64>() / self.0.len() as f64)
+    }
+
+    /// The `q` quantile (nearest rank), `None` without samples.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let mut sorted = self.0.clone();
+        sorted.sort_by(f64::total_cmp);
+        let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+        Some(sorted[rank - 1])
+    }
+
+    pub fn p50(&self) -> Option<f64> {
+        self.quantile(0.5)
+    }
+
+    pub fn p99(&self) -> Option<f64> {
+        self.quantile(0.99)
+    }
+
+    pub fn max(&self) -> Option<f64> {
+        self.0.iter().copied().reduce(f64::max)
+    }
+
+    pub fn min(&self) -> Option<f64> {
+        self.0.iter().copied().reduce(f64::min)
+    }
+}
+
+/// `VmRSS` and `VmHWM` (peak) of a process, in bytes.
+pub fn rss_of(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}

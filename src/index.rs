@@ -1,0 +1,500 @@
+//! Watch events → the [`Index`]: each object becomes the typed view its kind keeps (its JSON is not
+//! held), a re-list replaces every object of its kind at once, and a version older than the one
+//! cached is ignored. The store feeds it the events of its watches and the objects its writes get
+//! back; the tests below feed it events as a watch would, without a cluster.
+
+use std::sync::Arc;
+
+use kube::ResourceExt;
+use kube::api::DynamicObject;
+
+use crate::capi::{
+    ClusterTopology, InfraTemplate, Keys, Machine, Node, ObjectKey, ParseError, ScalableKind,
+    ScalableResource,
+};
+use crate::problem::Problem;
+use crate::snapshot::{Index, InfraKind, InfraKindState};
+
+/// What one watch is over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Watched {
+    Scalable(ScalableKind),
+    Machine,
+    Node,
+    Infra(InfraKind),
+    /// Optional: readiness does not wait for it (older RBAC may not allow it).
+    Cluster,
+}
+
+impl Watched {
+    /// The metric label of the watch.
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Watched::Scalable(kind) => kind.plural(),
+            Watched::Machine => "machines",
+            Watched::Node => "nodes",
+            Watched::Infra(_) => "infrastructure-templates",
+            Watched::Cluster => "clusters",
+        }
+    }
+}
+
+/// An object parsed into what the index keeps of its kind.
+pub(crate) enum Prepared {
+    Scalable(ObjectKey, Result<Arc<ScalableResource>, Problem>),
+    Machine(ObjectKey, Result<Arc<Machine>, Problem>),
+    /// A Node that cannot be read is left out: Nodes only add labels to templates and providerIDs
+    /// to Machines that lack one.
+    Node(Option<Node>),
+    Infra(ObjectKey, Result<Arc<InfraTemplate>, Problem>),
+    /// A Cluster whose topology cannot be read is left out: it only feeds an advisory check.
+    Cluster(Option<ClusterTopology>),
+}
+
+/// Parses an object of a watch (no lock needed: a re-list is parsed as it arrives and only the
+/// views are held until it is complete).
+pub(crate) fn prepare(keys: &Keys, what: &Watched, obj: DynamicObject) -> Prepared {
+    let key = object_key(&obj);
+    let kind_name = obj.types.as_ref().map(|t| t.kind.clone());
+    let json = into_json(obj);
+    let problem =
+        |kind: &str, e: ParseError| Problem::new(format!("{kind} {key}"), e.field, e.message);
+    match what {
+        Watched::Scalable(kind) => {
+            let parsed = ScalableResource::from_json(*kind, keys, &json)
+                .map(Arc::new)
+                .map_err(|e| problem(&kind.to_string(), e));
+            Prepared::Scalable(key, parsed)
+        }
+        Watched::Machine => {
+            let parsed = Machine::from_json(keys, &json)
+                .map(Arc::new)
+                .map_err(|e| problem("Machine", e));
+            Prepared::Machine(key, parsed)
+        }
+        Watched::Node => Prepared::Node(match Node::from_json(&json) {
+            Ok(mut node) => {
+                // Templates copy only these (a Node's other labels would be cached for nothing).
+                node.labels
+                    .retain(|k, _| crate::template::NODE_LABELS_COPIED.contains(&k.as_str()));
+                Some(node)
+            }
+            Err(e) => {
+                tracing::debug!(node = %key, "Node not read: {e}");
+                None
+            }
+        }),
+        Watched::Infra(_) => {
+            let parsed = InfraTemplate::from_json(&json)
+                .map(Arc::new)
+                .map_err(|e| problem(kind_name.as_deref().unwrap_or_default(), e));
+            Prepared::Infra(key, parsed)
+        }
+        Watched::Cluster => Prepared::Cluster(match ClusterTopology::from_json(&json) {
+            Ok(cluster) => Some(cluster),
+            Err(e) => {
+                tracing::debug!(cluster = %key, "topology not read: {e}");
+                None
+            }
+        }),
+    }
+}
+
+/// A watch listed again: these are now all the objects of its kind.
+pub(crate) fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
+    let objects = objects.into_iter();
+    match what {
+        Watched::Scalable(kind) => index.reset_resources(
+            *kind,
+            objects.filter_map(|o| match o {
+                Prepared::Scalable(key, parsed) => Some((key, parsed)),
+                _ => None,
+            }),
+        ),
+        Watched::Machine => index.reset_machines(objects.filter_map(|o| match o {
+            Prepared::Machine(key, parsed) => Some((key, parsed)),
+            _ => None,
+        })),
+        Watched::Node => index.reset_nodes(objects.filter_map(|o| match o {
+            Prepared::Node(node) => node,
+            _ => None,
+        })),
+        Watched::Cluster => index.reset_clusters(objects.filter_map(|o| match o {
+            Prepared::Cluster(cluster) => cluster,
+            _ => None,
+        })),
+        Watched::Infra(kind) => {
+            index.reset_infra(
+                kind,
+                objects.filter_map(|o| match o {
+                    Prepared::Infra(key, parsed) => Some((key, parsed)),
+                    _ => None,
+                }),
+            );
+            index.set_infra_kind_state(kind.clone(), InfraKindState::Synced);
+        }
+    }
+}
+
+/// An object added or changed, from a watch or as a write of ours got it back. Returns whether the
+/// index took it: a version older than the cached one is ignored, so a watch event behind a write
+/// already recorded, or a write's answer behind a watch event, never rolls the cache back.
+pub(crate) fn apply(index: &mut Index, keys: &Keys, what: &Watched, obj: DynamicObject) -> bool {
+    let key = object_key(&obj);
+    let cached = match what {
+        Watched::Scalable(kind) => index
+            .resource(*kind, &key)
+            .map(|r| r.resource_version.clone()),
+        Watched::Machine => index.machine(&key).map(|m| m.resource_version.clone()),
+        Watched::Node | Watched::Infra(_) | Watched::Cluster => None,
+    };
+    if is_older(cached.as_deref(), obj.resource_version().as_deref()) {
+        return false;
+    }
+    match prepare(keys, what, obj) {
+        Prepared::Scalable(key, parsed) => {
+            if let Watched::Scalable(kind) = what {
+                index.apply_resource(*kind, key, parsed);
+            }
+        }
+        Prepared::Machine(key, parsed) => index.apply_machine(key, parsed),
+        Prepared::Node(node) => {
+            if let Some(node) = node {
+                index.apply_node(node);
+            }
+        }
+        Prepared::Infra(key, parsed) => {
+            if let Watched::Infra(kind) = what {
+                index.apply_infra(kind.clone(), key, parsed);
+            }
+        }
+        Prepared::Cluster(cluster) => {
+            if let Some(cluster) = cluster {
+                index.apply_cluster(cluster);
+            }
+        }
+    }
+    true
+}
+
+/// The Machines of `namespace` as one LIST at `list_version` returned them: each is applied, and a
+/// cached Machine the list lacks is gone, unless its cached version is newer than the list (it was
+/// created after it).
+pub(crate) fn machines_listed(
+    index: &mut Index,
+    keys: &Keys,
+    namespace: &str,
+    list_version: Option<&str>,
+    items: Vec<DynamicObject>,
+) {
+    let listed: std::collections::BTreeSet<ObjectKey> = items.iter().map(object_key).collect();
+    for obj in items {
+        apply(index, keys, &Watched::Machine, obj);
+    }
+    for (key, version) in index.machine_versions_in(namespace) {
+        if !listed.contains(&key) && !is_older(version.as_deref(), list_version) {
+            index.delete_machine(&key);
+        }
+    }
+}
+
+pub(crate) fn delete(index: &mut Index, what: &Watched, obj: &DynamicObject) {
+    let key = object_key(obj);
+    match what {
+        Watched::Scalable(kind) => index.delete_resource(*kind, &key),
+        Watched::Machine => index.delete_machine(&key),
+        Watched::Node => index.delete_node(&key.name),
+        Watched::Infra(kind) => index.delete_infra(kind, &key),
+        Watched::Cluster => index.delete_cluster(&key),
+    }
+}
+
+/// Whether `incoming` is older than `cached`. Kubernetes 1.35 made resourceVersions of one resource
+/// comparable (KEP-5504: positive integers without leading zeros); anything that does not parse is
+/// never "older".
+fn is_older(cached: Option<&str>, incoming: Option<&str>) -> bool {
+    let parse = |s: &str| s.parse::<u64>().ok();
+    match (cached.and_then(parse), incoming.and_then(parse)) {
+        (Some(cached), Some(incoming)) => incoming < cached,
+        _ => false,
+    }
+}
+
+pub(crate) fn object_key(obj: &DynamicObject) -> ObjectKey {
+    ObjectKey::new(obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+/// The object's JSON, its fields moved rather than copied, and `managedFields` (often the largest
+/// part, and never read) dropped first.
+fn into_json(obj: DynamicObject) -> serde_json::Value {
+    let DynamicObject {
+        types,
+        mut metadata,
+        data,
+    } = obj;
+    metadata.managed_fields = None;
+    let mut map = match data {
+        serde_json::Value::Object(map) => map,
+        _ => serde_json::Map::new(),
+    };
+    if let Some(types) = types {
+        map.insert("apiVersion".into(), types.api_version.into());
+        map.insert("kind".into(), types.kind.into());
+    }
+    map.insert(
+        "metadata".into(),
+        serde_json::to_value(&metadata).unwrap_or(serde_json::Value::Null),
+    );
+    serde_json::Value::Object(map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::Settings;
+    use serde_json::json;
+
+    fn keys() -> Keys {
+        Settings::default().keys
+    }
+
+    fn object(value: serde_json::Value) -> DynamicObject {
+        serde_json::from_value(value).unwrap()
+    }
+
+    fn md(name: &str, rv: &str, replicas: i64, max: &str) -> DynamicObject {
+        object(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2",
+            "kind": "MachineDeployment",
+            "metadata": {
+                "name": name, "namespace": "ns", "uid": format!("uid-{name}"), "resourceVersion": rv,
+                "annotations": {
+                    "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": "0",
+                    "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": max,
+                },
+                "managedFields": [{"manager": "kubectl", "operation": "Update"}],
+            },
+            "spec": {"clusterName": "c1", "replicas": replicas, "template": {"spec": {"clusterName": "c1"}}},
+        }))
+    }
+
+    fn machine(name: &str, rv: &str, mark: Option<&str>) -> DynamicObject {
+        let mut annotations = serde_json::Map::new();
+        if let Some(mark) = mark {
+            annotations.insert("cluster.x-k8s.io/delete-machine".into(), json!(mark));
+        }
+        object(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2",
+            "kind": "Machine",
+            "metadata": {
+                "name": name, "namespace": "ns", "uid": format!("uid-{name}"), "resourceVersion": rv,
+                "annotations": annotations,
+                "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineSet", "name": "ms", "uid": "u"}],
+            },
+            "spec": {"clusterName": "c1", "providerID": format!("e2e:///{name}")},
+        }))
+    }
+
+    fn node(name: &str, labels: serde_json::Value) -> DynamicObject {
+        object(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "resourceVersion": "5", "labels": labels},
+            "spec": {"providerID": format!("e2e:///{name}")},
+        }))
+    }
+
+    const MD: Watched = Watched::Scalable(ScalableKind::MachineDeployment);
+
+    fn replicas(index: &Index, name: &str) -> Option<i32> {
+        index
+            .resource(ScalableKind::MachineDeployment, &ObjectKey::new("ns", name))
+            .and_then(|r| r.replicas)
+    }
+
+    fn list(keys: &Keys, what: &Watched, objects: Vec<DynamicObject>) -> Vec<Prepared> {
+        objects
+            .into_iter()
+            .map(|o| prepare(keys, what, o))
+            .collect()
+    }
+
+    #[test]
+    fn apply_adds_and_changes_and_delete_removes() {
+        let (keys, mut index) = (keys(), Index::default());
+        assert!(apply(&mut index, &keys, &MD, md("a", "10", 1, "5")));
+        assert_eq!(replicas(&index, "a"), Some(1));
+        assert!(apply(&mut index, &keys, &MD, md("a", "11", 3, "5")));
+        assert_eq!(replicas(&index, "a"), Some(3));
+        delete(&mut index, &MD, &md("a", "12", 3, "5"));
+        assert_eq!(replicas(&index, "a"), None);
+    }
+
+    #[test]
+    fn an_older_version_never_rolls_the_cache_back() {
+        let (keys, mut index) = (keys(), Index::default());
+        // A write of ours recorded at 20, then the watch delivers 19 (before the write) and 20.
+        assert!(apply(&mut index, &keys, &MD, md("a", "20", 4, "5")));
+        assert!(!apply(&mut index, &keys, &MD, md("a", "19", 3, "5")));
+        assert_eq!(replicas(&index, "a"), Some(4));
+        assert!(apply(&mut index, &keys, &MD, md("a", "20", 4, "5")));
+        // Compared as numbers: "100" is newer than "99".
+        assert!(apply(&mut index, &keys, &MD, md("a", "100", 2, "5")));
+        assert!(!apply(&mut index, &keys, &MD, md("a", "99", 1, "5")));
+        assert_eq!(replicas(&index, "a"), Some(2));
+
+        let key = ObjectKey::new("ns", "m1");
+        let mark = "unix 1 by capi-autoscaler-provider";
+        assert!(apply(
+            &mut index,
+            &keys,
+            &Watched::Machine,
+            machine("m1", "31", Some(mark))
+        ));
+        assert!(!apply(
+            &mut index,
+            &keys,
+            &Watched::Machine,
+            machine("m1", "30", None)
+        ));
+        let cached = index.machine(&key).map(|m| m.annotations.len());
+        assert_eq!(cached, Some(1), "the mark written at 31 stays");
+    }
+
+    #[test]
+    fn a_fresh_list_of_machines_adds_the_missing_and_drops_the_gone_but_not_the_newer() {
+        let (keys, mut index) = (keys(), Index::default());
+        apply(
+            &mut index,
+            &keys,
+            &Watched::Machine,
+            machine("gone", "5", None),
+        );
+        apply(
+            &mut index,
+            &keys,
+            &Watched::Machine,
+            machine("newer", "50", None),
+        );
+        apply(
+            &mut index,
+            &keys,
+            &Watched::Machine,
+            machine("kept", "6", None),
+        );
+        let mark = "unix 1 by capi-autoscaler-provider";
+        let items = vec![
+            machine("kept", "7", Some(mark)),
+            machine("unseen", "8", None),
+        ];
+        machines_listed(&mut index, &keys, "ns", Some("40"), items);
+        let names: Vec<String> = index
+            .machine_versions_in("ns")
+            .into_iter()
+            .map(|(k, v)| format!("{} {}", k.name, v.unwrap_or_default()))
+            .collect();
+        assert_eq!(names, vec!["kept 7", "newer 50", "unseen 8"]);
+    }
+
+    #[test]
+    fn versions_that_are_not_comparable_are_applied() {
+        assert!(!is_older(None, Some("1")));
+        assert!(!is_older(Some("10"), None));
+        assert!(!is_older(Some("abc"), Some("1")));
+        assert!(!is_older(Some("10"), Some("x9")));
+        assert!(is_older(Some("10"), Some("9")));
+        assert!(!is_older(Some("10"), Some("10")));
+    }
+
+    #[test]
+    fn a_relist_replaces_every_object_of_its_kind_and_only_those() {
+        let (keys, mut index) = (keys(), Index::default());
+        apply(&mut index, &keys, &MD, md("gone", "1", 1, "5"));
+        apply(&mut index, &keys, &MD, md("kept", "2", 1, "5"));
+        apply(
+            &mut index,
+            &keys,
+            &Watched::Machine,
+            machine("m1", "3", None),
+        );
+        let objects = list(
+            &keys,
+            &MD,
+            vec![md("kept", "7", 2, "5"), md("new", "8", 1, "5")],
+        );
+        reset(&mut index, &MD, objects);
+        assert_eq!(replicas(&index, "gone"), None);
+        assert_eq!(replicas(&index, "kept"), Some(2));
+        assert_eq!(replicas(&index, "new"), Some(1));
+        assert!(
+            index.machine(&ObjectKey::new("ns", "m1")).is_some(),
+            "another kind's objects are untouched"
+        );
+        // A relist after an etcd restore may carry lower versions: it is taken as it is.
+        reset(
+            &mut index,
+            &MD,
+            list(&keys, &MD, vec![md("kept", "3", 5, "5")]),
+        );
+        assert_eq!(replicas(&index, "kept"), Some(5));
+    }
+
+    #[test]
+    fn a_malformed_object_is_a_problem_naming_it_and_the_others_are_served() {
+        let (keys, mut index) = (keys(), Index::default());
+        apply(&mut index, &keys, &MD, md("good", "1", 1, "5"));
+        apply(&mut index, &keys, &MD, md("bad", "2", 1, "ten"));
+        let snapshot = index.snapshot(&Settings::default(), 1);
+        assert!(snapshot.group("MachineDeployment/ns/good").is_some());
+        assert!(snapshot.group("MachineDeployment/ns/bad").is_none());
+        let problem = snapshot
+            .problems
+            .iter()
+            .find(|p| p.object == "MachineDeployment ns/bad")
+            .unwrap_or_else(|| panic!("no problem for ns/bad: {:?}", snapshot.problems));
+        assert!(problem.field.contains("max-size"), "{problem:?}");
+    }
+
+    #[test]
+    fn nodes_keep_only_the_labels_templates_copy_and_unreadable_ones_are_left_out() {
+        let (keys, mut index) = (keys(), Index::default());
+        let labels = json!({"kubernetes.io/arch": "arm64", "team": "a"});
+        apply(&mut index, &keys, &Watched::Node, node("n1", labels));
+        let objects = list(
+            &keys,
+            &Watched::Node,
+            vec![
+                node("n2", json!({"kubernetes.io/os": "linux", "noise": "x"})),
+                object(
+                    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n3"}, "spec": 7}),
+                ),
+            ],
+        );
+        let listed: Vec<String> = objects
+            .iter()
+            .filter_map(|o| match o {
+                Prepared::Node(Some(n)) => Some(format!("{} {:?}", n.name, n.labels)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            listed,
+            vec![r#"n2 {"kubernetes.io/os": "linux"}"#.to_string()]
+        );
+    }
+
+    #[test]
+    fn an_infrastructure_kind_is_synced_once_listed() {
+        let mut index = Index::default();
+        let kind = InfraKind {
+            api_group: "infrastructure.cluster.x-k8s.io".into(),
+            kind: "E2EMachineTemplate".into(),
+        };
+        let what = Watched::Infra(kind.clone());
+        assert!(index.infra_kind_state(&kind).is_none());
+        reset(&mut index, &what, Vec::new());
+        assert!(matches!(
+            index.infra_kind_state(&kind),
+            Some(InfraKindState::Synced)
+        ));
+    }
+}

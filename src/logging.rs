@@ -1,0 +1,42 @@
+//! The process's log: `RUST_LOG` filter, text or JSON lines (`LOG_FORMAT=json`) on stderr.
+
+use std::io::IsTerminal;
+
+/// Installs the global subscriber.
+pub fn init() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,kube_runtime=warn,kube_client=warn")
+    });
+    let no_color = std::env::var_os("NO_COLOR");
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(use_ansi(
+            std::io::stderr().is_terminal(),
+            no_color.as_deref().and_then(|v| v.to_str()),
+        ))
+        .with_writer(std::io::stderr);
+    if std::env::var("LOG_FORMAT").is_ok_and(|f| f == "json") {
+        subscriber.json().init();
+    } else {
+        subscriber.init();
+    }
+}
+
+/// Colours only for a person at a terminal: a pod's log, a file or a pipe would keep the escape codes
+/// as noise. `NO_COLOR` (any non-empty value, see no-color.org) turns them off on a terminal too.
+fn use_ansi(stderr_is_terminal: bool, no_color: Option<&str>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(str::is_empty)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::use_ansi;
+
+    #[test]
+    fn colours_only_on_a_terminal_without_no_color() {
+        assert!(use_ansi(true, None));
+        assert!(use_ansi(true, Some("")));
+        assert!(!use_ansi(true, Some("1")));
+        assert!(!use_ansi(false, None));
+    }
+}

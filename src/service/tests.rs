@@ -1,0 +1,406 @@
+//! Unit tests of `service`.
+
+use super::*;
+use prost::Message;
+
+/// NodeGroupTemplateNodeInfoResponse as CA ≤ 1.34.1 declares it: `k8s.io.api.core.v1.Node nodeInfo = 1`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct OldTemplateResponse {
+    #[prost(message, optional, tag = "1")]
+    node_info: Option<k8s_pb::api::core::v1::Node>,
+}
+
+/// meta.v1.Duration: `optional int64 duration = 1` (nanoseconds).
+#[derive(Clone, PartialEq, prost::Message)]
+struct OldDuration {
+    #[prost(int64, optional, tag = "1")]
+    duration: Option<i64>,
+}
+
+/// NodeGroupAutoscalingOptions as CA ≤ 1.34.1 declares it.
+#[derive(Clone, PartialEq, prost::Message)]
+struct OldOptions {
+    #[prost(double, tag = "1")]
+    scale_down_utilization_threshold: f64,
+    #[prost(double, tag = "2")]
+    scale_down_gpu_utilization_threshold: f64,
+    #[prost(message, optional, tag = "3")]
+    scale_down_unneeded_time: Option<OldDuration>,
+    #[prost(message, optional, tag = "4")]
+    scale_down_unready_time: Option<OldDuration>,
+    #[prost(message, optional, tag = "5")]
+    max_node_provision_time: Option<OldDuration>,
+}
+
+/// meta.v1.Time: `optional int64 seconds = 1; optional int32 nanos = 2`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct OldTime {
+    #[prost(int64, optional, tag = "1")]
+    seconds: Option<i64>,
+    #[prost(int32, optional, tag = "2")]
+    nanos: Option<i32>,
+}
+
+/// PricingPodPriceRequest as CA ≤ 1.34.1 sends it.
+#[derive(Clone, PartialEq, prost::Message)]
+struct OldPodPriceRequest {
+    #[prost(message, optional, tag = "1")]
+    pod: Option<k8s_pb::api::core::v1::Pod>,
+    #[prost(message, optional, tag = "2")]
+    start_time: Option<OldTime>,
+    #[prost(message, optional, tag = "3")]
+    end_time: Option<OldTime>,
+}
+
+fn node() -> k8s_pb::api::core::v1::Node {
+    k8s_pb::api::core::v1::Node {
+        metadata: Some(k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some("template".into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn an_old_ca_reads_the_template_from_the_legacy_field() {
+    let bytes = node().encode_to_vec();
+    let response = NodeGroupTemplateNodeInfoResponse {
+        node_info: bytes.clone(),
+        node_bytes: bytes,
+    };
+    let old = OldTemplateResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(old.node_info, Some(node()));
+    let new =
+        NodeGroupTemplateNodeInfoResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(
+        k8s_pb::api::core::v1::Node::decode(new.node_bytes.as_slice()).unwrap(),
+        node()
+    );
+}
+
+fn defaults() -> NodeGroupAutoscalingOptions {
+    NodeGroupAutoscalingOptions {
+        scale_down_utilization_threshold: 0.5,
+        scale_down_gpu_utilization_threshold: 0.5,
+        scale_down_unneeded_duration: Some(wire_duration(Duration::from_secs(600))),
+        scale_down_unready_duration: Some(wire_duration(Duration::from_secs(1200))),
+        max_node_provision_duration: Some(wire_duration(Duration::from_secs(900))),
+        zero_or_max_node_scaling: true,
+        ignore_daemon_sets_utilization: true,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn options_without_annotations_answer_empty_so_ca_keeps_its_defaults() {
+    let r = options_response(None, Some(&defaults())).unwrap();
+    assert_eq!(r.node_group_autoscaling_options, None);
+    assert!(r.encode_to_vec().is_empty());
+}
+
+#[test]
+fn options_override_their_field_and_echo_every_other_default_in_both_layouts() {
+    let overrides = GroupOptions {
+        scale_down_unneeded_time: Some(Duration::from_secs(300)),
+        scale_down_utilization_threshold: Some(0.7),
+        ..Default::default()
+    };
+    let r = options_response(Some(&overrides), Some(&defaults())).unwrap();
+    let o = r.node_group_autoscaling_options.unwrap();
+    assert_eq!(o.scale_down_utilization_threshold, 0.7);
+    assert_eq!(o.scale_down_gpu_utilization_threshold, 0.5);
+    assert_eq!(
+        o.scale_down_unneeded_duration,
+        Some(wire_duration(Duration::from_secs(300)))
+    );
+    assert_eq!(
+        o.scale_down_unready_duration,
+        Some(wire_duration(Duration::from_secs(1200)))
+    );
+    assert_eq!(
+        o.max_node_provision_duration,
+        Some(wire_duration(Duration::from_secs(900)))
+    );
+    assert!(o.zero_or_max_node_scaling && o.ignore_daemon_sets_utilization);
+    // An old CA reads fields 3/4/5 as meta.v1.Duration.
+    let old = OldOptions::decode(o.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(old.scale_down_utilization_threshold, 0.7);
+    assert_eq!(
+        old.scale_down_unneeded_time.and_then(|d| d.duration),
+        Some(300_000_000_000)
+    );
+    assert_eq!(
+        old.scale_down_unready_time.and_then(|d| d.duration),
+        Some(1_200_000_000_000)
+    );
+    assert_eq!(
+        old.max_node_provision_time.and_then(|d| d.duration),
+        Some(900_000_000_000)
+    );
+    assert!(options_response(Some(&overrides), None).is_err());
+}
+
+#[test]
+fn defaults_from_an_old_ca_are_read_from_the_legacy_durations() {
+    let old = OldOptions {
+        scale_down_utilization_threshold: 0.4,
+        scale_down_unneeded_time: Some(OldDuration {
+            duration: Some(60_000_000_000),
+        }),
+        max_node_provision_time: Some(OldDuration {
+            duration: Some(120_000_000_000),
+        }),
+        ..Default::default()
+    };
+    let wire = NodeGroupAutoscalingOptions::decode(old.encode_to_vec().as_slice()).unwrap();
+    let d = defaults_from_wire(&wire);
+    assert_eq!(d.scale_down_utilization_threshold, 0.4);
+    assert_eq!(d.scale_down_unneeded_time, Duration::from_secs(60));
+    assert_eq!(d.max_node_provision_time, Duration::from_secs(120));
+    assert_eq!(d.scale_down_unready_time, Duration::ZERO);
+}
+
+#[test]
+fn an_old_pod_price_request_is_understood() {
+    let pod = k8s_pb::api::core::v1::Pod::default();
+    let old = OldPodPriceRequest {
+        pod: Some(pod.clone()),
+        start_time: Some(OldTime {
+            seconds: Some(1_000),
+            nanos: None,
+        }),
+        end_time: Some(OldTime {
+            seconds: Some(4_600),
+            nanos: None,
+        }),
+    };
+    let r = PricingPodPriceRequest::decode(old.encode_to_vec().as_slice()).unwrap();
+    assert!(r.pod_bytes.is_empty());
+    assert_eq!(
+        k8s_pb::api::core::v1::Pod::decode(r.pod.as_slice()).unwrap(),
+        pod
+    );
+    let (start, end) = period(
+        (r.start_timestamp.as_ref(), r.start_time.as_ref()),
+        (r.end_timestamp.as_ref(), r.end_time.as_ref()),
+    )
+    .unwrap();
+    assert_eq!(pricing::hours_between(start, end), 1.0);
+}
+
+mod rollout {
+    use super::super::*;
+    use crate::capi::rollout::REVISION_ANNOTATION;
+    use crate::capi::{Machine, ScalableKind, ScalableResource};
+    use crate::snapshot::{Index, Settings};
+    use crate::store::CapiApis;
+    use serde_json::{Value, json};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A management-cluster API that drops every connection: any API call fails, and the count
+    /// tells whether one was tried.
+    async fn counting_api() -> (kube::Client, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let count = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::clone(&count);
+        tokio::spawn(async move {
+            while let Ok((connection, _)) = listener.accept().await {
+                seen.fetch_add(1, Ordering::SeqCst);
+                drop(connection);
+            }
+        });
+        let config = kube::Config::new(format!("http://{address}").parse().unwrap());
+        (kube::Client::try_from(config).unwrap(), count)
+    }
+
+    fn machine_set(name: &str, revision: &str, spec: i32, status: i32) -> Value {
+        json!({
+            "kind": "MachineSet",
+            "metadata": {
+                "namespace": "ns", "name": name, "resourceVersion": "1",
+                "annotations": {REVISION_ANNOTATION: revision},
+                "ownerReferences": [{"kind": "MachineDeployment", "name": "md"}],
+            },
+            "spec": {"replicas": spec},
+            "status": {"replicas": status},
+        })
+    }
+
+    fn machine(name: &str, set: &str) -> Value {
+        json!({
+            "kind": "Machine",
+            "metadata": {
+                "namespace": "ns", "name": name, "resourceVersion": "1",
+                "ownerReferences": [{"kind": "MachineSet", "name": set}],
+            },
+            "spec": {"providerID": format!("e2e:///ns/{name}")},
+            "status": {"nodeRef": {"name": name}},
+        })
+    }
+
+    /// MachineDeployment md (min 1, max 5, replicas 4): md-new (revision 2) with two running
+    /// Machines and one pending, md-old (revision 1) with the given replicas and one Machine.
+    async fn service(old_spec: i32, old_status: i32) -> (Service, Arc<AtomicUsize>) {
+        let keys = crate::capi::Keys::default();
+        let md = json!({
+            "kind": "MachineDeployment",
+            "metadata": {
+                "namespace": "ns", "name": "md", "resourceVersion": "1",
+                "annotations": {keys.min_size.as_str(): "1", keys.max_size.as_str(): "5"},
+            },
+            "spec": {"replicas": 4},
+        });
+        let mut index = Index::default();
+        for (kind, object) in [
+            (ScalableKind::MachineDeployment, md),
+            (ScalableKind::MachineSet, machine_set("md-new", "2", 3, 3)),
+            (
+                ScalableKind::MachineSet,
+                machine_set("md-old", "1", old_spec, old_status),
+            ),
+        ] {
+            let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
+            index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
+        }
+        let mut pending = machine("p", "md-new");
+        pending["spec"] = json!({});
+        pending["status"] = json!({});
+        for object in [
+            machine("a", "md-new"),
+            machine("b", "md-new"),
+            pending,
+            machine("c", "md-old"),
+        ] {
+            let m = Machine::from_json(&keys, &object).unwrap();
+            index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
+        }
+        let (client, count) = counting_api().await;
+        let metrics = Arc::new(Metrics::new());
+        let store = Store::fixed(
+            client,
+            CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
+            Settings::default(),
+            index,
+            Arc::clone(&metrics),
+        );
+        (Service::new(store, metrics), count)
+    }
+
+    const ID: &str = "MachineDeployment/ns/md";
+
+    fn node(name: &str) -> ExternalGrpcNode {
+        ExternalGrpcNode {
+            provider_id: format!("e2e:///ns/{name}"),
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+
+    async fn served(service: &Service, node_name: &str) -> (NodeGroup, NodeGroup) {
+        let listed = service
+            .node_groups(Request::new(NodeGroupsRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+            .node_groups;
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        let for_node = service
+            .node_group_for_node(Request::new(NodeGroupForNodeRequest {
+                node: Some(node(node_name)),
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+            .node_group
+            .unwrap();
+        (listed[0].clone(), for_node)
+    }
+
+    async fn delete(service: &Service, node_name: &str) -> Result<(), Status> {
+        service
+            .node_group_delete_nodes(Request::new(NodeGroupDeleteNodesRequest {
+                id: ID.into(),
+                nodes: vec![node(node_name)],
+            }))
+            .await
+            .map(drop)
+    }
+
+    #[tokio::test]
+    async fn while_rolling_out_min_is_the_target_and_delete_nodes_is_refused_without_a_write() {
+        let (service, api_calls) = service(1, 1).await;
+        let (listed, for_node) = served(&service, "c").await;
+        assert_eq!(
+            (listed.id.as_str(), listed.min_size, listed.max_size),
+            (ID, 4, 5)
+        );
+        assert_eq!(for_node, listed);
+        assert!(listed.debug.contains("rolling out"), "{}", listed.debug);
+
+        for node_name in ["c", "a"] {
+            let refused = delete(&service, node_name).await.unwrap_err();
+            assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+            let message = refused.message();
+            assert!(
+                message.contains("MachineDeployment ns/md")
+                    && message.contains("MachineSet ns/md-old still has 1 replica"),
+                "{message}"
+            );
+        }
+        assert_eq!(api_calls.load(Ordering::SeqCst), 0, "DeleteNodes wrote");
+
+        // Scale-up and DecreaseTargetSize still go to the API (which fails here).
+        let increase = service
+            .node_group_increase_size(Request::new(NodeGroupIncreaseSizeRequest {
+                id: ID.into(),
+                delta: 1,
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(increase.code(), tonic::Code::Unavailable, "{increase:?}");
+        let after_increase = api_calls.load(Ordering::SeqCst);
+        assert!(after_increase > 0);
+        let decrease = service
+            .node_group_decrease_target_size(Request::new(NodeGroupDecreaseTargetSizeRequest {
+                id: ID.into(),
+                delta: -1,
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(decrease.code(), tonic::Code::Unavailable, "{decrease:?}");
+        assert!(api_calls.load(Ordering::SeqCst) > after_increase);
+    }
+
+    #[tokio::test]
+    async fn an_old_machine_set_still_holding_machines_keeps_scale_down_paused() {
+        let (service, api_calls) = service(0, 1).await;
+        assert_eq!(served(&service, "a").await.0.min_size, 4);
+        assert_eq!(
+            delete(&service, "a").await.unwrap_err().code(),
+            tonic::Code::FailedPrecondition
+        );
+        assert_eq!(api_calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn once_the_old_machine_set_is_drained_min_and_delete_nodes_are_normal() {
+        let (service, api_calls) = service(0, 0).await;
+        let (listed, for_node) = served(&service, "a").await;
+        assert_eq!((listed.min_size, listed.max_size), (1, 5));
+        assert_eq!(for_node, listed);
+        // Goes on to mark the Machine: the API is asked (and fails here).
+        let failed = delete(&service, "a").await.unwrap_err();
+        assert_eq!(failed.code(), tonic::Code::Unavailable, "{failed:?}");
+        assert!(api_calls.load(Ordering::SeqCst) > 0);
+    }
+}
+
+#[test]
+fn a_price_request_without_times_is_invalid() {
+    assert_eq!(
+        period((None, None), (None, None)).unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+}

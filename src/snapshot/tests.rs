@@ -1,0 +1,1085 @@
+//! Unit tests of `snapshot`.
+
+use super::*;
+use crate::capi::{MachineFailure, MachineTemplate, OwnerRef};
+
+fn keys() -> Keys {
+    Keys::default()
+}
+
+fn settings() -> Settings {
+    Settings::default()
+}
+
+fn resource(
+    kind: ScalableKind,
+    name: &str,
+    min: Option<&str>,
+    max: Option<&str>,
+    replicas: i32,
+) -> ScalableResource {
+    let keys = keys();
+    let mut annotations = BTreeMap::new();
+    if let Some(min) = min {
+        annotations.insert(keys.min_size.clone(), min.to_string());
+    }
+    if let Some(max) = max {
+        annotations.insert(keys.max_size.clone(), max.to_string());
+    }
+    ScalableResource {
+        kind,
+        key: ObjectKey::new("ns", name),
+        uid: format!("uid-{name}"),
+        resource_version: "1".into(),
+        labels: BTreeMap::new(),
+        annotations,
+        cluster_name: "c1".into(),
+        replicas: Some(replicas),
+        status_replicas: None,
+        rolling_out: false,
+        paused: false,
+        owners: Vec::new(),
+        template: MachineTemplate::default(),
+        provider_id_list: Vec::new(),
+        topology: None,
+    }
+}
+
+fn machine(
+    name: &str,
+    owner_kind: &str,
+    owner: &str,
+    provider_id: Option<&str>,
+    node: bool,
+) -> Machine {
+    Machine {
+        key: ObjectKey::new("ns", name),
+        uid: format!("uid-{name}"),
+        resource_version: "1".into(),
+        labels: BTreeMap::new(),
+        annotations: BTreeMap::new(),
+        cluster_name: "c1".into(),
+        provider_id: provider_id.map(str::to_string),
+        node_ref: node.then(|| name.to_string()),
+        deleting: false,
+        owners: vec![OwnerRef {
+            kind: owner_kind.into(),
+            name: owner.into(),
+        }],
+        phase: None,
+        failure: None,
+    }
+}
+
+fn add(index: &mut Index, r: ScalableResource) {
+    index.apply_resource(r.kind, r.key.clone(), Ok(Arc::new(r)));
+}
+
+fn add_machine(index: &mut Index, m: Machine) {
+    index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
+}
+
+/// An MD with its MS and two machines: one running, one pending without providerID.
+fn deployment_index() -> Index {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(
+            ScalableKind::MachineDeployment,
+            "md",
+            Some("1"),
+            Some("5"),
+            2,
+        ),
+    );
+    let mut ms = resource(ScalableKind::MachineSet, "md-abc", Some("1"), Some("5"), 2);
+    ms.owners.push(OwnerRef {
+        kind: "MachineDeployment".into(),
+        name: "md".into(),
+    });
+    add(&mut index, ms);
+    add_machine(
+        &mut index,
+        machine("m1", "MachineSet", "md-abc", Some("e2e:///ns/m1"), true),
+    );
+    add_machine(
+        &mut index,
+        machine("m2", "MachineSet", "md-abc", None, false),
+    );
+    index
+}
+
+fn node<'a>(provider_id: &'a str, name: &'a str) -> NodeRef<'a> {
+    NodeRef {
+        provider_id,
+        name,
+        annotations: None,
+    }
+}
+
+#[test]
+fn a_machine_set_owned_by_a_deployment_is_not_a_group_and_its_machines_belong_to_the_deployment() {
+    let s = deployment_index().snapshot(&settings(), 1);
+    assert_eq!(
+        s.groups.keys().collect::<Vec<_>>(),
+        ["MachineDeployment/ns/md"]
+    );
+    let g = s.group("MachineDeployment/ns/md").unwrap();
+    assert_eq!((g.min, g.max, g.target), (1, 5, 2));
+    let ids: Vec<_> = g
+        .instances
+        .iter()
+        .map(|i| (i.id.as_str(), i.state))
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            ("e2e:///ns/m1", InstanceState::Running),
+            ("pending-machine-ns_m2", InstanceState::Creating)
+        ]
+    );
+    assert_eq!(
+        g.debug(),
+        "MachineDeployment/ns/md (min: 1, max: 5, replicas: 2)"
+    );
+}
+
+#[test]
+fn a_marked_machine_the_replicas_no_longer_cover_is_deleting_and_one_they_cover_is_not() {
+    let with_replicas = |replicas: i32| {
+        let mut index = deployment_index();
+        let md = resource(
+            ScalableKind::MachineDeployment,
+            "md",
+            Some("0"),
+            Some("5"),
+            replicas,
+        );
+        add(&mut index, md);
+        let mut m2 = machine("m2", "MachineSet", "md-abc", None, false);
+        m2.annotations
+            .insert(keys().delete_machine, "by capi-autoscaler-provider".into());
+        add_machine(&mut index, m2);
+        let s = index.snapshot(&settings(), 1);
+        let g = s.group("MachineDeployment/ns/md").unwrap();
+        g.instances
+            .iter()
+            .map(|i| (i.id.clone(), i.state))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        with_replicas(1),
+        [
+            ("e2e:///ns/m1".to_string(), InstanceState::Running),
+            ("pending-machine-ns_m2".to_string(), InstanceState::Deleting)
+        ],
+        "decremented: the marked Machine is leaving"
+    );
+    assert_eq!(
+        with_replicas(2)[1],
+        ("pending-machine-ns_m2".to_string(), InstanceState::Creating),
+        "the decrement is still owed: the instance stays as it was"
+    );
+}
+
+#[test]
+fn nodes_map_by_exact_normalised_and_made_up_ids_and_by_annotations() {
+    let s = deployment_index().snapshot(&settings(), 1);
+    let k = keys();
+    let id = |n: &NodeRef<'_>| s.group_for_node(n, &k).map(|g| g.id.clone());
+    let md = Some("MachineDeployment/ns/md".to_string());
+    assert_eq!(id(&node("e2e:///ns/m1", "n")), md);
+    assert_eq!(id(&node("other:////m1", "n")), md, "normalised providerID");
+    assert_eq!(
+        id(&node("pending-machine-ns_m2", "pending-machine-ns_m2")),
+        md,
+        "CA's fake node"
+    );
+    assert_eq!(id(&node("", "pending-machine-ns_m2")), md);
+    assert_eq!(id(&node("unknown://x", "x")), None);
+    let annotations: HashMap<String, String> = [
+        (k.node_machine.clone(), "m1".to_string()),
+        (k.node_cluster_namespace.clone(), "ns".to_string()),
+    ]
+    .into();
+    let by_annotation = NodeRef {
+        provider_id: "",
+        name: "node-without-provider-id",
+        annotations: Some(&annotations),
+    };
+    assert_eq!(id(&by_annotation), md);
+    assert_eq!(
+        s.locate(&by_annotation, &k).and_then(|l| l.machine.clone()),
+        Some(ObjectKey::new("ns", "m1"))
+    );
+}
+
+#[test]
+fn one_malformed_group_is_skipped_alone_with_a_problem_naming_the_field() {
+    let mut index = deployment_index();
+    add(
+        &mut index,
+        resource(
+            ScalableKind::MachineDeployment,
+            "bad-max",
+            Some("1"),
+            Some("lots"),
+            1,
+        ),
+    );
+    add(
+        &mut index,
+        resource(
+            ScalableKind::MachineDeployment,
+            "max-below-min",
+            Some("4"),
+            Some("2"),
+            3,
+        ),
+    );
+    add(
+        &mut index,
+        resource(
+            ScalableKind::MachineDeployment,
+            "min-only",
+            Some("1"),
+            None,
+            1,
+        ),
+    );
+    add(
+        &mut index,
+        resource(
+            ScalableKind::MachineDeployment,
+            "negative",
+            Some("-1"),
+            Some("2"),
+            1,
+        ),
+    );
+    let s = index.snapshot(&settings(), 1);
+    assert_eq!(
+        s.groups.keys().collect::<Vec<_>>(),
+        ["MachineDeployment/ns/md"]
+    );
+    let k = keys();
+    let problem = |name: &str| {
+        s.problems
+            .iter()
+            .find(|p| p.object == format!("MachineDeployment ns/{name}"))
+            .unwrap_or_else(|| panic!("no problem for {name}: {:?}", s.problems))
+    };
+    assert_eq!(
+        problem("bad-max").field,
+        Problem::annotation_field(&k.max_size)
+    );
+    assert!(problem("bad-max").message.contains("\"lots\""));
+    assert!(
+        problem("max-below-min")
+            .message
+            .contains("below min size 4")
+    );
+    assert_eq!(
+        problem("min-only").field,
+        Problem::annotation_field(&k.max_size)
+    );
+    assert_eq!(
+        problem("negative").field,
+        Problem::annotation_field(&k.min_size)
+    );
+}
+
+#[test]
+fn unannotated_zero_max_paused_and_replica_less_resources_are_not_served() {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(ScalableKind::MachineDeployment, "plain", None, None, 1),
+    );
+    add(
+        &mut index,
+        resource(
+            ScalableKind::MachineDeployment,
+            "zero",
+            Some("0"),
+            Some("0"),
+            0,
+        ),
+    );
+    let mut paused = resource(
+        ScalableKind::MachineDeployment,
+        "paused",
+        Some("0"),
+        Some("3"),
+        1,
+    );
+    paused.paused = true;
+    add(&mut index, paused);
+    let mut unset = resource(ScalableKind::MachineSet, "unset", Some("0"), Some("3"), 0);
+    unset.replicas = None;
+    add(&mut index, unset);
+    let s = index.snapshot(&settings(), 1);
+    assert!(
+        s.groups.is_empty(),
+        "{:?}",
+        s.groups.keys().collect::<Vec<_>>()
+    );
+    assert!(s.skipped.contains_key("MachineDeployment/ns/paused"));
+    assert!(
+        s.problems
+            .iter()
+            .any(|p| p.object == "MachineSet ns/unset" && p.field == "spec.replicas")
+    );
+    assert!(
+        s.problems
+            .iter()
+            .any(|p| p.object == "MachineDeployment ns/paused" && p.field == "spec.paused")
+    );
+}
+
+#[test]
+fn machine_pools_list_their_provider_ids_and_their_machines() {
+    let mut index = Index::default();
+    let mut pool = resource(ScalableKind::MachinePool, "mp", Some("0"), Some("4"), 3);
+    pool.provider_id_list = vec!["e2e:///ns/a".into(), "e2e:///ns/b".into()];
+    add(&mut index, pool);
+    add_machine(
+        &mut index,
+        machine("mp-a", "MachinePool", "mp", Some("e2e:///ns/a"), true),
+    );
+    add_machine(
+        &mut index,
+        machine("mp-c", "MachinePool", "mp", None, false),
+    );
+    let s = index.snapshot(&settings(), 1);
+    let g = s.group("MachinePool/ns/mp").unwrap();
+    let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["e2e:///ns/a", "e2e:///ns/b", "pending-machine-ns_mp-c"]
+    );
+    let k = keys();
+    let b = s.locate(&node("e2e:///ns/b", "b"), &k).unwrap();
+    assert_eq!((b.machine.clone(), b.in_pool_list), (None, true));
+    let a = s.locate(&node("e2e:///ns/a", "a"), &k).unwrap();
+    assert_eq!(a.machine, Some(ObjectKey::new("ns", "mp-a")));
+}
+
+#[test]
+fn failed_and_deleting_machines_get_upstream_ids_states_and_error_info() {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(ScalableKind::MachineSet, "ms", Some("0"), Some("9"), 4),
+    );
+    let mut failed = machine("failed", "MachineSet", "ms", None, false);
+    failed.failure = Some(MachineFailure {
+        reason: "CreateError".into(),
+        message: "quota exceeded".into(),
+    });
+    add_machine(&mut index, failed);
+    let mut deleting = machine("deleting", "MachineSet", "ms", None, true);
+    deleting.deleting = true;
+    add_machine(&mut index, deleting);
+    let mut failed_deleting = machine("fd", "MachineSet", "ms", None, true);
+    failed_deleting.deleting = true;
+    failed_deleting.failure = Some(MachineFailure {
+        reason: String::new(),
+        message: String::new(),
+    });
+    add_machine(&mut index, failed_deleting);
+    let s = index.snapshot(&settings(), 1);
+    let g = s.group("MachineSet/ns/ms").unwrap();
+    let by_id: BTreeMap<_, _> = g.instances.iter().map(|i| (i.id.as_str(), i)).collect();
+    let f = by_id["failed-machine-ns_failed"];
+    assert_eq!(f.state, InstanceState::Creating);
+    let e = f.error.as_ref().unwrap();
+    assert_eq!(
+        (e.code.as_str(), e.class),
+        ("ProvisioningFailed", OTHER_ERROR_CLASS)
+    );
+    assert!(e.message.contains("quota exceeded"));
+    assert_eq!(
+        by_id["deleting-machine-ns_deleting"].state,
+        InstanceState::Deleting
+    );
+    let fd = by_id["failed-machine-ns_fd"];
+    assert_eq!(fd.state, InstanceState::Deleting);
+    assert_eq!(fd.error.as_ref().unwrap().code, "DeletingFailed");
+}
+
+#[test]
+fn a_registered_machine_without_a_known_provider_id_is_no_instance_but_counts_and_maps() {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(ScalableKind::MachineSet, "ms", Some("0"), Some("3"), 2),
+    );
+    add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));
+    add_machine(
+        &mut index,
+        machine("known", "MachineSet", "ms", Some("p://known"), true),
+    );
+    let s = index.snapshot(&settings(), 1);
+    let g = s.group("MachineSet/ns/ms").unwrap();
+    let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["p://known"],
+        "a made-up id would look unregistered to CA"
+    );
+    assert_eq!(g.registered, 2);
+    let k = keys();
+    let annotations: HashMap<String, String> = [
+        (k.node_machine.clone(), "no-id".to_string()),
+        (k.node_cluster_namespace.clone(), "ns".to_string()),
+    ]
+    .into();
+    let n = NodeRef {
+        provider_id: "",
+        name: "no-id",
+        annotations: Some(&annotations),
+    };
+    assert_eq!(
+        s.locate(&n, &k).and_then(|l| l.machine.clone()),
+        Some(ObjectKey::new("ns", "no-id"))
+    );
+    // With the workload cluster watched, the Node's providerID is used.
+    index.apply_node(Node {
+        name: "no-id".into(),
+        provider_id: Some("p://no-id".into()),
+        labels: BTreeMap::new(),
+    });
+    let s = index.snapshot(&settings(), 2);
+    let ids: Vec<_> = s
+        .group("MachineSet/ns/ms")
+        .unwrap()
+        .instances
+        .iter()
+        .map(|i| i.id.clone())
+        .collect();
+    assert_eq!(ids, ["p://known", "p://no-id"]);
+}
+
+#[test]
+fn a_cluster_topology_that_sets_an_autoscaled_groups_replicas_is_a_problem_on_the_cluster() {
+    use crate::capi::TopologyWorker;
+    let mut index = Index::default();
+    let mut md = resource(
+        ScalableKind::MachineDeployment,
+        "c1-md-0-x",
+        Some("0"),
+        Some("5"),
+        1,
+    );
+    md.topology = Some("md-0".into());
+    add(&mut index, md);
+    let mut quiet = resource(
+        ScalableKind::MachineDeployment,
+        "c1-md-1-y",
+        Some("0"),
+        Some("5"),
+        1,
+    );
+    quiet.topology = Some("md-1".into());
+    add(&mut index, quiet);
+    let worker = |name: &str, replicas: Option<i32>| TopologyWorker {
+        kind: ScalableKind::MachineDeployment,
+        name: name.into(),
+        replicas,
+    };
+    index.apply_cluster(ClusterTopology {
+        key: ObjectKey::new("ns", "c1"),
+        workers: vec![worker("md-0", Some(3)), worker("md-1", None)],
+    });
+    let s = index.snapshot(&settings(), 1);
+    let topology: Vec<_> = s
+        .problems
+        .iter()
+        .filter(|p| p.object == "Cluster ns/c1")
+        .collect();
+    assert_eq!(topology.len(), 1, "{:?}", s.problems);
+    assert_eq!(
+        topology[0].field,
+        "spec.topology.workers.machineDeployments[0].replicas"
+    );
+    assert!(
+        topology[0]
+            .message
+            .contains("MachineDeployment ns/c1-md-0-x")
+    );
+    // Still served: the conflict is the Cluster's to fix.
+    assert_eq!(s.groups.len(), 2);
+    index.delete_cluster(&ObjectKey::new("ns", "c1"));
+    assert!(index.snapshot(&settings(), 2).problems.is_empty());
+}
+
+#[test]
+fn a_reset_replaces_every_object_of_that_kind_only() {
+    let mut index = deployment_index();
+    index.reset_resources(ScalableKind::MachineDeployment, Vec::new());
+    let s = index.snapshot(&settings(), 2);
+    assert!(s.group("MachineDeployment/ns/md").is_none());
+    assert!(
+        index
+            .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"))
+            .is_some()
+    );
+    index.reset_machines(Vec::new());
+    assert_eq!(index.snapshot(&settings(), 3).machines, 0);
+    index.delete_resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"));
+    assert!(
+        index
+            .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"))
+            .is_none()
+    );
+}
+
+#[test]
+fn a_machine_set_whose_deployment_is_not_served_is_its_own_group() {
+    let mut index = Index::default();
+    let mut ms = resource(ScalableKind::MachineSet, "ms", Some("0"), Some("3"), 1);
+    ms.owners.push(OwnerRef {
+        kind: "MachineDeployment".into(),
+        name: "".into(),
+    });
+    add(&mut index, ms);
+    add_machine(
+        &mut index,
+        machine("m", "MachineSet", "ms", Some("p://m"), true),
+    );
+    let s = index.snapshot(&settings(), 1);
+    assert_eq!(
+        s.group_for_node(&node("p://m", "m"), &keys())
+            .map(|g| g.id.as_str()),
+        Some("MachineSet/ns/ms")
+    );
+}
+
+#[test]
+fn discovery_filters_which_resources_are_groups() {
+    let mut index = deployment_index();
+    let mut other = resource(
+        ScalableKind::MachineDeployment,
+        "other",
+        Some("0"),
+        Some("3"),
+        0,
+    );
+    other.key.namespace = "elsewhere".into();
+    add(&mut index, other);
+    let mut s = settings();
+    s.discovery = vec!["clusterapi:namespace=elsewhere".parse().unwrap()];
+    let snap = index.snapshot(&s, 1);
+    assert_eq!(
+        snap.groups.keys().collect::<Vec<_>>(),
+        ["MachineDeployment/elsewhere/other"]
+    );
+}
+
+/// `deployment_index()` (md: min 1, max 5, replicas 2; md-abc at revision 2) plus an older
+/// MachineSet of md with the given spec and status replicas, and a Machine of it.
+fn rolling_index(old_spec: i32, old_status: Option<i32>) -> Index {
+    let mut index = deployment_index();
+    let mut new = index
+        .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"))
+        .map(|r| ScalableResource::clone(r))
+        .unwrap();
+    new.annotations
+        .insert(REVISION_ANNOTATION.into(), "2".into());
+    add(&mut index, new);
+    let mut old = resource(ScalableKind::MachineSet, "md-old", None, None, old_spec);
+    old.status_replicas = old_status;
+    old.annotations
+        .insert(REVISION_ANNOTATION.into(), "1".into());
+    old.owners.push(OwnerRef {
+        kind: "MachineDeployment".into(),
+        name: "md".into(),
+    });
+    add(&mut index, old);
+    add_machine(
+        &mut index,
+        machine(
+            "m-old",
+            "MachineSet",
+            "md-old",
+            Some("e2e:///ns/m-old"),
+            true,
+        ),
+    );
+    index
+}
+
+#[test]
+fn a_rolling_out_deployment_serves_its_target_as_min_and_keeps_the_configured_min() {
+    let s = rolling_index(1, Some(1)).snapshot(&settings(), 1);
+    let g = s.group("MachineDeployment/ns/md").unwrap();
+    let rollout = g.rollout.as_ref().expect("rolling out");
+    assert_eq!(
+        rollout.old_sets,
+        vec![rollout::OldMachineSet {
+            key: ObjectKey::new("ns", "md-old"),
+            replicas: 1
+        }]
+    );
+    assert_eq!((g.min, g.served_min(), g.max, g.target), (1, 2, 5, 2));
+    assert_eq!(
+        g.rollout_note().as_deref(),
+        Some(
+            "rolling out: MachineSet ns/md-old still has 1 replica; scale-down paused \
+             (min size sent to CA: 2)"
+        )
+    );
+    assert!(g.debug().contains("rolling out"), "{}", g.debug());
+    // The old MachineSet's Machines are the group's too: CA must see them as its nodes.
+    assert_eq!(
+        s.group_for_node(&node("e2e:///ns/m-old", "m-old"), &keys())
+            .map(|g| g.id.as_str()),
+        Some("MachineDeployment/ns/md")
+    );
+    assert!(s.problems.is_empty(), "{:?}", s.problems);
+}
+
+#[test]
+fn a_drained_old_machine_set_ends_the_rollout() {
+    // spec.replicas 0 while its Machines are still going: still rolling out.
+    let s = rolling_index(0, Some(1)).snapshot(&settings(), 1);
+    assert!(
+        s.group("MachineDeployment/ns/md")
+            .unwrap()
+            .rollout
+            .is_some()
+    );
+    let s = rolling_index(0, Some(0)).snapshot(&settings(), 2);
+    let g = s.group("MachineDeployment/ns/md").unwrap();
+    assert_eq!((g.rollout.as_ref(), g.served_min()), (None, 1));
+    assert_eq!(
+        g.debug(),
+        "MachineDeployment/ns/md (min: 1, max: 5, replicas: 2)"
+    );
+    assert_eq!(g.rollout_note(), None);
+}
+
+#[test]
+fn the_served_min_never_exceeds_max() {
+    let mut index = rolling_index(1, None);
+    let mut md = index
+        .resource(ScalableKind::MachineDeployment, &ObjectKey::new("ns", "md"))
+        .map(|r| ScalableResource::clone(r))
+        .unwrap();
+    md.replicas = Some(7);
+    add(&mut index, md);
+    let s = index.snapshot(&settings(), 1);
+    let g = s.group("MachineDeployment/ns/md").unwrap();
+    assert_eq!((g.target, g.served_min(), g.max), (7, 5, 5));
+}
+
+#[test]
+fn the_rolling_out_condition_pauses_scale_down_without_old_machine_sets() {
+    let mut index = deployment_index();
+    let mut md = index
+        .resource(ScalableKind::MachineDeployment, &ObjectKey::new("ns", "md"))
+        .map(|r| ScalableResource::clone(r))
+        .unwrap();
+    md.rolling_out = true;
+    add(&mut index, md);
+    let s = index.snapshot(&settings(), 1);
+    let g = s.group("MachineDeployment/ns/md").unwrap();
+    assert!(g.rollout.as_ref().is_some_and(|r| r.condition));
+    assert_eq!(g.served_min(), 2);
+}
+
+#[test]
+fn a_non_integer_revision_is_a_problem_on_the_machine_set_and_pauses_scale_down() {
+    let mut index = rolling_index(0, None);
+    let mut odd = index
+        .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-old"))
+        .map(|r| ScalableResource::clone(r))
+        .unwrap();
+    odd.annotations
+        .insert(REVISION_ANNOTATION.into(), "v1".into());
+    add(&mut index, odd);
+    let s = index.snapshot(&settings(), 1);
+    assert!(
+        s.group("MachineDeployment/ns/md")
+            .unwrap()
+            .rollout
+            .is_some()
+    );
+    let problem = s
+        .problems
+        .iter()
+        .find(|p| p.object == "MachineSet ns/md-old")
+        .unwrap_or_else(|| panic!("{:?}", s.problems));
+    assert_eq!(
+        problem.field,
+        "metadata.annotations[machinedeployment.clusters.x-k8s.io/revision]"
+    );
+    assert!(problem.message.contains("\"v1\""), "{}", problem.message);
+    assert!(
+        problem.message.contains("MachineDeployment ns/md"),
+        "{}",
+        problem.message
+    );
+}
+
+#[test]
+fn only_machine_sets_of_the_deployment_count_by_owner_or_by_the_groups_label() {
+    let older = |name: &str, namespace: &str, label: Option<&str>| {
+        let mut ms = resource(ScalableKind::MachineSet, name, None, None, 1);
+        ms.key.namespace = namespace.into();
+        ms.annotations
+            .insert(REVISION_ANNOTATION.into(), "1".into());
+        if let Some(label) = label {
+            ms.labels.insert(label.into(), "md".into());
+        }
+        ms
+    };
+    let base = || {
+        let mut index = rolling_index(0, None);
+        index.delete_resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-old"));
+        index
+    };
+    let rolling = |index: &Index, settings: &Settings| {
+        index
+            .snapshot(settings, 1)
+            .group("MachineDeployment/ns/md")
+            .map(|g| g.rollout.is_some())
+    };
+    // Another namespace, and another group's label: not this deployment's.
+    let mut index = base();
+    add(
+        &mut index,
+        older(
+            "elsewhere",
+            "other",
+            Some("cluster.x-k8s.io/deployment-name"),
+        ),
+    );
+    add(
+        &mut index,
+        older(
+            "other-group",
+            "ns",
+            Some("cluster.example.dev/deployment-name"),
+        ),
+    );
+    assert_eq!(rolling(&index, &settings()), Some(false));
+    // Owned by reference, no label; labelled, no reference.
+    let mut owned = older("owned", "ns", None);
+    owned.owners.push(OwnerRef {
+        kind: "MachineDeployment".into(),
+        name: "md".into(),
+    });
+    let mut with_owned = base();
+    add(&mut with_owned, owned);
+    assert_eq!(rolling(&with_owned, &settings()), Some(true));
+    let mut with_labelled = base();
+    add(
+        &mut with_labelled,
+        older("labelled", "ns", Some("cluster.x-k8s.io/deployment-name")),
+    );
+    assert_eq!(rolling(&with_labelled, &settings()), Some(true));
+    // The label under the configured group.
+    let renamed = Settings {
+        keys: Keys::new("cluster.example.dev"),
+        ..Settings::default()
+    };
+    let mut md = index
+        .resource(ScalableKind::MachineDeployment, &ObjectKey::new("ns", "md"))
+        .map(|r| ScalableResource::clone(r))
+        .unwrap();
+    md.annotations = [
+        (renamed.keys.min_size.clone(), "1".to_string()),
+        (renamed.keys.max_size.clone(), "5".to_string()),
+    ]
+    .into();
+    add(&mut index, md);
+    assert_eq!(rolling(&index, &renamed), Some(true));
+}
+
+#[test]
+fn scaling_bounds_follow_upstream_rules() {
+    let k = keys();
+    let ann = |min: Option<&str>, max: Option<&str>| {
+        let mut a = BTreeMap::new();
+        if let Some(v) = min {
+            a.insert(k.min_size.clone(), v.to_string());
+        }
+        if let Some(v) = max {
+            a.insert(k.max_size.clone(), v.to_string());
+        }
+        a
+    };
+    assert_eq!(scaling_bounds(&k, "o", &ann(None, None)), Ok(None));
+    assert_eq!(
+        scaling_bounds(&k, "o", &ann(None, Some("3"))),
+        Ok(Some((0, 3)))
+    );
+    assert_eq!(
+        scaling_bounds(&k, "o", &ann(Some("2"), Some("2"))),
+        Ok(Some((2, 2)))
+    );
+    assert!(scaling_bounds(&k, "o", &ann(Some("x"), Some("2"))).is_err());
+    assert!(scaling_bounds(&k, "o", &ann(Some("3"), Some("2"))).is_err());
+    assert!(scaling_bounds(&k, "o", &ann(Some("1"), None)).is_err());
+}
+
+#[test]
+fn a_rebuild_reuses_the_templates_whose_inputs_did_not_change() {
+    let with_capacity = |name: &str, replicas: i32, cpu: &str| {
+        let mut r = resource(
+            ScalableKind::MachineDeployment,
+            name,
+            Some("0"),
+            Some("5"),
+            replicas,
+        );
+        r.annotations
+            .insert(crate::capi::capacity::CPU.into(), cpu.into());
+        r.annotations
+            .insert(crate::capi::capacity::MEMORY.into(), "4Gi".into());
+        r
+    };
+    let mut index = Index::default();
+    add(&mut index, with_capacity("a", 1, "2"));
+    add(&mut index, with_capacity("b", 0, "2"));
+    let first = index.snapshot(&settings(), 1);
+    let template = |s: &Snapshot, id: &str| s.group(id).unwrap().template.clone().unwrap();
+    // A replica write on `a`, a capacity change on `b`.
+    add(&mut index, with_capacity("a", 3, "2"));
+    add(&mut index, with_capacity("b", 0, "8"));
+    let second = index.snapshot_reusing(&settings(), 2, &first);
+    let fresh = index.snapshot(&settings(), 2);
+    for id in ["MachineDeployment/ns/a", "MachineDeployment/ns/b"] {
+        assert_eq!(template(&second, id), template(&fresh, id), "{id}");
+    }
+    assert!(Arc::ptr_eq(
+        &template(&first, "MachineDeployment/ns/a"),
+        &template(&second, "MachineDeployment/ns/a")
+    ));
+    assert!(!Arc::ptr_eq(
+        &template(&first, "MachineDeployment/ns/b"),
+        &template(&second, "MachineDeployment/ns/b")
+    ));
+    assert_eq!(second.group("MachineDeployment/ns/a").unwrap().target, 3);
+    assert_eq!(second.problems, fresh.problems);
+}
+
+#[test]
+fn one_location_serves_every_lookup_of_a_machine() {
+    let s = deployment_index().snapshot(&settings(), 1);
+    let keys = keys();
+    let by_id = s.locate(&node("e2e:///ns/m1", ""), &keys).unwrap();
+    let by_normalized = s.locate(&node("other:///m1", ""), &keys).unwrap();
+    let annotations = HashMap::from([
+        (keys.node_machine.clone(), "m1".to_string()),
+        (keys.node_cluster_namespace.clone(), "ns".to_string()),
+    ]);
+    let by_machine = s
+        .locate(
+            &NodeRef {
+                provider_id: "",
+                name: "n",
+                annotations: Some(&annotations),
+            },
+            &keys,
+        )
+        .unwrap();
+    assert!(std::ptr::eq(by_id, by_normalized));
+    assert!(std::ptr::eq(by_id, by_machine));
+    assert_eq!(by_id.machine, Some(ObjectKey::new("ns", "m1")));
+    // Two Machines, one location each.
+    assert_eq!(s.lookup.locations.len(), 2);
+}
+
+/// Everything a snapshot answers, for comparing two of them.
+fn view(s: &Snapshot, nodes: &[(&str, &str)]) -> String {
+    let keys = keys();
+    let located: Vec<_> = nodes
+        .iter()
+        .map(|(id, name)| s.locate(&node(id, name), &keys).cloned())
+        .collect();
+    format!(
+        "{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{}",
+        s.groups.iter().collect::<Vec<_>>(),
+        s.problems,
+        s.skipped,
+        located,
+        s.reference_prices,
+        s.machines
+    )
+}
+
+#[test]
+fn a_rebuild_after_local_changes_equals_a_build_from_scratch() {
+    // md rolling out (an old MachineSet), a second deployment, a MachineSet group, a pool.
+    let mut index = rolling_index(1, Some(1));
+    let mut other = resource(
+        ScalableKind::MachineDeployment,
+        "md2",
+        Some("0"),
+        Some("4"),
+        1,
+    );
+    other
+        .annotations
+        .insert(crate::capi::capacity::CPU.into(), "2".into());
+    other
+        .annotations
+        .insert(crate::capi::capacity::MEMORY.into(), "4Gi".into());
+    add(&mut index, other);
+    let mut ms2 = resource(ScalableKind::MachineSet, "md2-x", None, None, 1);
+    ms2.owners.push(OwnerRef {
+        kind: "MachineDeployment".into(),
+        name: "md2".into(),
+    });
+    add(&mut index, ms2);
+    add_machine(
+        &mut index,
+        machine("n1", "MachineSet", "md2-x", Some("e2e:///ns/n1"), true),
+    );
+    add(
+        &mut index,
+        resource(ScalableKind::MachineSet, "lone", Some("1"), Some("3"), 2),
+    );
+    for m in ["l1", "l2"] {
+        add_machine(
+            &mut index,
+            machine(
+                m,
+                "MachineSet",
+                "lone",
+                Some(&format!("e2e:///ns/{m}")),
+                true,
+            ),
+        );
+    }
+    let nodes = [
+        ("e2e:///ns/m1", "m1"),
+        ("e2e:///ns/m-old", "m-old"),
+        ("e2e:///ns/n1", "n1"),
+        ("e2e:///ns/l1", "l1"),
+        ("x:///l2", "l2"),
+        ("", "pending-machine-ns_m2"),
+    ];
+    let mut previous = index.snapshot_reusing(&settings(), 1, &Snapshot::default());
+    assert_eq!(
+        view(&previous, &nodes),
+        view(&index.snapshot(&settings(), 1), &nodes)
+    );
+
+    let resource_of = |index: &Index, kind, name: &str| {
+        ScalableResource::clone(index.resource(kind, &ObjectKey::new("ns", name)).unwrap())
+    };
+    let machine_of = |index: &Index, name: &str| {
+        Machine::clone(index.machine(&ObjectKey::new("ns", name)).unwrap())
+    };
+    let delete_key = keys().delete_machine;
+    type Change = Box<dyn Fn(&mut Index)>;
+    let changes: Vec<(&str, bool, Change)> = vec![
+        (
+            "md replicas 2 → 3",
+            true,
+            Box::new(move |i: &mut Index| {
+                let mut r = resource_of(i, ScalableKind::MachineDeployment, "md");
+                r.replicas = Some(3);
+                r.resource_version = "2".into();
+                add(i, r);
+            }),
+        ),
+        (
+            "the old MachineSet empties: md's rollout ends",
+            true,
+            Box::new(move |i: &mut Index| {
+                let mut r = resource_of(i, ScalableKind::MachineSet, "md-old");
+                r.replicas = Some(0);
+                r.status_replicas = Some(0);
+                add(i, r);
+            }),
+        ),
+        (
+            "l1 marked, lone 2 → 1 (l1 leaving)",
+            true,
+            Box::new({
+                let delete_key = delete_key.clone();
+                move |i: &mut Index| {
+                    let mut m = machine_of(i, "l1");
+                    m.annotations.insert(delete_key.clone(), "now".into());
+                    add_machine(i, m);
+                    let mut r = resource_of(i, ScalableKind::MachineSet, "lone");
+                    r.replicas = Some(1);
+                    add(i, r);
+                }
+            }),
+        ),
+        (
+            "md2 to zero (its template now must describe it)",
+            true,
+            Box::new(move |i: &mut Index| {
+                let mut r = resource_of(i, ScalableKind::MachineDeployment, "md2");
+                r.replicas = Some(0);
+                add(i, r);
+            }),
+        ),
+        (
+            "l1's mark taken back",
+            true,
+            Box::new({
+                let delete_key = delete_key.clone();
+                move |i: &mut Index| {
+                    let mut m = machine_of(i, "l1");
+                    m.annotations.remove(&delete_key);
+                    add_machine(i, m);
+                }
+            }),
+        ),
+        (
+            "a new Machine: built from scratch",
+            false,
+            Box::new(move |i: &mut Index| {
+                add_machine(
+                    i,
+                    machine("l3", "MachineSet", "lone", Some("e2e:///ns/l3"), true),
+                );
+            }),
+        ),
+        (
+            "md's max changed: built from scratch",
+            false,
+            Box::new(move |i: &mut Index| {
+                let mut r = resource_of(i, ScalableKind::MachineDeployment, "md");
+                r.annotations.insert(keys().max_size, "9".into());
+                add(i, r);
+            }),
+        ),
+        (
+            "md replicas back to 2",
+            true,
+            Box::new(move |i: &mut Index| {
+                let mut r = resource_of(i, ScalableKind::MachineDeployment, "md");
+                r.replicas = Some(2);
+                add(i, r);
+            }),
+        ),
+    ];
+    for (generation, (what, local, change)) in (2..).zip(changes) {
+        change(&mut index);
+        let next = index.snapshot_reusing(&settings(), generation, &previous);
+        let fresh = index.snapshot(&settings(), generation);
+        assert_eq!(view(&next, &nodes), view(&fresh, &nodes), "{what}");
+        assert_eq!(Arc::ptr_eq(&next.lookup, &previous.lookup), local, "{what}");
+        previous = next;
+    }
+    // A snapshot that is not the last one built this way is never patched.
+    let stale = index.snapshot(&settings(), 50);
+    let mut r = resource_of(&index, ScalableKind::MachineDeployment, "md");
+    r.replicas = Some(4);
+    add(&mut index, r);
+    let next = index.snapshot_reusing(&settings(), 51, &stale);
+    assert!(!Arc::ptr_eq(&next.lookup, &stale.lookup));
+    assert_eq!(
+        view(&next, &nodes),
+        view(&index.snapshot(&settings(), 51), &nodes)
+    );
+}

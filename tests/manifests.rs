@@ -1,0 +1,855 @@
+//! deploy/ run, not just validated: each kustomize overlay and each Helm values file is rendered (kustomize,
+//! the official chart with a real `helm template`), every rendered object is applied to the test apiserver,
+//! and every container of the rendered pods is started as a local process by the test kubelet
+//! (tests/support/kubelet.rs: the image's program at its path in its own root, the manifest's args and env,
+//! ConfigMap/Secret volumes with their modes and fsGroup ownership, the pod's user and groups, a
+//! ServiceAccount token from the TokenRequest API). The provider binary is the one cargo built; CA is the
+//! pinned release.
+//!
+//! Each variant asserts: the provider becomes ready under exactly the rendered RBAC (its ServiceAccount's
+//! token, no other binding); the real CA reads its cloud-config from the ConfigMap, completes its loop through
+//! the provider (its `last_activity{activity="main"}` moves, its status ConfigMap appears) and scales a
+//! MachineDeployment up from zero for a pending pod; nothing is refused by RBAC; TLS/mTLS between them is as
+//! configured. Variants share cluster-scoped names and kube-system, so they run one at a time.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret};
+use kube::api::{ObjectMeta, PostParams};
+use kube::{Api, Client};
+use serde_json::Value;
+use support::capi::{Capi, Kind, Scalable};
+use support::kubelet::{Kubelet, PortMap, RunningPod};
+use support::procs::{self, Check, poll_until};
+use support::render::{self, expected_ca_image, expected_provider_image};
+use support::scenario::CAPACITY;
+use support::workload::{self, PodSpec};
+use support::workload_cluster::workload_cluster;
+use support::{CAPI_GROUP, ControlPlane, Setup};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+/// Variants share cluster-scoped objects and kube-system: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const CA_REPOSITORY: &str = "registry.k8s.io/autoscaling/cluster-autoscaler";
+const PROVIDER_IMAGE_NAME: &str = "capi-autoscaler-provider";
+/// The ports the manifests name: CA's metrics, the provider's gRPC and HTTP.
+const PORTS: [u16; 3] = [8085, 8086, 8087];
+/// CA's default scan interval is 10 s and its leader election takes a moment: room for a few loops.
+const LOOP: Duration = Duration::from_secs(90);
+
+/// Where the scaled group and the pending pod live.
+enum Topology {
+    /// One cluster: CAPI objects, Nodes and Pods together.
+    Single,
+    /// CA in the management cluster (the control plane), Pods and Nodes in a separate workload cluster
+    /// whose kubeconfig is the Secret `<cluster>-kubeconfig` in the install namespace, as Cluster API
+    /// writes it; the node group belongs to Cluster `cluster` in that namespace.
+    Management { cluster: &'static str },
+}
+
+struct Variant {
+    name: &'static str,
+    /// The rendered objects.
+    objects: Vec<Value>,
+    topology: Topology,
+}
+
+/// Applies `objects` with kubectl (server-side, as `kubectl apply -k` / `helm install` would create them)
+/// and deletes them again when dropped, with everything else the run left (the node group, the pending
+/// pod, CA's Lease and status ConfigMap).
+struct Applied {
+    file: PathBuf,
+    kubeconfig: PathBuf,
+    cleanups: Vec<(PathBuf, Vec<String>)>,
+}
+
+impl Applied {
+    fn apply(cp: &ControlPlane, name: &str, objects: &[Value]) -> Applied {
+        let file = procs::work_dir().join(format!("{name}.rendered.yaml"));
+        let text: String = objects
+            .iter()
+            .map(|o| format!("---\n{}", serde_norway::to_string(o).expect("YAML")))
+            .collect();
+        std::fs::write(&file, text).expect("write the rendered objects");
+        let kubeconfig = cp.admin_kubeconfig().to_path_buf();
+        let out = kubectl(
+            &kubeconfig,
+            &[
+                "apply",
+                "--server-side",
+                "--field-manager=e2e-install",
+                "-f",
+                &path(&file),
+            ],
+        );
+        eprintln!("e2e: {name}: applied\n{out}");
+        Applied {
+            file,
+            kubeconfig,
+            cleanups: Vec::new(),
+        }
+    }
+
+    /// Also run `kubectl ARGS` with `kubeconfig` at the end.
+    fn cleanup(&mut self, kubeconfig: &Path, args: &[&str]) {
+        self.cleanups.push((
+            kubeconfig.to_path_buf(),
+            args.iter().map(|s| s.to_string()).collect(),
+        ));
+    }
+}
+
+impl Drop for Applied {
+    fn drop(&mut self) {
+        let file = path(&self.file);
+        let mut all = vec![(
+            self.kubeconfig.clone(),
+            vec![
+                "delete".to_string(),
+                "--ignore-not-found".into(),
+                "--wait=false".into(),
+                "-f".into(),
+                file,
+            ],
+        )];
+        all.append(&mut self.cleanups);
+        for (kubeconfig, args) in all {
+            let _ = std::process::Command::new("kubectl")
+                .arg("--kubeconfig")
+                .arg(&kubeconfig)
+                .args(&args)
+                .stdin(std::process::Stdio::null())
+                .output();
+        }
+    }
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
+    let kubeconfig = path(kubeconfig);
+    let all: Vec<&str> = ["--kubeconfig", kubeconfig.as_str()]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    render::run(Path::new("kubectl"), &all)
+}
+
+/// The stored pod template of Deployment `namespace/name`: what the ReplicaSet controller would copy into
+/// the pod, defaults applied by the apiserver.
+async fn stored_pod_spec(client: &Client, namespace: &str, name: &str) -> Value {
+    let d = Api::<Deployment>::namespaced(client.clone(), namespace)
+        .get(name)
+        .await
+        .unwrap_or_else(|e| panic!("get Deployment {namespace}/{name}: {e}"));
+    serde_json::to_value(d).expect("a Deployment as JSON")["spec"]["template"]["spec"].clone()
+}
+
+/// Service names in the rendered objects, as cluster DNS answers them.
+fn service_names(objects: &[Value]) -> Vec<String> {
+    render::all(objects, "Service")
+        .into_iter()
+        .flat_map(|s| {
+            let name = s["metadata"]["name"].as_str().unwrap_or_default();
+            let ns = s["metadata"]["namespace"].as_str().unwrap_or_default();
+            [
+                name.to_string(),
+                format!("{name}.{ns}"),
+                format!("{name}.{ns}.svc"),
+                format!("{name}.{ns}.svc.cluster.local"),
+            ]
+        })
+        .collect()
+}
+
+/// Every image the pods name resolves to a real registry path: CA's is the official one at the pinned
+/// default version, the provider's the image `make image` builds.
+fn assert_images(objects: &[Value]) {
+    for d in render::all(objects, "Deployment") {
+        for c in render::containers(&d["spec"]["template"]["spec"]) {
+            let image = c["image"].as_str().unwrap_or_default();
+            let (repository, _) = support::kubelet::split_image(image);
+            if repository == CA_REPOSITORY {
+                assert_eq!(image, expected_ca_image(), "{}", d["metadata"]["name"]);
+            } else {
+                assert_eq!(repository, PROVIDER_IMAGE_NAME, "unexpected image {image}");
+                assert_eq!(image, expected_provider_image());
+            }
+        }
+    }
+}
+
+/// Creates namespace `name` (ignoring that it exists).
+async fn ensure_namespace(client: &Client, name: &str) {
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("create namespace {name}: {e}"),
+    }
+}
+
+/// Waits until the scheduler has marked pod `ns/name` unschedulable (`PodScheduled` False).
+async fn wait_unschedulable(client: &Client, ns: &str, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    poll_until(
+        &format!("pod {ns}/{name} marked unschedulable"),
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || {
+            let pods = pods.clone();
+            async move {
+                let pod = match pods.get(name).await {
+                    Ok(pod) => pod,
+                    Err(e) => return Check::Wait(e.to_string()),
+                };
+                let unschedulable = pod
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == "PodScheduled" && c.status == "False");
+                if unschedulable {
+                    Check::Done(())
+                } else {
+                    Check::Wait("not marked yet".into())
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Panics with `message` and every container's log.
+fn fail(variant: &str, pods: &[RunningPod], message: &str) -> ! {
+    let logs: String = pods
+        .iter()
+        .map(|p| format!("{}\n{}", p.summary(), p.logs()))
+        .collect();
+    panic!("variant {variant}: {message}\n{logs}")
+}
+
+/// The test kubelet makes mount namespaces, chroots and switches users: only root may.
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "tests/manifests.rs runs each container in its own mount namespace and root as the pod's user, \
+         as a container runtime does: it must run as root (CI and the development machines do)"
+    );
+}
+
+async fn run(variant: Variant) {
+    require_root();
+    let started = Instant::now();
+    let cp = support::control_plane(Setup::shipped());
+    let admin = cp.admin_client().await;
+    assert_images(&variant.objects);
+
+    if !render::all(&variant.objects, "Certificate").is_empty() {
+        support::crds::install(
+            &admin,
+            &[render::repo("tests/fixtures/cert-manager-crds.yaml")],
+        )
+        .await
+        .expect("install the cert-manager stand-in CRDs");
+    }
+    let mut applied = Applied::apply(cp, variant.name, &variant.objects);
+
+    // Certificates: what cert-manager would write.
+    let certificates: Vec<Value> = variant
+        .objects
+        .iter()
+        .filter(|o| o["kind"] == "Certificate" || o["kind"] == "Issuer")
+        .cloned()
+        .collect();
+    let issued = if certificates.is_empty() {
+        None
+    } else {
+        let ns = certificates[0]["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("kube-system")
+            .to_string();
+        Some(support::cert_manager::issue(&admin, &ns, &certificates).await)
+    };
+
+    // Where CA's Pods, Nodes, status and Lease are, and where the node group is.
+    let deployments: Vec<(String, String)> = render::all(&variant.objects, "Deployment")
+        .iter()
+        .map(|d| {
+            (
+                d["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                d["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect();
+    let install_ns = deployments[0].0.clone();
+    let (pods_client, pods_kubeconfig, group_ns, cluster_name, pod_ns) = match variant.topology {
+        Topology::Single => {
+            support::autoscaler::ensure_scheduler(cp);
+            let ns = cp.fresh_namespace().await;
+            (
+                admin.clone(),
+                cp.admin_kubeconfig().to_path_buf(),
+                ns.clone(),
+                None,
+                ns,
+            )
+        }
+        Topology::Management { cluster } => {
+            let w = workload_cluster(cp);
+            // What Cluster API writes for every Cluster: its admin kubeconfig, key `value`.
+            let secret = Secret {
+                metadata: ObjectMeta {
+                    name: Some(format!("{cluster}-kubeconfig")),
+                    namespace: Some(install_ns.clone()),
+                    labels: Some(
+                        [(format!("{CAPI_GROUP}/cluster-name"), cluster.to_string())].into(),
+                    ),
+                    ..Default::default()
+                },
+                type_: Some("cluster.x-k8s.io/secret".into()),
+                string_data: Some([("value".to_string(), w.admin_kubeconfig_text.clone())].into()),
+                ..Default::default()
+            };
+            Api::<Secret>::namespaced(admin.clone(), &install_ns)
+                .create(&PostParams::default(), &secret)
+                .await
+                .unwrap_or_else(|e| panic!("create the {cluster}-kubeconfig Secret: {e}"));
+            applied.cleanup(
+                cp.admin_kubeconfig(),
+                &[
+                    "-n",
+                    &install_ns,
+                    "delete",
+                    "secret",
+                    &format!("{cluster}-kubeconfig"),
+                ],
+            );
+            let client = support::client_from_kubeconfig(&w.admin_kubeconfig).await;
+            let pod_ns = format!("e2e-{}", variant.name);
+            ensure_namespace(&client, &pod_ns).await;
+            (
+                client,
+                w.admin_kubeconfig.clone(),
+                install_ns.clone(),
+                Some(cluster),
+                pod_ns,
+            )
+        }
+    };
+    applied.cleanup(
+        &pods_kubeconfig,
+        &[
+            "-n",
+            &install_ns,
+            "delete",
+            "lease,configmap",
+            "cluster-autoscaler",
+            "cluster-autoscaler-status",
+            "--ignore-not-found",
+        ],
+    );
+    applied.cleanup(
+        &pods_kubeconfig,
+        &[
+            "-n",
+            &pod_ns,
+            "delete",
+            "pods,replicasets",
+            "--all",
+            "--grace-period=0",
+            "--force",
+        ],
+    );
+
+    // A node group at zero whose template fits only this run's pod.
+    let capi = Capi::new(admin.clone(), &group_ns, CAPI_GROUP, "v1beta2");
+    let md_name = format!("md-{}", variant.name);
+    let mut md = Scalable::md(&md_name)
+        .bounds(0, 2)
+        .replicas(0)
+        .annotation(&format!("{CAPACITY}/cpu"), "2")
+        .annotation(&format!("{CAPACITY}/memory"), "4Gi")
+        .annotation(&format!("{CAPACITY}/maxPods"), "110")
+        .annotation(
+            &format!("{CAPACITY}/labels"),
+            &workload::scenario_labels(&pod_ns, &[]),
+        );
+    if let Some(cluster) = cluster_name {
+        md = md.cluster(cluster);
+    }
+    capi.create_deployment(&md, false).await;
+    applied.cleanup(
+        cp.admin_kubeconfig(),
+        &[
+            "-n",
+            &group_ns,
+            "delete",
+            &format!("machinedeployments.{CAPI_GROUP},machinesets.{CAPI_GROUP}"),
+            &md_name,
+            &Capi::set_of(&md_name),
+            "--ignore-not-found",
+        ],
+    );
+    // Pending, and marked unschedulable by the scheduler, before CA starts: CA's first loop has a reason
+    // to scale.
+    workload::create_pod(&pods_client, &pod_ns, &PodSpec::new("web", "500m", "256Mi")).await;
+    wait_unschedulable(&pods_client, &pod_ns, "web").await;
+
+    let kubelet = Kubelet {
+        client: admin.clone(),
+        server: cp.server.clone(),
+        ca_pem: std::fs::read_to_string(cp.dir.join("ca.crt")).expect("the control plane's CA"),
+        ports: PortMap::fresh(&PORTS),
+        hosts: service_names(&variant.objects),
+    };
+
+    // The provider's pods first (standalone), CA's last.
+    let mut order = deployments.clone();
+    let runs_ca = |(ns, name): &(String, String)| {
+        render::all(&variant.objects, "Deployment").iter().any(|d| {
+            d["metadata"]["namespace"] == ns.as_str()
+                && d["metadata"]["name"] == name.as_str()
+                && render::containers(&d["spec"]["template"]["spec"])
+                    .iter()
+                    .any(|c| {
+                        c["image"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .starts_with(CA_REPOSITORY)
+                    })
+        })
+    };
+    order.sort_by_key(runs_ca);
+    let mut pods: Vec<RunningPod> = Vec::new();
+    for (ns, name) in &order {
+        let spec = stored_pod_spec(&admin, ns, name).await;
+        let mut pod = kubelet.run_pod(ns, &format!("{name}-e2e"), &spec).await;
+        if let Err(e) = pod.wait_ready(Duration::from_secs(60)).await {
+            panic!("{e}\n{}", pod.summary());
+        }
+        pods.push(pod);
+    }
+
+    // TLS as configured between the provider and CA.
+    if let Some(issued) = &issued {
+        check_mutual_tls(&pods, issued, &kubelet).await;
+    }
+
+    // CA: its first main loop, through the provider.
+    let ca_pod = pods
+        .iter()
+        .position(|p| {
+            p.containers
+                .iter()
+                .any(|c| c.image.starts_with(CA_REPOSITORY))
+        })
+        .expect("a pod runs cluster-autoscaler");
+    let ca = pods[ca_pod].by_image(CA_REPOSITORY);
+    let ca_started = ca.started;
+    let ca_address = render::flag(&ca.argv, "--address").expect("CA's --address");
+    let first = poll_until(
+        "CA's first main loop (cluster_autoscaler_last_activity{activity=\"main\"})",
+        LOOP,
+        Duration::from_millis(200),
+        || {
+            let alive = pods.iter_mut().try_for_each(RunningPod::check_alive);
+            let address = ca_address.clone();
+            async move {
+                if let Err(e) = alive {
+                    return Check::Fatal(e);
+                }
+                let text = support::autoscaler::http_get(&address, "/metrics").await;
+                let sum = support::autoscaler::metric_sum(
+                    &text.unwrap_or_default(),
+                    "cluster_autoscaler_last_activity",
+                    &[("activity", "main")],
+                );
+                if sum > 0.0 {
+                    Check::Done(sum)
+                } else {
+                    Check::Wait("no main loop yet".into())
+                }
+            }
+        },
+    )
+    .await;
+    let first_activity = match first {
+        Ok(v) => v,
+        Err(e) => fail(variant.name, &pods, &e),
+    };
+    let first_loop = ca_started.elapsed();
+
+    // The loop reached the provider: the group was scaled up from zero for the pending pod.
+    let scaled = poll_until(
+        &format!("MachineDeployment {group_ns}/{md_name} scaled 0 → 1 by CA through the provider"),
+        LOOP,
+        Duration::from_millis(200),
+        || {
+            let alive = pods.iter_mut().try_for_each(RunningPod::check_alive);
+            let capi = &capi;
+            let md_name = &md_name;
+            async move {
+                if let Err(e) = alive {
+                    return Check::Fatal(e);
+                }
+                match capi.replicas(Kind::MachineDeployment, md_name).await {
+                    1 => Check::Done(()),
+                    n => Check::Wait(format!("replicas {n}")),
+                }
+            }
+        },
+    )
+    .await;
+    if let Err(e) = scaled {
+        fail(variant.name, &pods, &e);
+    }
+    let scaled_up = ca_started.elapsed();
+    let reasons = workload::pod_event_reasons(&pods_client, &pod_ns, "web").await;
+    if !reasons.iter().any(|r| r == "TriggeredScaleUp") {
+        fail(
+            variant.name,
+            &pods,
+            &format!("CA's TriggeredScaleUp Event on the pod: {reasons:?}"),
+        );
+    }
+
+    // `kubectl exec … -c provider -- /capi-autoscaler-provider check` (the README's way to see what CA sees)
+    // works in the pod: it reaches the same clusters as `serve` and shows the group.
+    let provider = pods
+        .iter()
+        .flat_map(|p| p.containers.iter())
+        .find(|c| c.image.starts_with(PROVIDER_IMAGE_NAME))
+        .expect("a provider container");
+    let program = provider.argv[0].clone();
+    let check = provider.exec(&[&program, "check"]).await;
+    let check_out = String::from_utf8_lossy(&check.stdout).into_owned();
+    let group = format!("MachineDeployment/{group_ns}/{md_name}");
+    let Some(check_line) = check_out
+        .lines()
+        .find(|l| l.starts_with(&group))
+        .filter(|_| check.status.success())
+    else {
+        fail(
+            variant.name,
+            &pods,
+            &format!(
+                "`check` in the provider container ({}) does not show {group}:\n{check_out}{}",
+                check.status,
+                String::from_utf8_lossy(&check.stderr)
+            ),
+        );
+    };
+    let check_line = check_line.split_whitespace().collect::<Vec<_>>().join(" ");
+
+    // The main loop keeps running, and CA's status ConfigMap is in its namespace of the cluster it watches.
+    let ca_address2 = ca_address.clone();
+    let moved = poll_until(
+        "CA's last_activity{activity=\"main\"} moves again",
+        LOOP,
+        Duration::from_millis(200),
+        || {
+            let address = ca_address2.clone();
+            async move {
+                let text = support::autoscaler::http_get(&address, "/metrics").await;
+                let now = support::autoscaler::metric_sum(
+                    &text.unwrap_or_default(),
+                    "cluster_autoscaler_last_activity",
+                    &[("activity", "main")],
+                );
+                if now > first_activity {
+                    Check::Done(())
+                } else {
+                    Check::Wait(format!("still {now}"))
+                }
+            }
+        },
+    )
+    .await;
+    if let Err(e) = moved {
+        fail(variant.name, &pods, &e);
+    }
+    let status = Api::<ConfigMap>::namespaced(pods_client.clone(), &install_ns)
+        .get_opt(support::autoscaler::STATUS_CONFIGMAP)
+        .await
+        .ok()
+        .flatten();
+    if status.is_none() {
+        fail(
+            variant.name,
+            &pods,
+            &format!("CA's status ConfigMap in {install_ns} of the cluster it watches"),
+        );
+    }
+    if matches!(variant.topology, Topology::Management { .. }) {
+        // Not in the management cluster: CA watches the workload cluster only.
+        let wrong = Api::<ConfigMap>::namespaced(admin.clone(), &install_ns)
+            .get_opt(support::autoscaler::STATUS_CONFIGMAP)
+            .await
+            .ok()
+            .flatten();
+        if wrong.is_some() {
+            fail(
+                variant.name,
+                &pods,
+                "CA wrote its status into the management cluster",
+            );
+        }
+    }
+    let metrics = support::autoscaler::http_get(&ca_address, "/metrics")
+        .await
+        .unwrap_or_default();
+    let node_groups = support::autoscaler::metric_sum(
+        &metrics,
+        "cluster_autoscaler_node_groups_count",
+        &[("node_group_type", "autoscaled")],
+    );
+
+    // Nothing refused: every permission the programs used is in the rendered RBAC.
+    for pod in &pods {
+        for c in &pod.containers {
+            let log = std::fs::read_to_string(&c.log).unwrap_or_default();
+            if let Some(line) = log.lines().find(|l| l.contains("forbidden")) {
+                fail(
+                    variant.name,
+                    &pods,
+                    &format!("container {} was refused by RBAC: {line}", c.name),
+                );
+            }
+            if let (Some(limit), Some(peak)) = (c.memory_limit, c.peak_rss())
+                && peak > limit
+            {
+                fail(
+                    variant.name,
+                    &pods,
+                    &format!(
+                        "container {} peaked at {peak} bytes, over its limit {limit}",
+                        c.name
+                    ),
+                );
+            }
+        }
+    }
+
+    let summaries: Vec<String> = pods.iter().map(RunningPod::summary).collect();
+    procs::announce(&format!(
+        "e2e: manifests {}: {}\n  CA's first main loop {:.1}s after its start; {} autoscaled node group(s); \
+         pending pod → {group_ns}/{md_name} replicas 0 → 1 {:.1}s after CA's start (TriggeredScaleUp); \
+         status ConfigMap {install_ns}/{}; `check` in the provider container: {check_line}; \
+         variant done in {:.1}s",
+        variant.name,
+        summaries.join("\n  "),
+        first_loop.as_secs_f64(),
+        node_groups,
+        scaled_up.as_secs_f64(),
+        support::autoscaler::STATUS_CONFIGMAP,
+        started.elapsed().as_secs_f64(),
+    ));
+    drop(pods);
+    drop(applied);
+}
+
+/// The standalone provider speaks TLS only, and only to clients with a certificate from its CA: plaintext
+/// and certificate-less TLS are refused, the client certificate CA mounts is accepted, for the Service name
+/// in CA's cloud-config.
+async fn check_mutual_tls(
+    pods: &[RunningPod],
+    issued: &support::cert_manager::Issued,
+    kubelet: &Kubelet,
+) {
+    let provider = pods
+        .iter()
+        .flat_map(|p| p.containers.iter())
+        .find(|c| c.image.starts_with(PROVIDER_IMAGE_NAME))
+        .expect("a provider container");
+    let address = render::flag(&provider.argv, "--address").expect("the provider's --address");
+    let server = issued
+        .secrets
+        .get("capi-autoscaler-provider-server-cert")
+        .expect("the server certificate");
+    let client = issued
+        .secrets
+        .get("cluster-autoscaler-grpc-client-cert")
+        .expect("the client certificate");
+    let host = "capi-autoscaler-provider";
+    assert!(server.names.iter().any(|n| n == host), "{:?}", server.names);
+    assert!(kubelet.hosts.iter().any(|n| n == host));
+    let port = address.rsplit_once(':').expect("host:port").1;
+    let health = |tls: Option<ClientTlsConfig>| {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://127.0.0.1:{port}"))
+            .expect("an endpoint")
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(3));
+        if let Some(tls) = tls {
+            endpoint = endpoint.tls_config(tls).expect("a TLS config");
+        }
+        support::provider::health_status(endpoint, "")
+    };
+    let ca = || Certificate::from_pem(&server.ca);
+    assert!(
+        health(None).await.is_err(),
+        "plaintext gRPC must be refused"
+    );
+    let no_cert = ClientTlsConfig::new()
+        .ca_certificate(ca())
+        .domain_name(host);
+    assert!(
+        health(Some(no_cert)).await.is_err(),
+        "TLS without a client certificate must be refused (mTLS)"
+    );
+    let with_cert = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&client.ca))
+        .identity(Identity::from_pem(&client.cert, &client.key))
+        .domain_name(host);
+    let status = health(Some(with_cert)).await;
+    assert!(
+        matches!(
+            status,
+            Ok(tonic_health::pb::health_check_response::ServingStatus::Serving)
+        ),
+        "mTLS with CA's client certificate: {status:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_sidecar_overlay_runs_and_scales() {
+    let _serial = SERIAL.lock().await;
+    run(Variant {
+        name: "sidecar-overlay",
+        objects: render::kustomize("deploy/overlays/sidecar"),
+        topology: Topology::Single,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_standalone_overlay_runs_with_mutual_tls_and_scales() {
+    let _serial = SERIAL.lock().await;
+    run(Variant {
+        name: "standalone-overlay",
+        objects: render::kustomize("deploy/overlays/standalone"),
+        topology: Topology::Single,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_helm_sidecar_values_run_and_scale() {
+    let _serial = SERIAL.lock().await;
+    run(Variant {
+        name: "helm-sidecar",
+        objects: render::helm_template(
+            "deploy/helm/values-sidecar.yaml",
+            "cluster-autoscaler",
+            "kube-system",
+        ),
+        topology: Topology::Single,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_helm_kind_capd_values_watch_the_workload_cluster_and_scale() {
+    let _serial = SERIAL.lock().await;
+    run(Variant {
+        name: "helm-kind-capd",
+        objects: render::helm_template(
+            "deploy/helm/values-kind-capd.yaml",
+            "cluster-autoscaler",
+            "default",
+        ),
+        topology: Topology::Management { cluster: "demo" },
+    })
+    .await;
+}
+
+/// The harness is strict where the issue's bug was: the provider's key mounted 0400 without fsGroup (the
+/// old standalone overlay) is root's alone, and the provider, uid 65532, cannot read it.
+#[tokio::test]
+async fn a_key_mounted_0400_without_fs_group_is_unreadable_for_the_provider() {
+    require_root();
+    let _serial = SERIAL.lock().await;
+    let cp = support::control_plane(Setup::shipped());
+    let admin = cp.admin_client().await;
+    let mut objects = render::kustomize("deploy/overlays/standalone");
+    for o in objects.iter_mut().filter(|o| {
+        o["kind"] == "Deployment" && o["metadata"]["name"] == "capi-autoscaler-provider"
+    }) {
+        let spec = &mut o["spec"]["template"]["spec"];
+        spec["securityContext"]
+            .as_object_mut()
+            .expect("a pod securityContext")
+            .remove("fsGroup");
+        for v in spec["volumes"].as_array_mut().expect("volumes") {
+            if v.get("secret").is_some() {
+                v["secret"]["defaultMode"] = Value::from(0o400);
+            }
+        }
+    }
+    support::crds::install(
+        &admin,
+        &[render::repo("tests/fixtures/cert-manager-crds.yaml")],
+    )
+    .await
+    .expect("install the cert-manager stand-in CRDs");
+    let applied = Applied::apply(cp, "old-standalone", &objects);
+    let certificates: Vec<Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Certificate" || o["kind"] == "Issuer")
+        .cloned()
+        .collect();
+    support::cert_manager::issue(&admin, "kube-system", &certificates).await;
+    let kubelet = Kubelet {
+        client: admin.clone(),
+        server: cp.server.clone(),
+        ca_pem: std::fs::read_to_string(cp.dir.join("ca.crt")).expect("the control plane's CA"),
+        ports: PortMap::fresh(&PORTS),
+        hosts: service_names(&objects),
+    };
+    let spec = stored_pod_spec(&admin, "kube-system", "capi-autoscaler-provider").await;
+    let mut pod = kubelet
+        .start_pod("kube-system", "old-provider-e2e", &spec)
+        .await;
+    let provider = &mut pod.containers[0];
+    let exited = provider.wait_exit(Duration::from_secs(30)).await;
+    let log = provider.log_tail();
+    assert!(
+        exited.as_ref().is_ok_and(|s| !s.success()) && log.contains("ermission denied"),
+        "the provider should have failed to read its key ({exited:?}):\n{log}"
+    );
+    procs::announce(&format!(
+        "e2e: manifests old standalone (0400, no fsGroup): the provider exits: {}",
+        log.lines()
+            .rev()
+            .find(|l| l.contains("ermission denied"))
+            .unwrap_or_default()
+    ));
+    drop(pod);
+    drop(applied);
+}

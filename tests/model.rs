@@ -1,0 +1,798 @@
+//! Model-based randomized test of the write path: cluster-autoscaler-like clients issue IncreaseSize,
+//! DecreaseTargetSize and DeleteNodes (with CA's retries: a node asked for again, an aborted or
+//! unanswered call repeated) against reference models, while the test reconciler plays Cluster API
+//! (marked Machines deleted first, MachinePool instances dropped newest first) and the provider's
+//! repair runs every 500 ms with a 3 s grace period. After every operation the group it touched is
+//! checked:
+//!
+//! - the model: the provider's answer is one the model allows, and replicas are exactly what that
+//!   answer implies (a removal lowers them by one per node not removed before, a retry of a removed
+//!   node by nothing unless a scale-up absorbed its decrement since; a MachinePool removal is in the
+//!   pool's ledger for as long as the instance is listed);
+//! - invariant 2: replicas within [min, max], now and in every version written since the last check
+//!   (a watch delivers each version; after the run, every version etcd holds is checked again);
+//! - invariant 3: Machines marked by us and not being deleted exceed what replicas pay for (Machines
+//!   beyond replicas) by no more than the operations in flight plus the marks younger than the grace
+//!   period and a repair interval (a removal whose decrement a scale-up absorbed waits for CA's retry
+//!   or the repair); after quiescence no mark of ours is left at all once Cluster API converged.
+//!
+//! Sequential groups have one client each (the model knows the order, so it is exact); the "hot"
+//! group has three concurrent clients (only the invariants are checked). `MODEL_SEED` and
+//! `MODEL_OPS` override the seed (printed, so a failure can be replayed: each client's choices follow
+//! from it; the interleaving with the reconciler does not) and the number of operations (10,000).
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use capi_autoscaler_provider::proto::instance_status::InstanceState;
+use capi_autoscaler_provider::proto::{
+    ExternalGrpcNode, NodeGroupDecreaseTargetSizeRequest, NodeGroupDeleteNodesRequest,
+    NodeGroupIncreaseSizeRequest, NodeGroupNodesRequest,
+};
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
+use support::capi::{Capi, Kind, Rpc, Scalable, fresh_capi, grpc_node};
+use support::faults::{GroupView, History, bound_violations, etcd_versions};
+use support::procs::announce;
+use support::reconciler::{Reconciler, ReconcilerConfig};
+use support::{CAPI_GROUP, Check, Setup, poll_until, start_provider};
+use tonic::Code;
+
+const DEFAULT_SEED: u64 = 0x2026_1123_c0ff_ee01;
+const DEFAULT_OPS: u64 = 10_000;
+const GRACE_SECS: u64 = 3;
+const REPAIR_INTERVAL: &str = "500ms";
+/// A mark younger than this may be unpaid without breaking invariant 3: the grace period, a repair
+/// round (1 s: a round over every group, each confirmed from the API, takes longer than the 0.5 s
+/// interval under this load), and 2 s for the unmark and the mark's whole-second time.
+const YOUNG_SECS: u64 = GRACE_SECS + 1 + 2;
+const SEQUENTIAL: usize = 6;
+const HOT_CLIENTS: usize = 3;
+/// Each RPC's deadline; the provider answers within its own 4 s handler timeout.
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| {
+            let v = v.trim();
+            v.strip_prefix("0x")
+                .map(|h| u64::from_str_radix(h, 16).ok())
+                .unwrap_or_else(|| v.parse().ok())
+        })
+        .unwrap_or(default)
+}
+
+/// What every client shares.
+struct Shared {
+    capi: Capi,
+    rpc: Rpc,
+    seed: u64,
+    target: u64,
+    ops: AtomicU64,
+    checks: AtomicU64,
+    versions: AtomicU64,
+    deployments: tokio::sync::Mutex<History>,
+    pools: tokio::sync::Mutex<History>,
+    /// In-flight weight of the hot group's operations (nodes of a DeleteNodes, |delta| of a
+    /// DecreaseTargetSize), as totals started and finished.
+    hot_started: AtomicI64,
+    hot_finished: AtomicI64,
+    outcomes: std::sync::Mutex<BTreeMap<String, u64>>,
+}
+
+impl Shared {
+    fn more(&self) -> bool {
+        self.ops.load(Ordering::SeqCst) < self.target
+    }
+
+    fn count(&self, what: &str, code: Code) {
+        self.ops.fetch_add(1, Ordering::SeqCst);
+        *self
+            .outcomes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(format!("{what} {code:?}"))
+            .or_insert(0) += 1;
+    }
+
+    /// Invariant 2 on every version written since the last check, for `kind`.
+    async fn check_history(&self, kind: Kind) -> Result<(), String> {
+        let mut history = match kind {
+            Kind::MachinePool => self.pools.lock().await,
+            _ => self.deployments.lock().await,
+        };
+        let n = history
+            .check_new()
+            .map_err(|e| format!("invariant 2: {e}"))?;
+        self.versions.fetch_add(n as u64, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+fn code_of<T>(result: &Result<T, tonic::Status>) -> Code {
+    match result {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+async fn increase(sh: &Shared, id: &str, delta: i32) -> Code {
+    let mut client = sh.rpc.client.clone();
+    let mut request = tonic::Request::new(NodeGroupIncreaseSizeRequest {
+        delta,
+        id: id.into(),
+    });
+    request.set_timeout(DEADLINE);
+    code_of(&client.node_group_increase_size(request).await)
+}
+
+async fn decrease(sh: &Shared, id: &str, delta: i32) -> Code {
+    let mut client = sh.rpc.client.clone();
+    let mut request = tonic::Request::new(NodeGroupDecreaseTargetSizeRequest {
+        delta,
+        id: id.into(),
+    });
+    request.set_timeout(DEADLINE);
+    code_of(&client.node_group_decrease_target_size(request).await)
+}
+
+async fn delete(sh: &Shared, id: &str, nodes: Vec<ExternalGrpcNode>) -> Code {
+    let mut client = sh.rpc.client.clone();
+    let mut request = tonic::Request::new(NodeGroupDeleteNodesRequest {
+        nodes,
+        id: id.into(),
+    });
+    request.set_timeout(DEADLINE);
+    code_of(&client.node_group_delete_nodes(request).await)
+}
+
+/// The Running instances of a group, as CA sees them (providerIDs).
+async fn running(sh: &Shared, id: &str) -> Vec<String> {
+    let mut client = sh.rpc.client.clone();
+    match client
+        .node_group_nodes(NodeGroupNodesRequest { id: id.into() })
+        .await
+    {
+        Ok(r) => r
+            .into_inner()
+            .instances
+            .into_iter()
+            .filter(|i| {
+                i.status.as_ref().map(|s| s.instance_state)
+                    == Some(InstanceState::InstanceRunning as i32)
+            })
+            .map(|i| i.id)
+            .filter(|id| id.starts_with("e2e:///"))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The node CA names for an instance of the reconciler (Node name = last providerID segment).
+fn node_of(provider_id: &str) -> ExternalGrpcNode {
+    grpc_node(
+        provider_id,
+        provider_id.rsplit('/').next().unwrap_or_default(),
+    )
+}
+
+/// Every operation accepted for `id` before has finished when this returns: an IncreaseSize far
+/// beyond max takes the group's operation lock (operations run one at a time, in arrival order) and
+/// is refused without a write. Needed after an answer the handler timeout cut short (the operation
+/// goes on to completion).
+async fn drain(sh: &Shared, id: &str) -> Result<(), String> {
+    poll_until(
+        &format!("operations of {id} drained"),
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async {
+            match increase(sh, id, 100_000).await {
+                Code::FailedPrecondition => Check::Done(()),
+                Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
+                    Check::Wait("not answered yet".into())
+                }
+                other => Check::Fatal(format!("the drain probe answered {other:?}")),
+            }
+        },
+    )
+    .await
+}
+
+/// Invariants 2 and 3 on `name` now; `in_flight` is the weight of operations that may be under way.
+async fn check_group(
+    sh: &Shared,
+    kind: Kind,
+    name: &str,
+    in_flight: impl Fn() -> i64,
+) -> Result<GroupView, String> {
+    let view = GroupView::read(&sh.capi, kind, name).await?;
+    let allowance = in_flight();
+    sh.checks.fetch_add(1, Ordering::SeqCst);
+    if !view.within_bounds() {
+        return Err(format!("invariant 2: {name}: {}", view.describe()));
+    }
+    if kind == Kind::MachineDeployment {
+        let young = view.marked().len() - view.marks_older_than(YOUNG_SECS);
+        if view.unpaid() > young as i64 + allowance {
+            return Err(format!(
+                "invariant 3: {name}: {} unpaid marks, only {young} younger than {YOUNG_SECS}s and {allowance} in flight: {}",
+                view.unpaid(),
+                view.describe()
+            ));
+        }
+    }
+    sh.check_history(kind).await?;
+    Ok(view)
+}
+
+/// What the model of a sequential group knows.
+struct Model {
+    kind: Kind,
+    name: String,
+    id: String,
+    min: i64,
+    max: i64,
+    replicas: i64,
+    /// Nodes removed by an OK DeleteNodes (providerID → a scale-up since may have absorbed the
+    /// decrement). For a pool, keyed by the normalized id.
+    removed: BTreeMap<String, bool>,
+    /// Pending Machine creations when last looked (replicas above the Machines that exist): a
+    /// removal now may cancel one of those instead of deleting its Machine, so its mark stays
+    /// unpaid, like a removal a later scale-up absorbs.
+    pending: bool,
+    /// Removed pool instances that have left the providerIDList.
+    gone: BTreeSet<String>,
+    trace: Vec<String>,
+}
+
+impl Model {
+    fn fail(&self, sh: &Shared, why: String) -> String {
+        let last: Vec<&String> = self.trace.iter().rev().take(12).collect();
+        format!(
+            "seed {:#x}: {} {}: {why}\nlast operations, newest first:\n  {}",
+            sh.seed,
+            self.kind.as_str(),
+            self.name,
+            last.iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n  ")
+        )
+    }
+
+    fn key(&self, provider_id: &str) -> String {
+        match self.kind {
+            Kind::MachinePool => provider_id.rsplit('/').next().unwrap_or_default().into(),
+            _ => provider_id.into(),
+        }
+    }
+}
+
+/// One sequential client and its exact model.
+async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut steps = 0u64;
+    while sh.more() {
+        steps += 1;
+        let roll = rng.random_range(0..100);
+        let before = m.replicas;
+        // (what, code, allowed replicas after)
+        let (what, code, allowed): (String, Code, BTreeSet<i64>) = if roll < 30 {
+            let d = rng.random_range(1..=3);
+            let mut code = increase(&sh, &m.id, d).await;
+            let mut tries = 1;
+            while matches!(code, Code::Aborted | Code::Unavailable) && tries < 3 {
+                sh.count("IncreaseSize", code);
+                code = increase(&sh, &m.id, d).await;
+                tries += 1;
+            }
+            let fits = before + i64::from(d) <= m.max;
+            let allowed = match code {
+                Code::Ok if fits => BTreeSet::from([before + i64::from(d)]),
+                Code::FailedPrecondition if !fits => BTreeSet::from([before]),
+                Code::Aborted => BTreeSet::from([before]),
+                Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
+                    BTreeSet::from([before, before + i64::from(d)])
+                }
+                _ => BTreeSet::new(),
+            };
+            if code == Code::Ok {
+                for absorbable in m.removed.values_mut() {
+                    *absorbable = true;
+                }
+            }
+            (format!("IncreaseSize({d})"), code, allowed)
+        } else if roll < 45 {
+            let d = -rng.random_range(1..=2);
+            let mut code = decrease(&sh, &m.id, d).await;
+            let mut tries = 1;
+            while matches!(code, Code::Aborted | Code::Unavailable) && tries < 3 {
+                sh.count("DecreaseTargetSize", code);
+                code = decrease(&sh, &m.id, d).await;
+                tries += 1;
+            }
+            let fits = before + i64::from(d) >= m.min;
+            let allowed = match code {
+                Code::Ok if fits => BTreeSet::from([before + i64::from(d)]),
+                // Below min, or it would remove registered nodes (which the model does not track).
+                Code::FailedPrecondition | Code::Aborted => BTreeSet::from([before]),
+                Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
+                    BTreeSet::from([before, before + i64::from(d)])
+                }
+                _ => BTreeSet::new(),
+            };
+            (format!("DecreaseTargetSize({d})"), code, allowed)
+        } else {
+            // DeleteNodes: mostly nodes CA sees now; sometimes (a retry) nodes removed before, for a
+            // pool now and then in another spelling of the providerID.
+            let retry = roll >= 85 && !m.removed.is_empty();
+            let ids: Vec<String> = if retry {
+                let keys: Vec<&String> = m.removed.keys().collect();
+                let key = keys[rng.random_range(0..keys.len())].clone();
+                vec![match m.kind {
+                    Kind::MachinePool if rng.random_bool(0.5) => format!("e2e:////{key}"),
+                    Kind::MachinePool => format!("e2e:///{}/{key}", sh.capi.ns),
+                    _ => key,
+                }]
+            } else {
+                let mut candidates: Vec<String> = running(&sh, &m.id)
+                    .await
+                    .into_iter()
+                    .filter(|id| {
+                        let key = m.key(id);
+                        !m.removed.contains_key(&key) && !m.gone.contains(&key)
+                    })
+                    .collect();
+                if candidates.is_empty() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                let n = if rng.random_bool(0.3) { 2 } else { 1 };
+                let mut chosen = Vec::new();
+                while chosen.len() < n && !candidates.is_empty() {
+                    chosen.push(candidates.swap_remove(rng.random_range(0..candidates.len())));
+                }
+                chosen
+            };
+            let nodes: Vec<ExternalGrpcNode> = ids.iter().map(|id| node_of(id)).collect();
+            let fresh = ids
+                .iter()
+                .filter(|id| !m.removed.contains_key(&m.key(id)))
+                .count() as i64;
+            // Marks are counted, not told apart: a retry of any removed node pays one decrement a
+            // scale-up absorbed, whichever node's that was.
+            let repeats = ids.len() as i64 - fresh;
+            let absorbed = m.removed.values().filter(|a| **a).count() as i64;
+            let absorbable = repeats.min(absorbed);
+            let mut code = delete(&sh, &m.id, nodes.clone()).await;
+            let mut tries = 1;
+            while matches!(code, Code::Aborted | Code::Unavailable) && tries < 3 {
+                sh.count("DeleteNodes", code);
+                code = delete(&sh, &m.id, nodes.clone()).await;
+                tries += 1;
+            }
+            // A MachinePool's removal is in its ledger: a retry never decrements again.
+            let absorbable = if m.kind == Kind::MachinePool {
+                0
+            } else {
+                absorbable
+            };
+            let all = before - fresh - absorbable..=before;
+            let allowed: BTreeSet<i64> = match code {
+                Code::Ok => (0..=absorbable).map(|k| before - fresh - k).collect(),
+                Code::FailedPrecondition if before - fresh - absorbable < m.min => {
+                    BTreeSet::from([before])
+                }
+                // The instance left the pool's list, or its Machine is gone.
+                Code::FailedPrecondition | Code::NotFound if ids.len() == 1 => {
+                    BTreeSet::from([before])
+                }
+                // Part of a multi-node call may have been done.
+                Code::NotFound
+                | Code::Aborted
+                | Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Cancelled
+                | Code::FailedPrecondition => all.collect(),
+                _ => BTreeSet::new(),
+            };
+            if code == Code::Ok {
+                for id in &ids {
+                    m.removed.insert(m.key(id), m.pending);
+                }
+            } else if code != Code::FailedPrecondition || ids.len() > 1 {
+                // A partial outcome: learn from the objects which nodes were removed.
+                let view = GroupView::read(&sh.capi, m.kind, &m.name).await?;
+                for id in &ids {
+                    let key = m.key(id);
+                    let name = id.rsplit('/').next().unwrap_or_default();
+                    let done = match m.kind {
+                        Kind::MachinePool => view.ledger.contains(&format!("id:{key}")),
+                        _ => {
+                            view.marked().contains(name)
+                                || !view.machines.iter().any(|x| x.name == name)
+                        }
+                    };
+                    if done {
+                        m.removed.insert(key, false);
+                    } else if code == Code::NotFound {
+                        m.removed.remove(&key);
+                    }
+                }
+            }
+            let retried = if retry { " retry" } else { "" };
+            (
+                format!("DeleteNodes{retried}({ids:?}; fresh {fresh}, absorbable {absorbable})"),
+                code,
+                allowed,
+            )
+        };
+        sh.count(what.split('(').next().unwrap_or_default(), code);
+        if matches!(code, Code::DeadlineExceeded | Code::Cancelled) {
+            drain(&sh, &m.id).await?;
+        }
+        let view = check_group(&sh, m.kind, &m.name, || 0)
+            .await
+            .map_err(|e| m.fail(&sh, e))?;
+        m.trace.push(format!(
+            "{what} → {code:?}: replicas {before} → {} (model allows {allowed:?})",
+            view.replicas
+        ));
+        if !allowed.contains(&view.replicas) {
+            return Err(m.fail(
+                &sh,
+                format!(
+                    "{what} answered {code:?}: replicas {before} → {}, the model allows {allowed:?}; {}",
+                    view.replicas,
+                    view.describe()
+                ),
+            ));
+        }
+        m.replicas = view.replicas;
+        m.pending = m.kind == Kind::MachineDeployment && (view.active() as i64) < view.replicas;
+        if m.kind == Kind::MachineDeployment {
+            // A Machine that is gone carries no mark a scale-up could have absorbed.
+            for (id, absorbable) in m.removed.iter_mut() {
+                let name = id.rsplit('/').next().unwrap_or_default();
+                if !view.machines.iter().any(|x| x.name == name && !x.deleting) {
+                    *absorbable = false;
+                }
+            }
+        }
+        if m.kind == Kind::MachinePool {
+            // Every removal whose instance is still listed is in the ledger.
+            for key in m.removed.keys() {
+                let listed = view
+                    .provider_ids
+                    .iter()
+                    .any(|id| id.rsplit('/').next() == Some(key.as_str()));
+                if listed && !view.ledger.contains(&format!("id:{key}")) {
+                    return Err(m.fail(
+                        &sh,
+                        format!(
+                            "removed instance {key} is listed but not in the ledger: {}",
+                            view.describe()
+                        ),
+                    ));
+                }
+            }
+            // Instances that left the list are done with. The provider's cache may list one a
+            // moment longer (its watch lags the read above), and naming it then is answered from
+            // the ledger, which the model no longer tracks: it is not chosen again.
+            let gone: Vec<String> = m
+                .removed
+                .keys()
+                .filter(|key| {
+                    !view
+                        .provider_ids
+                        .iter()
+                        .any(|id| id.rsplit('/').next() == Some(key.as_str()))
+                })
+                .cloned()
+                .collect();
+            for key in gone {
+                m.removed.remove(&key);
+                m.gone.insert(key);
+            }
+        }
+    }
+    Ok(steps)
+}
+
+/// One of the hot group's concurrent clients: only the invariants are checked.
+async fn hot(sh: Arc<Shared>, name: String, seed: u64) -> Result<u64, String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let id = sh.capi.id(Kind::MachineDeployment, &name);
+    let mut removed: Vec<String> = Vec::new();
+    let mut steps = 0u64;
+    while sh.more() {
+        steps += 1;
+        let roll = rng.random_range(0..100);
+        let (what, weight, delta) = if roll < 35 {
+            ("IncreaseSize", 0, rng.random_range(1..=2))
+        } else if roll < 50 {
+            ("DecreaseTargetSize", 1, -1)
+        } else {
+            ("DeleteNodes", 1, 0)
+        };
+        let target = if what == "DeleteNodes" {
+            let retry = !removed.is_empty() && rng.random_bool(0.25);
+            let target = if retry {
+                Some(removed[rng.random_range(0..removed.len())].clone())
+            } else {
+                let candidates = running(&sh, &id).await;
+                (!candidates.is_empty())
+                    .then(|| candidates[rng.random_range(0..candidates.len())].clone())
+            };
+            match target {
+                Some(t) => Some(t),
+                None => continue,
+            }
+        } else {
+            None
+        };
+        sh.hot_started.fetch_add(weight, Ordering::SeqCst);
+        let code = match (what, &target) {
+            ("IncreaseSize", _) => increase(&sh, &id, delta).await,
+            ("DecreaseTargetSize", _) => decrease(&sh, &id, delta).await,
+            (_, Some(node)) => {
+                let code = delete(&sh, &id, vec![node_of(node)]).await;
+                if code == Code::Ok {
+                    removed.push(node.clone());
+                }
+                code
+            }
+            (_, None) => unreachable!("DeleteNodes always has a node"),
+        };
+        if matches!(code, Code::DeadlineExceeded | Code::Cancelled) {
+            // The operation goes on after the handler's timeout: it is in flight until drained.
+            drain(&sh, &id).await?;
+        }
+        sh.hot_finished.fetch_add(weight, Ordering::SeqCst);
+        sh.count(what, code);
+        if !matches!(
+            code,
+            Code::Ok
+                | Code::FailedPrecondition
+                | Code::Aborted
+                | Code::NotFound
+                | Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Cancelled
+        ) {
+            return Err(format!(
+                "seed {:#x}: hot {what}: unexpected {code:?}",
+                sh.seed
+            ));
+        }
+        let finished_before = sh.hot_finished.load(Ordering::SeqCst);
+        check_group(&sh, Kind::MachineDeployment, &name, || {
+            sh.hot_started.load(Ordering::SeqCst) - finished_before
+        })
+        .await
+        .map_err(|e| {
+            format!(
+                "seed {:#x}: hot group after {what} → {code:?}: {e}",
+                sh.seed
+            )
+        })?;
+    }
+    Ok(steps)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
+    let started = Instant::now();
+    let seed = env_u64("MODEL_SEED", DEFAULT_SEED);
+    let target = env_u64("MODEL_OPS", DEFAULT_OPS);
+    announce(&format!(
+        "model: seed {seed:#x} (replay with MODEL_SEED={seed:#x}), {target} operations"
+    ));
+    let (cp, capi) = fresh_capi(Setup::shipped(), "v1beta2").await;
+    let mut rng = StdRng::seed_from_u64(seed);
+
+    // Groups: sequential MachineDeployments with random bounds, a MachinePool, the hot one.
+    let mut models = Vec::new();
+    for i in 0..SEQUENTIAL {
+        let name = format!("seq-{i}");
+        let min = rng.random_range(0..=2);
+        let max = min + rng.random_range(3..=6);
+        let replicas = min + 1;
+        capi.create(&Scalable::md(&name).bounds(min, max).replicas(replicas))
+            .await;
+        models.push(Model {
+            kind: Kind::MachineDeployment,
+            id: capi.id(Kind::MachineDeployment, &name),
+            name,
+            min,
+            max,
+            replicas,
+            removed: BTreeMap::new(),
+            pending: false,
+            gone: BTreeSet::new(),
+            trace: Vec::new(),
+        });
+    }
+    capi.create(&Scalable::mp("pool").bounds(0, 6).replicas(2))
+        .await;
+    models.push(Model {
+        kind: Kind::MachinePool,
+        id: capi.id(Kind::MachinePool, "pool"),
+        name: "pool".into(),
+        min: 0,
+        max: 6,
+        replicas: 2,
+        removed: BTreeMap::new(),
+        pending: false,
+        gone: BTreeSet::new(),
+        trace: Vec::new(),
+    });
+    capi.create(&Scalable::md("hot").bounds(1, 8).replicas(3))
+        .await;
+    let reconciler = Reconciler::start_with(
+        capi.client.clone(),
+        &capi.ns,
+        ReconcilerConfig::default()
+            .interval(Duration::from_millis(100))
+            .node_delay(Duration::from_millis(300)),
+    );
+    let deployments = History::start(&capi, Kind::MachineDeployment).await;
+    let pools = History::start(&capi, Kind::MachinePool).await;
+    let discovery = format!("clusterapi:namespace={}", capi.ns);
+    let grace = format!("{GRACE_SECS}s");
+    let provider = start_provider(
+        &[
+            "--node-group-auto-discovery",
+            &discovery,
+            "--repair-interval",
+            REPAIR_INTERVAL,
+            "--mark-grace-period",
+            &grace,
+        ],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let rpc = Rpc::connect(&provider).await;
+    let sh = Arc::new(Shared {
+        capi: capi.clone(),
+        rpc,
+        seed,
+        target,
+        ops: AtomicU64::new(0),
+        checks: AtomicU64::new(0),
+        versions: AtomicU64::new(0),
+        deployments: tokio::sync::Mutex::new(deployments),
+        pools: tokio::sync::Mutex::new(pools),
+        hot_started: AtomicI64::new(0),
+        hot_finished: AtomicI64::new(0),
+        outcomes: std::sync::Mutex::new(BTreeMap::new()),
+    });
+
+    let run_started = Instant::now();
+    let mut clients = tokio::task::JoinSet::new();
+    let names: Vec<(Kind, String, i64, i64)> = models
+        .iter()
+        .map(|m| (m.kind, m.name.clone(), m.min, m.max))
+        .collect();
+    for (i, model) in models.into_iter().enumerate() {
+        let sh = Arc::clone(&sh);
+        let client_seed = seed.wrapping_add(1 + i as u64);
+        clients.spawn(async move { sequential(sh, model, client_seed).await });
+    }
+    for c in 0..HOT_CLIENTS {
+        let sh = Arc::clone(&sh);
+        let client_seed = seed.wrapping_add(1000 + c as u64);
+        clients.spawn(async move { hot(sh, "hot".into(), client_seed).await });
+    }
+    let mut failures = Vec::new();
+    while let Some(joined) = clients.join_next().await {
+        match joined {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                failures.push(e);
+                // Stop the others: one failure is enough to replay.
+                sh.ops.fetch_add(sh.target, Ordering::SeqCst);
+            }
+            Err(e) => failures.push(format!("a client panicked: {e}")),
+        }
+    }
+    let run_took = run_started.elapsed();
+    if !failures.is_empty() {
+        panic!(
+            "{}\nreconciler errors: {:?}\n--- provider log (tail) ---\n{}",
+            failures.join("\n\n"),
+            reconciler.errors(),
+            support::procs::log_tail(&provider.log, 6000)
+        );
+    }
+
+    // Quiescence: no operation in flight; Cluster API converges, the repair takes back whatever
+    // marks a scale-up absorbed; then no mark of ours is left anywhere.
+    let mut finals = BTreeMap::new();
+    let groups: Vec<(Kind, String)> = names
+        .iter()
+        .map(|(k, n, _, _)| (*k, n.clone()))
+        .chain([(Kind::MachineDeployment, "hot".to_string())])
+        .collect();
+    for (kind, name) in &groups {
+        let v = poll_until(
+            &format!("{name} converged without marks"),
+            Duration::from_secs(GRACE_SECS + 30),
+            Duration::from_millis(200),
+            || async {
+                match GroupView::read(&capi, *kind, name).await {
+                    Ok(v)
+                        if *kind == Kind::MachinePool
+                            && v.provider_ids.len() as i64 == v.replicas =>
+                    {
+                        Check::Done(v)
+                    }
+                    Ok(v)
+                        if *kind != Kind::MachinePool
+                            && v.active() as i64 == v.replicas
+                            && v.marked().is_empty() =>
+                    {
+                        Check::Done(v)
+                    }
+                    Ok(v) => Check::Wait(v.describe()),
+                    Err(e) => Check::Wait(e),
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "seed {seed:#x}: invariant 3 after quiescence: {e}\nreconciler errors {:?}",
+                reconciler.errors()
+            )
+        });
+        assert!(v.within_bounds(), "{name}: {}", v.describe());
+        finals.insert(name.clone(), v.replicas);
+    }
+
+    // Invariant 2 once more over every version etcd holds.
+    let etcd = support::faults::ApiServer::of(cp).etcd_url();
+    let mut stored = 0;
+    for (kind, name) in groups {
+        let versions = etcd_versions(
+            &etcd,
+            CAPI_GROUP,
+            kind.plural(),
+            &capi.ns,
+            &name,
+            &capi.min_key(),
+            &capi.max_key(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{name}'s versions from etcd: {e}"));
+        let violations = bound_violations(&versions);
+        assert!(
+            violations.is_empty(),
+            "seed {seed:#x}: invariant 2 for {name}:\n{}",
+            violations.join("\n")
+        );
+        stored += versions.len();
+    }
+    let marked_deletions = reconciler.deleted_marked().len();
+    let ops = sh.ops.load(Ordering::SeqCst);
+    let checks = sh.checks.load(Ordering::SeqCst);
+    assert!(ops >= target, "{ops} operations, wanted {target}");
+    announce(&format!(
+        "model: seed {seed:#x}: {ops} operations by {} clients ({} sequential groups with exact models, \
+         {HOT_CLIENTS} clients on one hot group) in {:.1}s; {checks} invariant checks (one after every \
+         operation), {} versions checked as they were written, {stored} versions in etcd checked after; \
+         {marked_deletions} Machines deleted by the reconciler for their mark; outcomes {:?}; final replicas \
+         {finals:?}; passed in {:.1}s",
+        SEQUENTIAL + 1 + HOT_CLIENTS,
+        SEQUENTIAL + 1,
+        run_took.as_secs_f64(),
+        sh.versions.load(Ordering::SeqCst),
+        sh.outcomes.lock().unwrap_or_else(|e| e.into_inner()),
+        started.elapsed().as_secs_f64()
+    ));
+}

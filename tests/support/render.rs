@@ -1,0 +1,188 @@
+//! deploy/ rendered the way users render it: the kustomize overlays with `kubectl kustomize`, and the
+//! official cluster-autoscaler Helm chart with this repository's values files with a real `helm template`
+//! (helm v3 built from the Go modules pinned in tests/upstream/helm/, by its build.sh).
+//!
+//! The chart comes from `CLUSTER_AUTOSCALER_CHART` (a chart folder) or else from the steering workspace's
+//! `../shared/upstream` (`get cluster-autoscaler-chart-<version>`), like the CA binaries.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+/// The official chart version the values files are written for and tested with.
+pub const CHART: &str = "cluster-autoscaler-chart-9.59.0";
+
+/// A path in this repository.
+pub fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+/// Runs `program args…` and returns its stdout; panics with its output when it fails.
+pub fn run(program: &Path, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
+    assert!(
+        out.status.success(),
+        "{} {args:?} failed ({}):\n{}{}",
+        program.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The objects of a YAML stream (empty documents dropped).
+pub fn parse_stream(yaml: &str) -> Vec<Value> {
+    serde_norway::Deserializer::from_str(yaml)
+        .map(|doc| serde::Deserialize::deserialize(doc).expect("a YAML document"))
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}
+
+/// `kubectl kustomize` of a folder of this repository (e.g. `deploy/overlays/sidecar`).
+pub fn kustomize(dir: &str) -> Vec<Value> {
+    let path = repo(dir).display().to_string();
+    parse_stream(&run(Path::new("kubectl"), &["kustomize", &path]))
+}
+
+/// The helm binary (built on first use; cached outside the repository).
+pub fn helm() -> PathBuf {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| {
+        let script = repo("tests/upstream/helm/build.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
+        assert!(out.status.success(), "{} failed", script.display());
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    })
+    .clone()
+}
+
+/// The official cluster-autoscaler chart folder ([`CHART`]).
+pub fn chart() -> PathBuf {
+    static CHART_DIR: OnceLock<PathBuf> = OnceLock::new();
+    CHART_DIR
+        .get_or_init(|| {
+            if let Some(dir) = std::env::var_os("CLUSTER_AUTOSCALER_CHART") {
+                return PathBuf::from(dir);
+            }
+            let shared = std::env::var_os("CAPI_SHARED_UPSTREAM")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| repo("../shared/upstream"));
+            let get = shared.join("get");
+            assert!(
+                get.is_file(),
+                "no cluster-autoscaler chart: set CLUSTER_AUTOSCALER_CHART to the folder of the official \
+                 chart {CHART} (e.g. `helm pull cluster-autoscaler --version {} --untar` from the chart \
+                 repository of kubernetes/autoscaler), or provide the steering workspace's shared/upstream",
+                CHART.trim_start_matches("cluster-autoscaler-chart-")
+            );
+            PathBuf::from(run(&get, &[CHART]).trim())
+        })
+        .clone()
+}
+
+/// The Kubernetes version the tests run (tests/upstream/build.sh's `K8S_VERSION`): `helm template` is told
+/// it, as `helm install` would learn it from the cluster.
+pub fn kube_version() -> &'static str {
+    include_str!("../upstream/build.sh")
+        .lines()
+        .find_map(|l| l.strip_prefix("K8S_VERSION="))
+        .expect("K8S_VERSION= in tests/upstream/build.sh")
+        .trim()
+}
+
+/// `helm template RELEASE <chart> --namespace NAMESPACE -f VALUES` (a file of this repository).
+pub fn helm_template(values: &str, release: &str, namespace: &str) -> Vec<Value> {
+    let chart = chart().display().to_string();
+    let values = repo(values).display().to_string();
+    let yaml = run(
+        &helm(),
+        &[
+            "template",
+            release,
+            &chart,
+            "--namespace",
+            namespace,
+            "--kube-version",
+            kube_version(),
+            "-f",
+            &values,
+        ],
+    );
+    parse_stream(&yaml)
+}
+
+/// The object of `kind` named `name`.
+pub fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} among the rendered objects"))
+}
+
+/// Every object of `kind`.
+pub fn all<'a>(objects: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    objects.iter().filter(|o| o["kind"] == kind).collect()
+}
+
+/// The containers of a pod spec, init containers (and native sidecars) first.
+pub fn containers(pod_spec: &Value) -> Vec<&Value> {
+    ["initContainers", "containers"]
+        .iter()
+        .filter_map(|k| pod_spec[k].as_array())
+        .flatten()
+        .collect()
+}
+
+/// The container of a pod spec named `name`.
+pub fn container<'a>(pod_spec: &'a Value, name: &str) -> &'a Value {
+    containers(pod_spec)
+        .into_iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no container {name} in {pod_spec}"))
+}
+
+/// The strings of a string list field (`args`, `command`).
+pub fn strings(value: &Value) -> Vec<String> {
+    value
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The value of `--name=value` in `args` (the last one wins, as with Go's and clap's flag parsing).
+pub fn flag(args: &[String], name: &str) -> Option<String> {
+    let prefix = format!("{name}=");
+    args.iter()
+        .rev()
+        .find_map(|a| a.strip_prefix(&prefix).map(String::from))
+}
+
+/// The `cluster-autoscaler` image every variant must run: the official registry, the default pinned
+/// version (tests/upstream/cluster-autoscaler.versions).
+pub fn expected_ca_image() -> String {
+    format!(
+        "registry.k8s.io/autoscaling/cluster-autoscaler:v{}",
+        super::autoscaler::default_version()
+    )
+}
+
+/// The provider image the manifests name: the one `make image` builds, tagged with the crate's version.
+pub fn expected_provider_image() -> String {
+    format!("capi-autoscaler-provider:{}", env!("CARGO_PKG_VERSION"))
+}
