@@ -485,7 +485,9 @@ async fn restarts_in_the_middle_of_a_scale_down_lose_nothing() {
             let client = client.clone();
             let ns = ns.clone();
             async move {
-                let nodes = workload::scenario_nodes(&client, &ns).await;
+                let nodes = workload::scenario_nodes(&client, &ns)
+                    .await
+                    .unwrap_or_default();
                 for name in nodes {
                     if let Ok(Some(node)) = Api::<Node>::all(client.clone()).get_opt(&name).await
                         && node

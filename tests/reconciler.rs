@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::api::{DynamicObject, ListParams};
 use serde_json::json;
-use support::capi::{Capi, DEFAULT_CLUSTER, Kind, Scalable};
+use support::capi::{Capi, DEFAULT_CLUSTER, INFRA_GROUP, Kind, Scalable};
 use support::reconciler::{
     CREATED_ANNOTATION, NAMESPACE_LABEL, REVISION_ANNOTATION, Reconciler, ReconcilerConfig,
 };
@@ -439,5 +439,92 @@ async fn adopts_the_machine_set_a_deployment_already_controls() {
         .map(name)
         .collect();
     assert_eq!(sets, BTreeSet::from([Capi::set_of("adopt")]));
+    assert!(reconciler.errors().is_empty(), "{:?}", reconciler.errors());
+}
+
+/// A MachineSet seen before its MachineDeployment (the MachineDeployment is created between the two
+/// lists of a pass, or later, as here) gets Machines but no Node until the MachineDeployment is
+/// seen: the Node's labels come from the MachineDeployment's capacity annotations.
+#[tokio::test]
+async fn machine_set_seen_before_its_deployment_waits_for_it_to_shape_the_node() {
+    let capi = capi().await;
+    let set = json!({
+        "apiVersion": format!("{CAPI_GROUP}/v1beta2"),
+        "kind": "MachineSet",
+        "metadata": {
+            "name": "late-ms",
+            "namespace": capi.ns,
+            "ownerReferences": [{
+                "apiVersion": format!("{CAPI_GROUP}/v1beta2"),
+                "kind": "MachineDeployment",
+                "name": "late",
+                "uid": "00000000-0000-0000-0000-000000000001",
+                "controller": true,
+            }],
+        },
+        "spec": {
+            "clusterName": DEFAULT_CLUSTER,
+            "replicas": 1,
+            "selector": {"matchLabels": {"set": "late-ms"}},
+            "template": {
+                "metadata": {"labels": {"set": "late-ms"}},
+                "spec": {
+                    "clusterName": DEFAULT_CLUSTER,
+                    "bootstrap": {"dataSecretName": "late-bootstrap"},
+                    "infrastructureRef": {"apiGroup": INFRA_GROUP, "kind": "E2EMachineTemplate", "name": "late"},
+                },
+            },
+        },
+    });
+    let set: DynamicObject = serde_json::from_value(set).unwrap();
+    capi.api(Kind::MachineSet)
+        .create(&Default::default(), &set)
+        .await
+        .unwrap();
+    let reconciler = Reconciler::start(capi.client.clone(), &capi.ns);
+    wait_for("the MachineSet's Machine", || {
+        let capi = &capi;
+        async move {
+            match machines(capi).await.len() {
+                1 => Ok(()),
+                n => Err(format!("{n} Machines")),
+            }
+        }
+    })
+    .await;
+    reconciler.wait_passes(3).await;
+    let ours = ListParams::default().labels(&format!("{NAMESPACE_LABEL}={}", capi.ns));
+    let early = nodes(&capi).list(&ours).await.unwrap().items;
+    assert!(
+        early.is_empty(),
+        "no Node before its MachineDeployment is seen: {early:?}"
+    );
+
+    let md = Scalable::md("late")
+        .replicas(1)
+        .annotation(&format!("{CAP}/labels"), "e2e-shape=from-md");
+    capi.create(&md).await;
+    let node = wait_for("a Node shaped by the MachineDeployment", || {
+        let (capi, ours) = (&capi, &ours);
+        async move {
+            match nodes(capi)
+                .list(ours)
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .as_slice()
+            {
+                [node] => Ok(node.clone()),
+                other => Err(format!("{} Nodes", other.len())),
+            }
+        }
+    })
+    .await;
+    let labels = node.metadata.labels.unwrap_or_default();
+    assert_eq!(
+        labels.get("e2e-shape").map(String::as_str),
+        Some("from-md"),
+        "{labels:?}"
+    );
     assert!(reconciler.errors().is_empty(), "{:?}", reconciler.errors());
 }

@@ -877,6 +877,15 @@ impl Worker {
         let md = ms
             .and_then(|ms| controller_of(ms, "MachineDeployment"))
             .and_then(|md| deployments.iter().find(|d| name_of(d) == md));
+        // A MachineSet listed before its MachineDeployment (created in between the two lists of a
+        // pass): the Node's shape comes from the MachineDeployment, so wait for it.
+        if md.is_none()
+            && ms
+                .and_then(|ms| controller_of(ms, "MachineDeployment"))
+                .is_some()
+        {
+            return Ok(());
+        }
         let mut group_names = vec![ms_name.as_str()];
         let md_name = md.map(name_of);
         if let Some(n) = &md_name {

@@ -147,8 +147,11 @@ impl Scenario {
                 super::procs::log_tail(&p.log, 6000)
             ));
         }
+        let actions = self.reconciler.actions();
+        let last = &actions[actions.len().saturating_sub(20)..];
         out.push_str(&format!(
-            "reconciler errors: {:?}\n",
+            "reconciler: {} passes; errors: {:?}; last actions: {last:?}\n",
+            self.reconciler.passes(),
             self.reconciler.errors()
         ));
         out
@@ -199,10 +202,10 @@ impl Scenario {
             || {
                 let want = want.clone();
                 async move {
-                    let got: BTreeSet<String> = workload::scenario_nodes(client, ns)
-                        .await
-                        .into_iter()
-                        .collect();
+                    let got: BTreeSet<String> = match workload::scenario_nodes(client, ns).await {
+                        Ok(names) => names.into_iter().collect(),
+                        Err(e) => return Check::Wait(e),
+                    };
                     if got == want {
                         Check::Done(())
                     } else {
@@ -225,7 +228,10 @@ impl Scenario {
             Duration::from_secs(60),
             Duration::from_millis(100),
             || async move {
-                let names = workload::scenario_nodes(client, ns).await;
+                let names = match workload::scenario_nodes(client, ns).await {
+                    Ok(names) => names,
+                    Err(e) => return Check::Wait(e),
+                };
                 if names.len() == n {
                     Check::Done(names)
                 } else {
@@ -298,7 +304,9 @@ pub async fn scale_up_and_down(
     let up = t0.elapsed();
     let node = workload::wait_bound(&s.client, &s.ns, "web", Duration::from_secs(60)).await;
     let bound = t0.elapsed();
-    let nodes = workload::scenario_nodes(&s.client, &s.ns).await;
+    let nodes = workload::scenario_nodes(&s.client, &s.ns)
+        .await
+        .unwrap_or_else(|e| s.fail(&e));
     s.check(
         nodes == vec![node.clone()],
         &format!("one Node, the pod's: {nodes:?}"),

@@ -211,7 +211,7 @@ pub async fn pod_exists(client: &Client, ns: &str, name: &str) -> bool {
 }
 
 /// The names of the Nodes that carry the scenario label of `ns`.
-pub async fn scenario_nodes(client: &Client, ns: &str) -> Vec<String> {
+pub async fn scenario_nodes(client: &Client, ns: &str) -> Result<Vec<String>, String> {
     Api::<Node>::all(client.clone())
         .list(&ListParams::default().labels(&format!("{SCENARIO_LABEL}={ns}")))
         .await
@@ -221,7 +221,7 @@ pub async fn scenario_nodes(client: &Client, ns: &str) -> Vec<String> {
                 .filter_map(|n| n.metadata.name)
                 .collect()
         })
-        .unwrap_or_default()
+        .map_err(|e| format!("list the Nodes of {ns}: {e}"))
 }
 
 /// The reasons of the Events (core and events.k8s.io share storage) about pod `name`.
