@@ -3,24 +3,24 @@
 //! A functional core (capi, discovery, snapshot, template, options, pricing: plain data in, plain data
 //! out) and a thin shell (store, actuator, service, server) that does the I/O.
 
-pub mod actuator;
+mod actuator;
 pub mod capi;
 pub mod check;
 pub mod config;
 pub mod discovery;
 mod index;
 pub mod logging;
-pub mod metrics;
+mod metrics;
 pub mod options;
 pub mod pricing;
-pub mod problem;
+mod problem;
 pub mod proto;
-pub mod removal;
+mod removal;
 pub mod server;
 pub mod service;
 pub mod snapshot;
-pub mod store;
+mod store;
 pub mod template;
-pub mod tls;
+mod tls;
 pub mod version;
 pub mod wire;
