@@ -12,11 +12,12 @@ use std::time::{Duration, Instant};
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::json;
 
-use crate::capi::{ObjectKey, ScalableKind, ScalableResource};
+use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource};
 use crate::metrics::Metrics;
 use crate::removal::{
     self, Counts, LEDGER_ANNOTATION, Ledger, MachineState, Removal, our_mark, pool_node_entry,
 };
+use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
 use crate::store::Store;
 
@@ -125,6 +126,46 @@ pub struct Actuator {
     metrics: Arc<Metrics>,
     /// One operation per group at a time; entries only for groups that exist (pruned as groups go).
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// The provider's backend: the store's snapshot for reads, the actuator for writes.
+#[tonic::async_trait]
+impl Backend for Arc<Actuator> {
+    fn snapshot(&self) -> Arc<Snapshot> {
+        self.store.snapshot()
+    }
+
+    fn is_complete(&self) -> bool {
+        self.store.is_complete()
+    }
+
+    fn stale_for_write(&self, kind: ScalableKind) -> Vec<String> {
+        self.store
+            .stale_for_write(kind)
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    fn keys(&self) -> &Keys {
+        &self.store.settings().keys
+    }
+
+    fn refresh(&self) {
+        self.store.refresh();
+    }
+
+    async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
+        Actuator::increase_size(self, id, delta).await
+    }
+
+    async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
+        Actuator::decrease_target_size(self, id, delta).await
+    }
+
+    async fn delete_nodes(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError> {
+        Actuator::delete_nodes(self, id, nodes).await
+    }
 }
 
 /// The group object as a write starts from it: replicas, bounds and ledger of one resourceVersion.

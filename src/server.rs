@@ -20,6 +20,7 @@ use tokio::sync::Semaphore;
 use tonic::body::Body;
 use tonic::transport::Server;
 
+use crate::actuator::Actuator;
 use crate::config::{Config, KubeconfigSource, ServeArgs};
 use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
@@ -145,7 +146,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
     health
-        .set_not_serving::<CloudProviderServer<Service>>()
+        .set_not_serving::<CloudProviderServer<Service<Arc<Actuator>>>>()
         .await;
     tokio::spawn(report_health(Arc::clone(&store), health));
 
@@ -182,10 +183,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.request_timeout,
         Arc::clone(&metrics),
     );
-    let service = Service::new(store, metrics);
-    service
-        .actuator()
-        .spawn_repair(args.repair_interval, args.mark_grace_period);
+    let actuator = Arc::new(Actuator::new(store, Arc::clone(&metrics)));
+    actuator.spawn_repair(args.repair_interval, args.mark_grace_period);
+    let service = Service::new(actuator, metrics);
     let router = Server::builder()
         .layer(limits)
         .add_service(health_service)
@@ -234,7 +234,9 @@ async fn report_health(store: Arc<Store>, health: tonic_health::server::HealthRe
         let reasons = store.not_ready_reasons();
         match (serving, reasons.is_empty()) {
             (false, true) => {
-                health.set_serving::<CloudProviderServer<Service>>().await;
+                health
+                    .set_serving::<CloudProviderServer<Service<Arc<Actuator>>>>()
+                    .await;
                 health
                     .set_service_status("", tonic_health::ServingStatus::Serving)
                     .await;
@@ -246,7 +248,7 @@ async fn report_health(store: Arc<Store>, health: tonic_health::server::HealthRe
             }
             (true, false) => {
                 health
-                    .set_not_serving::<CloudProviderServer<Service>>()
+                    .set_not_serving::<CloudProviderServer<Service<Arc<Actuator>>>>()
                     .await;
                 health
                     .set_service_status("", tonic_health::ServingStatus::NotServing)

@@ -1,5 +1,6 @@
-//! The externalgrpc CloudProvider service: translates between the wire and the snapshot / actuator.
-//! Read RPCs answer from the snapshot only; scale RPCs go to the actuator.
+//! The externalgrpc CloudProvider service: translates between the wire and a [`Backend`] (the
+//! snapshot and the actuator in the provider, a fixed snapshot in unit tests). Read RPCs answer from
+//! the snapshot only; scale RPCs go to the backend's writer.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tonic::{Request, Response, Status};
 
-use crate::actuator::{Actuator, ActuatorError, NodeToDelete};
+use crate::actuator::{ActuatorError, NodeToDelete};
 use crate::capi::{GPU_LABEL, Keys, ScalableKind};
 use crate::metrics::Metrics;
 use crate::options::{Defaults, GroupOptions};
@@ -16,7 +17,6 @@ use crate::proto::cloud_provider_server::CloudProvider;
 use crate::proto::instance_status::InstanceState as WireState;
 use crate::proto::*;
 use crate::snapshot::{InstanceState, NodeGroup as Group, NodeRef, Snapshot};
-use crate::store::Store;
 use crate::template::NODE_GROUP_ANNOTATION;
 
 /// The status code CA acts on for each actuator error: it retries UNAVAILABLE and ABORTED, and
@@ -47,32 +47,38 @@ const MAX_POD_BYTES: usize = 3 << 20;
 /// Memory a pod may decode into (see [`crate::wire`]): thousands of containers, not millions.
 const POD_DECODE_BUDGET: u64 = 64 << 20;
 
-pub struct Service {
-    store: Arc<Store>,
-    actuator: Arc<Actuator>,
+/// What the service answers from and writes through.
+#[tonic::async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// The current view of the node groups.
+    fn snapshot(&self) -> Arc<Snapshot>;
+    /// Every watch has listed and a snapshot was built from that.
+    fn is_complete(&self) -> bool;
+    /// Why a write to a group of `kind` would be made against an old view; empty when it would not.
+    fn stale_for_write(&self, kind: ScalableKind) -> Vec<String>;
+    fn keys(&self) -> &Keys;
+    /// Asks for a snapshot build (CA's Refresh).
+    fn refresh(&self);
+    async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError>;
+    async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError>;
+    async fn delete_nodes(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError>;
+}
+
+pub struct Service<B> {
+    backend: B,
     metrics: Arc<Metrics>,
 }
 
-impl Service {
-    pub fn new(store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
-        let actuator = Arc::new(Actuator::new(Arc::clone(&store), Arc::clone(&metrics)));
-        Service {
-            store,
-            actuator,
-            metrics,
-        }
-    }
-
-    /// The writer behind the scale RPCs (its repair loop runs beside the server).
-    pub fn actuator(&self) -> Arc<Actuator> {
-        Arc::clone(&self.actuator)
+impl<B: Backend> Service<B> {
+    pub fn new(backend: B, metrics: Arc<Metrics>) -> Self {
+        Service { backend, metrics }
     }
 
     /// Nothing is answered from a partial view: until every watch (Nodes included) has listed and a
     /// snapshot was built from that, CA would take unmapped nodes for unmanaged ones. UNAVAILABLE
     /// makes CA retry the call or its loop.
     fn serving(&self) -> Result<(), Status> {
-        if self.store.is_complete() {
+        if self.backend.is_complete() {
             Ok(())
         } else {
             Err(Status::unavailable(
@@ -86,22 +92,21 @@ impl Service {
     /// against an old view.
     fn writable(&self, id: &str) -> Result<(), Status> {
         let Some(kind) = id.split('/').next().and_then(ScalableKind::from_kind) else {
-            return Ok(()); // not a group id: the actuator answers NOT_FOUND
+            return Ok(()); // not a group id: the backend answers NOT_FOUND
         };
-        let stale = self.store.stale_for_write(kind);
+        let stale = self.backend.stale_for_write(kind);
         if stale.is_empty() {
             return Ok(());
         }
-        let reasons: Vec<String> = stale.iter().map(ToString::to_string).collect();
         Err(Status::unavailable(format!(
             "not writing to node group {}: {}; its bounds and replicas may be out of date",
             shorten(id, 200),
-            reasons.join("; ")
+            stale.join("; ")
         )))
     }
 
     fn keys(&self) -> &Keys {
-        &self.store.settings().keys
+        self.backend.keys()
     }
 
     fn observe<T>(
@@ -291,7 +296,7 @@ fn priced_group<'a>(
 }
 
 #[tonic::async_trait]
-impl CloudProvider for Service {
+impl<B: Backend> CloudProvider for Service<B> {
     async fn node_groups(
         &self,
         _: Request<NodeGroupsRequest>,
@@ -300,7 +305,7 @@ impl CloudProvider for Service {
         if let Err(status) = self.serving() {
             return self.observe("NodeGroups", started, Err(status));
         }
-        let snapshot = self.store.snapshot();
+        let snapshot = self.backend.snapshot();
         let response = NodeGroupsResponse {
             node_groups: snapshot.groups.values().map(wire_group).collect(),
         };
@@ -321,7 +326,7 @@ impl CloudProvider for Service {
                 .node
                 .as_ref()
                 .ok_or_else(|| Status::invalid_argument("node is required"))?;
-            let snapshot = self.store.snapshot();
+            let snapshot = self.backend.snapshot();
             // An empty id tells CA the node is not autoscaled.
             let group = snapshot
                 .group_for_node(&node_ref(node), self.keys())
@@ -348,7 +353,7 @@ impl CloudProvider for Service {
                 .node
                 .as_ref()
                 .ok_or_else(|| Status::invalid_argument("node is required"))?;
-            let snapshot = self.store.snapshot();
+            let snapshot = self.backend.snapshot();
             let group = priced_group(&snapshot, self.keys(), node).ok_or_else(|| {
                 Status::unimplemented(format!("node {:?} belongs to no node group", node.name))
             })?;
@@ -380,7 +385,7 @@ impl CloudProvider for Service {
         }
         let result = (|| {
             let r = request.get_ref();
-            let snapshot = self.store.snapshot();
+            let snapshot = self.backend.snapshot();
             if snapshot.groups.values().all(|g| g.price.is_none()) {
                 return Err(Status::unimplemented("no node group has a price"));
             }
@@ -442,7 +447,7 @@ impl CloudProvider for Service {
         if let Err(status) = self.serving() {
             return self.observe("GetAvailableGPUTypes", started, Err(status));
         }
-        let snapshot = self.store.snapshot();
+        let snapshot = self.backend.snapshot();
         let gpu_types: HashMap<String, prost_types::Any> = snapshot
             .groups
             .values()
@@ -475,7 +480,7 @@ impl CloudProvider for Service {
         if let Err(status) = self.serving() {
             return self.observe("Refresh", started, Err(status));
         }
-        self.store.refresh();
+        self.backend.refresh();
         self.observe("Refresh", started, Ok(RefreshResponse {}))
     }
 
@@ -487,7 +492,7 @@ impl CloudProvider for Service {
         if let Err(status) = self.serving() {
             return self.observe("NodeGroupTargetSize", started, Err(status));
         }
-        let snapshot = self.store.snapshot();
+        let snapshot = self.backend.snapshot();
         let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupTargetSizeResponse {
             target_size: g.target,
         });
@@ -507,7 +512,7 @@ impl CloudProvider for Service {
             return self.observe("NodeGroupIncreaseSize", started, Err(status));
         }
         let result = self
-            .actuator
+            .backend
             .increase_size(&r.id, r.delta)
             .await
             .map(|()| NodeGroupIncreaseSizeResponse {})
@@ -537,7 +542,7 @@ impl CloudProvider for Service {
             })
             .collect();
         let result = self
-            .actuator
+            .backend
             .delete_nodes(&r.id, &nodes)
             .await
             .map(|()| NodeGroupDeleteNodesResponse {})
@@ -558,7 +563,7 @@ impl CloudProvider for Service {
             return self.observe("NodeGroupDecreaseTargetSize", started, Err(status));
         }
         let result = self
-            .actuator
+            .backend
             .decrease_target_size(&r.id, r.delta)
             .await
             .map(|()| NodeGroupDecreaseTargetSizeResponse {})
@@ -574,7 +579,7 @@ impl CloudProvider for Service {
         if let Err(status) = self.serving() {
             return self.observe("NodeGroupNodes", started, Err(status));
         }
-        let snapshot = self.store.snapshot();
+        let snapshot = self.backend.snapshot();
         let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupNodesResponse {
             instances: g
                 .instances
@@ -603,7 +608,7 @@ impl CloudProvider for Service {
         if let Err(status) = self.serving() {
             return self.observe("NodeGroupTemplateNodeInfo", started, Err(status));
         }
-        let snapshot = self.store.snapshot();
+        let snapshot = self.backend.snapshot();
         let result = find(&snapshot, &request.get_ref().id).and_then(|g| match &g.template {
             Some(template) => {
                 let bytes = template.to_proto_bytes();
@@ -629,7 +634,7 @@ impl CloudProvider for Service {
         if let Err(status) = self.serving() {
             return self.observe("NodeGroupGetOptions", started, Err(status));
         }
-        let snapshot = self.store.snapshot();
+        let snapshot = self.backend.snapshot();
         let r = request.get_ref();
         let result = find(&snapshot, &r.id)
             .and_then(|g| options_response(g.options.as_ref(), r.defaults.as_ref()));

@@ -373,7 +373,8 @@ impl Store {
         store
     }
 
-    /// A store over fixed objects, with no watches (benchmarks; `client` is only used by writes).
+    /// A store over fixed objects, with no watches (`client` is only used by writes).
+    #[cfg(test)]
     pub fn fixed(
         client: Client,
         apis: CapiApis,

@@ -191,10 +191,11 @@ fn an_old_pod_price_request_is_understood() {
 
 mod rollout {
     use super::super::*;
+    use crate::actuator::Actuator;
     use crate::capi::rollout::REVISION_ANNOTATION;
     use crate::capi::{Machine, ScalableKind, ScalableResource};
     use crate::snapshot::{Index, Settings};
-    use crate::store::CapiApis;
+    use crate::store::{CapiApis, Store};
     use serde_json::{Value, json};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -242,7 +243,7 @@ mod rollout {
 
     /// MachineDeployment md (min 1, max 5, replicas 4): md-new (revision 2) with two running
     /// Machines and one pending, md-old (revision 1) with the given replicas and one Machine.
-    async fn service(old_spec: i32, old_status: i32) -> (Service, Arc<AtomicUsize>) {
+    async fn service(old_spec: i32, old_status: i32) -> (Live, Arc<AtomicUsize>) {
         let keys = crate::capi::Keys::default();
         let md = json!({
             "kind": "MachineDeployment",
@@ -285,8 +286,11 @@ mod rollout {
             index,
             Arc::clone(&metrics),
         );
-        (Service::new(store, metrics), count)
+        let actuator = Arc::new(Actuator::new(store, Arc::clone(&metrics)));
+        (Service::new(actuator, metrics), count)
     }
+
+    type Live = Service<Arc<Actuator>>;
 
     const ID: &str = "MachineDeployment/ns/md";
 
@@ -298,7 +302,7 @@ mod rollout {
         }
     }
 
-    async fn served(service: &Service, node_name: &str) -> (NodeGroup, NodeGroup) {
+    async fn served(service: &Live, node_name: &str) -> (NodeGroup, NodeGroup) {
         let listed = service
             .node_groups(Request::new(NodeGroupsRequest {}))
             .await
@@ -318,7 +322,7 @@ mod rollout {
         (listed[0].clone(), for_node)
     }
 
-    async fn delete(service: &Service, node_name: &str) -> Result<(), Status> {
+    async fn delete(service: &Live, node_name: &str) -> Result<(), Status> {
         service
             .node_group_delete_nodes(Request::new(NodeGroupDeleteNodesRequest {
                 id: ID.into(),
@@ -403,4 +407,286 @@ fn a_price_request_without_times_is_invalid() {
         period((None, None), (None, None)).unwrap_err().code(),
         tonic::Code::InvalidArgument
     );
+}
+
+/// The handlers over a backend that serves a fixed snapshot and records the writes asked of it: what
+/// is answered, what is refused before the writer, and how writer errors reach CA.
+mod handlers {
+    use super::super::*;
+    use crate::capi::{Machine, ScalableResource};
+    use crate::snapshot::{Index, Settings};
+    use serde_json::json;
+    use std::sync::Mutex;
+
+    const ID: &str = "MachineDeployment/ns/md";
+
+    struct Fixed {
+        snapshot: Arc<Snapshot>,
+        keys: Keys,
+        complete: bool,
+        stale: Vec<String>,
+        /// What the next write answers (then Ok).
+        answer: Mutex<Option<ActuatorError>>,
+        writes: Mutex<Vec<String>>,
+    }
+
+    impl Fixed {
+        /// MachineDeployment ns/md (min 1, max 5, replicas 2) with Machines a and b.
+        fn new() -> Fixed {
+            let settings = Settings::default();
+            let keys = settings.keys.clone();
+            let md = json!({
+                "kind": "MachineDeployment",
+                "metadata": {
+                    "namespace": "ns", "name": "md", "resourceVersion": "1",
+                    "annotations": {keys.min_size.as_str(): "1", keys.max_size.as_str(): "5"},
+                },
+                "spec": {"replicas": 2},
+            });
+            let ms = json!({
+                "kind": "MachineSet",
+                "metadata": {
+                    "namespace": "ns", "name": "md-1", "resourceVersion": "1",
+                    "ownerReferences": [{"kind": "MachineDeployment", "name": "md"}],
+                },
+                "spec": {"replicas": 2},
+            });
+            let mut index = Index::default();
+            for (kind, object) in [
+                (ScalableKind::MachineDeployment, md),
+                (ScalableKind::MachineSet, ms),
+            ] {
+                let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
+                index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
+            }
+            for name in ["a", "b"] {
+                let machine = json!({
+                    "kind": "Machine",
+                    "metadata": {
+                        "namespace": "ns", "name": name, "resourceVersion": "1",
+                        "ownerReferences": [{"kind": "MachineSet", "name": "md-1"}],
+                    },
+                    "spec": {"providerID": format!("e2e:///ns/{name}")},
+                    "status": {"nodeRef": {"name": name}},
+                });
+                let m = Machine::from_json(&keys, &machine).unwrap();
+                index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
+            }
+            Fixed {
+                snapshot: Arc::new(index.snapshot(&settings, 1)),
+                keys,
+                complete: true,
+                stale: Vec::new(),
+                answer: Mutex::new(None),
+                writes: Mutex::new(Vec::new()),
+            }
+        }
+
+        fn write(&self, what: String) -> Result<(), ActuatorError> {
+            self.writes.lock().unwrap().push(what);
+            self.answer.lock().unwrap().take().map_or(Ok(()), Err)
+        }
+
+        fn writes(&self) -> Vec<String> {
+            self.writes.lock().unwrap().clone()
+        }
+    }
+
+    #[tonic::async_trait]
+    impl Backend for Arc<Fixed> {
+        fn snapshot(&self) -> Arc<Snapshot> {
+            Arc::clone(&self.snapshot)
+        }
+        fn is_complete(&self) -> bool {
+            self.complete
+        }
+        fn stale_for_write(&self, _: ScalableKind) -> Vec<String> {
+            self.stale.clone()
+        }
+        fn keys(&self) -> &Keys {
+            &self.keys
+        }
+        fn refresh(&self) {}
+        async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
+            self.write(format!("increase {id} {delta}"))
+        }
+        async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
+            self.write(format!("decrease {id} {delta}"))
+        }
+        async fn delete_nodes(
+            &self,
+            id: &str,
+            nodes: &[NodeToDelete],
+        ) -> Result<(), ActuatorError> {
+            let names: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+            self.write(format!("delete {id} {names:?}"))
+        }
+    }
+
+    fn service(backend: Fixed) -> (Service<Arc<Fixed>>, Arc<Fixed>) {
+        let backend = Arc::new(backend);
+        (
+            Service::new(Arc::clone(&backend), Arc::new(Metrics::new())),
+            backend,
+        )
+    }
+
+    async fn increase(service: &Service<Arc<Fixed>>) -> Result<(), Status> {
+        service
+            .node_group_increase_size(Request::new(NodeGroupIncreaseSizeRequest {
+                id: ID.into(),
+                delta: 1,
+            }))
+            .await
+            .map(drop)
+    }
+
+    async fn target_size(service: &Service<Arc<Fixed>>, id: &str) -> Result<i32, Status> {
+        service
+            .node_group_target_size(Request::new(NodeGroupTargetSizeRequest { id: id.into() }))
+            .await
+            .map(|r| r.into_inner().target_size)
+    }
+
+    #[tokio::test]
+    async fn nothing_but_cleanup_is_answered_before_the_view_is_complete() {
+        let (service, backend) = service(Fixed {
+            complete: false,
+            ..Fixed::new()
+        });
+        let groups = service
+            .node_groups(Request::new(NodeGroupsRequest {}))
+            .await
+            .unwrap_err();
+        assert_eq!(groups.code(), tonic::Code::Unavailable, "{groups:?}");
+        assert_eq!(
+            target_size(&service, ID).await.unwrap_err().code(),
+            tonic::Code::Unavailable
+        );
+        assert_eq!(
+            increase(&service).await.unwrap_err().code(),
+            tonic::Code::Unavailable
+        );
+        assert!(backend.writes().is_empty(), "{:?}", backend.writes());
+        service
+            .cleanup(Request::new(CleanupRequest {}))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_stale_watch_refuses_writes_before_the_writer_and_reads_go_on() {
+        let reason = "Machines (cluster.x-k8s.io): watch failing for 40s";
+        let (service, backend) = service(Fixed {
+            stale: vec![reason.into()],
+            ..Fixed::new()
+        });
+        let refused = increase(&service).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable);
+        assert!(
+            refused.message().contains(ID) && refused.message().contains(reason),
+            "{}",
+            refused.message()
+        );
+        let decrease = service
+            .node_group_decrease_target_size(Request::new(NodeGroupDecreaseTargetSizeRequest {
+                id: ID.into(),
+                delta: -1,
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(decrease.code(), tonic::Code::Unavailable);
+        let delete = service
+            .node_group_delete_nodes(Request::new(NodeGroupDeleteNodesRequest {
+                id: ID.into(),
+                nodes: vec![ExternalGrpcNode {
+                    name: "a".into(),
+                    ..Default::default()
+                }],
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(delete.code(), tonic::Code::Unavailable);
+        assert!(backend.writes().is_empty(), "{:?}", backend.writes());
+        assert_eq!(target_size(&service, ID).await.unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn writer_errors_reach_ca_as_the_codes_it_acts_on() {
+        let (service, backend) = service(Fixed::new());
+        let cases = [
+            (ActuatorError::Missing("m".into()), tonic::Code::NotFound),
+            (
+                ActuatorError::BadRequest("b".into()),
+                tonic::Code::InvalidArgument,
+            ),
+            (
+                ActuatorError::Refused("r".into()),
+                tonic::Code::FailedPrecondition,
+            ),
+            (
+                ActuatorError::ApiUnavailable("u".into()),
+                tonic::Code::Unavailable,
+            ),
+            (
+                ActuatorError::Forbidden("f".into()),
+                tonic::Code::PermissionDenied,
+            ),
+            (ActuatorError::Conflict("c".into()), tonic::Code::Aborted),
+            (ActuatorError::Internal("i".into()), tonic::Code::Internal),
+        ];
+        for (error, code) in cases {
+            let message = error.to_string();
+            *backend.answer.lock().unwrap() = Some(error);
+            let status = increase(&service).await.unwrap_err();
+            assert_eq!((status.code(), status.message()), (code, message.as_str()));
+        }
+        increase(&service).await.unwrap();
+        assert_eq!(backend.writes().len(), 8);
+        assert!(
+            backend
+                .writes()
+                .iter()
+                .all(|w| w == &format!("increase {ID} 1"))
+        );
+    }
+
+    #[tokio::test]
+    async fn writes_carry_the_request_and_unknown_groups_are_not_found() {
+        let (service, backend) = service(Fixed::new());
+        service
+            .node_group_delete_nodes(Request::new(NodeGroupDeleteNodesRequest {
+                id: ID.into(),
+                nodes: ["a", "b"]
+                    .map(|name| ExternalGrpcNode {
+                        name: name.into(),
+                        provider_id: format!("e2e:///ns/{name}"),
+                        ..Default::default()
+                    })
+                    .to_vec(),
+            }))
+            .await
+            .unwrap();
+        assert_eq!(backend.writes(), [format!("delete {ID} [\"a\", \"b\"]")]);
+
+        let unknown = "MachineDeployment/ns/nope";
+        assert_eq!(
+            target_size(&service, unknown).await.unwrap_err().code(),
+            tonic::Code::NotFound
+        );
+        let nodes = service
+            .node_group_nodes(Request::new(NodeGroupNodesRequest { id: unknown.into() }))
+            .await
+            .unwrap_err();
+        assert_eq!(nodes.code(), tonic::Code::NotFound);
+        assert!(nodes.message().contains(unknown), "{}", nodes.message());
+        let listed = service
+            .node_group_nodes(Request::new(NodeGroupNodesRequest { id: ID.into() }))
+            .await
+            .unwrap()
+            .into_inner()
+            .instances;
+        let ids: Vec<&str> = listed.iter().map(|i| i.id.as_str()).collect();
+        assert_eq!(ids, ["e2e:///ns/a", "e2e:///ns/b"]);
+    }
 }
