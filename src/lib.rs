@@ -13,7 +13,7 @@ pub mod logging;
 mod metrics;
 pub mod options;
 pub mod pricing;
-mod problem;
+pub mod problem;
 pub mod proto;
 mod removal;
 pub mod server;

@@ -4,36 +4,23 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 
 use crate::actuator::{ActuatorError, NodeToDelete};
 use crate::capi::{GPU_LABEL, Keys, ScalableKind};
 use crate::metrics::Metrics;
-use crate::options::{Defaults, GroupOptions};
 use crate::pricing;
 use crate::proto::cloud_provider_server::CloudProvider;
-use crate::proto::instance_status::InstanceState as WireState;
 use crate::proto::*;
-use crate::snapshot::{InstanceState, NodeGroup as Group, NodeRef, Snapshot};
+use crate::snapshot::{NodeGroup as Group, Snapshot};
 use crate::template::NODE_GROUP_ANNOTATION;
 
-/// The status code CA acts on for each actuator error: it retries UNAVAILABLE and ABORTED, and
-/// gives up on the others.
-impl From<ActuatorError> for Status {
-    fn from(e: ActuatorError) -> Self {
-        match e {
-            ActuatorError::Missing(m) => Status::not_found(m),
-            ActuatorError::BadRequest(m) => Status::invalid_argument(m),
-            ActuatorError::Refused(m) => Status::failed_precondition(m),
-            ActuatorError::ApiUnavailable(m) => Status::unavailable(m),
-            ActuatorError::Forbidden(m) => Status::permission_denied(m),
-            ActuatorError::Conflict(m) => Status::aborted(m),
-            ActuatorError::Internal(m) => Status::internal(m),
-        }
-    }
-}
+mod convert;
+
+use convert::{node_ref, period, wire_group};
+pub use convert::{options_response, template_bytes};
 
 /// CA renames template nodes `template-node-for-<group id>-<random>` before pricing them.
 const TEMPLATE_NODE_PREFIX: &str = "template-node-for-";
@@ -148,125 +135,10 @@ fn shorten(text: &str, max: usize) -> String {
     format!("{}… ({} bytes)", &text[..end], text.len())
 }
 
-fn wire_group(group: &Group) -> NodeGroup {
-    NodeGroup {
-        id: group.id.clone(),
-        min_size: group.served_min(),
-        max_size: group.max,
-        debug: group.debug(),
-    }
-}
-
 fn find<'a>(snapshot: &'a Snapshot, id: &str) -> Result<&'a Group, Status> {
     snapshot
         .group(id)
         .ok_or_else(|| Status::not_found(format!("node group {id:?} not found")))
-}
-
-fn node_ref(node: &ExternalGrpcNode) -> NodeRef<'_> {
-    NodeRef {
-        provider_id: &node.provider_id,
-        name: &node.name,
-        annotations: Some(&node.annotations),
-    }
-}
-
-/// The priced period: the CA ≥ 1.35 timestamps, else the legacy ones.
-fn period(
-    start: (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
-    end: (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
-) -> Result<(SystemTime, SystemTime), Status> {
-    let read = |(new, legacy): (Option<&prost_types::Timestamp>, Option<&LegacyTime>),
-                name: &str| {
-        let (seconds, nanos) = match (new, legacy) {
-            (Some(t), _) => (t.seconds, t.nanos),
-            (None, Some(t)) => (t.seconds, t.nanos),
-            (None, None) => return Err(Status::invalid_argument(format!("{name} is required"))),
-        };
-        pricing::timestamp(seconds, nanos)
-            .ok_or_else(|| Status::invalid_argument(format!("{name} is out of range")))
-    };
-    Ok((read(start, "startTimestamp")?, read(end, "endTimestamp")?))
-}
-
-fn wire_duration(d: Duration) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
-    }
-}
-
-fn read_duration(new: Option<&prost_types::Duration>, legacy: Option<&LegacyDuration>) -> Duration {
-    match (new, legacy) {
-        (Some(d), _) => Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32),
-        (None, Some(l)) => Duration::from_nanos(l.duration.max(0) as u64),
-        (None, None) => Duration::ZERO,
-    }
-}
-
-fn defaults_from_wire(o: &NodeGroupAutoscalingOptions) -> Defaults {
-    Defaults {
-        scale_down_utilization_threshold: o.scale_down_utilization_threshold,
-        scale_down_gpu_utilization_threshold: o.scale_down_gpu_utilization_threshold,
-        scale_down_unneeded_time: read_duration(
-            o.scale_down_unneeded_duration.as_ref(),
-            o.scale_down_unneeded_time.as_ref(),
-        ),
-        scale_down_unready_time: read_duration(
-            o.scale_down_unready_duration.as_ref(),
-            o.scale_down_unready_time.as_ref(),
-        ),
-        max_node_provision_time: read_duration(
-            o.max_node_provision_duration.as_ref(),
-            o.max_node_provision_time.as_ref(),
-        ),
-        zero_or_max_node_scaling: o.zero_or_max_node_scaling,
-        ignore_daemonsets_utilization: o.ignore_daemon_sets_utilization,
-    }
-}
-
-/// Both the CA ≥ 1.35 fields and the legacy ones, so every supported CA reads every duration.
-fn options_to_wire(o: &Defaults) -> NodeGroupAutoscalingOptions {
-    let legacy = |d: Duration| LegacyDuration {
-        duration: i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
-    };
-    NodeGroupAutoscalingOptions {
-        scale_down_utilization_threshold: o.scale_down_utilization_threshold,
-        scale_down_gpu_utilization_threshold: o.scale_down_gpu_utilization_threshold,
-        scale_down_unneeded_time: Some(legacy(o.scale_down_unneeded_time)),
-        scale_down_unready_time: Some(legacy(o.scale_down_unready_time)),
-        max_node_provision_time: Some(legacy(o.max_node_provision_time)),
-        zero_or_max_node_scaling: o.zero_or_max_node_scaling,
-        ignore_daemon_sets_utilization: o.ignore_daemonsets_utilization,
-        scale_down_unneeded_duration: Some(wire_duration(o.scale_down_unneeded_time)),
-        scale_down_unready_duration: Some(wire_duration(o.scale_down_unready_time)),
-        max_node_provision_duration: Some(wire_duration(o.max_node_provision_time)),
-    }
-}
-
-/// The options answer: empty without per-group annotations (CA keeps all its defaults, including the
-/// ones the proto cannot carry), else the defaults with the group's overrides.
-pub fn options_response(
-    options: Option<&GroupOptions>,
-    defaults: Option<&NodeGroupAutoscalingOptions>,
-) -> Result<NodeGroupAutoscalingOptionsResponse, Status> {
-    let Some(options) = options else {
-        return Ok(NodeGroupAutoscalingOptionsResponse::default());
-    };
-    let defaults = defaults.ok_or_else(|| Status::invalid_argument("defaults are required"))?;
-    Ok(NodeGroupAutoscalingOptionsResponse {
-        node_group_autoscaling_options: Some(options_to_wire(
-            &options.merged(&defaults_from_wire(defaults)),
-        )),
-    })
-}
-
-fn wire_state(state: InstanceState) -> WireState {
-    match state {
-        InstanceState::Running => WireState::InstanceRunning,
-        InstanceState::Creating => WireState::InstanceCreating,
-        InstanceState::Deleting => WireState::InstanceDeleting,
-    }
 }
 
 /// The group a node being priced belongs to: a real node by providerID or machine annotations, a
@@ -532,15 +404,7 @@ impl<B: Backend> CloudProvider for Service<B> {
             return self.observe("NodeGroupDeleteNodes", started, Err(status));
         }
         let r = request.into_inner();
-        let nodes: Vec<NodeToDelete> = r
-            .nodes
-            .into_iter()
-            .map(|n| NodeToDelete {
-                provider_id: n.provider_id,
-                name: n.name,
-                annotations: n.annotations,
-            })
-            .collect();
+        let nodes = convert::nodes_to_delete(r.nodes);
         let result = self
             .backend
             .delete_nodes(&r.id, &nodes)
@@ -581,21 +445,7 @@ impl<B: Backend> CloudProvider for Service<B> {
         }
         let snapshot = self.backend.snapshot();
         let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupNodesResponse {
-            instances: g
-                .instances
-                .iter()
-                .map(|i| Instance {
-                    id: i.id.clone(),
-                    status: Some(InstanceStatus {
-                        instance_state: wire_state(i.state) as i32,
-                        error_info: i.error.as_ref().map(|e| InstanceErrorInfo {
-                            error_code: e.code.clone(),
-                            error_message: e.message.clone(),
-                            instance_error_class: e.class,
-                        }),
-                    }),
-                })
-                .collect(),
+            instances: convert::instances(g),
         });
         self.observe("NodeGroupNodes", started, result)
     }
@@ -611,7 +461,7 @@ impl<B: Backend> CloudProvider for Service<B> {
         let snapshot = self.backend.snapshot();
         let result = find(&snapshot, &request.get_ref().id).and_then(|g| match &g.template {
             Some(template) => {
-                let bytes = template.to_proto_bytes();
+                let bytes = convert::template_bytes(template);
                 Ok(NodeGroupTemplateNodeInfoResponse {
                     node_info: bytes.clone(),
                     node_bytes: bytes,

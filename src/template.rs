@@ -23,7 +23,6 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1 as api;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use prost::Message;
 
 use crate::capi::names::{is_label_value, is_qualified_name};
 use crate::capi::quantity::parse_quantity;
@@ -771,88 +770,6 @@ fn healthy_conditions() -> Vec<api::NodeCondition> {
         condition("PIDPressure", "False", "KubeletHasSufficientPID"),
         condition("NetworkUnavailable", "False", "RouteCreated"),
     ]
-}
-
-impl TemplateNode {
-    /// The node as Kubernetes protobuf: the bytes of Go's `v1.Node.Marshal()` (no `k8s\0` envelope, no
-    /// TypeMeta), for `nodeBytes` of `NodeGroupTemplateNodeInfoResponse`. Carries every field [`build`] sets.
-    pub fn to_proto_bytes(&self) -> Vec<u8> {
-        to_pb(&self.node).encode_to_vec()
-    }
-}
-
-/// k8s-openapi `Node` → k8s-pb `Node`, for the fields templates use.
-fn to_pb(node: &api::Node) -> k8s_pb::api::core::v1::Node {
-    use k8s_pb::api::core::v1 as pb;
-    use k8s_pb::apimachinery::pkg::api::resource::Quantity as PbQuantity;
-    use k8s_pb::apimachinery::pkg::apis::meta::v1 as pbmeta;
-    let quantities = |m: &Option<BTreeMap<String, Quantity>>| -> BTreeMap<String, PbQuantity> {
-        m.iter()
-            .flatten()
-            .map(|(k, q)| {
-                (
-                    k.clone(),
-                    PbQuantity {
-                        string: Some(q.0.clone()),
-                    },
-                )
-            })
-            .collect()
-    };
-    let md = &node.metadata;
-    pb::Node {
-        metadata: Some(pbmeta::ObjectMeta {
-            name: md.name.clone(),
-            labels: md.labels.clone().unwrap_or_default(),
-            annotations: md.annotations.clone().unwrap_or_default(),
-            ..Default::default()
-        }),
-        spec: node.spec.as_ref().map(|s| pb::NodeSpec {
-            provider_id: s.provider_id.clone(),
-            taints: s
-                .taints
-                .iter()
-                .flatten()
-                .map(|t| pb::Taint {
-                    key: Some(t.key.clone()),
-                    value: t.value.clone(),
-                    effect: Some(t.effect.clone()),
-                    time_added: None,
-                })
-                .collect(),
-            ..Default::default()
-        }),
-        status: node.status.as_ref().map(|s| pb::NodeStatus {
-            capacity: quantities(&s.capacity),
-            allocatable: quantities(&s.allocatable),
-            conditions: s
-                .conditions
-                .iter()
-                .flatten()
-                .map(|c| pb::NodeCondition {
-                    r#type: Some(c.type_.clone()),
-                    status: Some(c.status.clone()),
-                    reason: c.reason.clone(),
-                    message: c.message.clone(),
-                    ..Default::default()
-                })
-                .collect(),
-            node_info: s.node_info.as_ref().map(|i| pb::NodeSystemInfo {
-                machine_id: Some(i.machine_id.clone()),
-                system_uuid: Some(i.system_uuid.clone()),
-                boot_id: Some(i.boot_id.clone()),
-                kernel_version: Some(i.kernel_version.clone()),
-                os_image: Some(i.os_image.clone()),
-                container_runtime_version: Some(i.container_runtime_version.clone()),
-                kubelet_version: Some(i.kubelet_version.clone()),
-                kube_proxy_version: Some(i.kube_proxy_version.clone()),
-                operating_system: Some(i.operating_system.clone()),
-                architecture: Some(i.architecture.clone()),
-                swap: None,
-            }),
-            ..Default::default()
-        }),
-    }
 }
 
 /// `<resource name>-template-<8 hex of a hash of the group id>`: deterministic, distinct per group, at most

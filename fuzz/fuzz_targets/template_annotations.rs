@@ -20,6 +20,7 @@ use capi_autoscaler_provider::capi::{
     InfraRef, InfraTemplate, Keys, MachineTemplate, ObjectKey, ScalableKind, ScalableResource,
     Taint, capacity,
 };
+use capi_autoscaler_provider::service::template_bytes;
 use capi_autoscaler_provider::template::{
     self, InfraSource, LABEL_ARCH, LABEL_HOSTNAME, LABEL_OS, NODE_LABELS_COPIED, TemplateInputs,
 };
@@ -320,7 +321,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     {
         assert_eq!(s.labels.get(LABEL_HOSTNAME), Some(&s.name));
     }
-    let bytes = t.to_proto_bytes();
+    let bytes = template_bytes(&t);
     let decoded =
         k8s_pb::api::core::v1::Node::decode(bytes.as_slice()).expect("template bytes decode");
     assert_eq!(decoded.encode_to_vec(), bytes);

@@ -1,7 +1,10 @@
 //! Unit tests of `service`.
 
+use super::convert::*;
 use super::*;
+use crate::options::GroupOptions;
 use prost::Message;
+use std::time::Duration;
 
 /// NodeGroupTemplateNodeInfoResponse as CA ≤ 1.34.1 declares it: `k8s.io.api.core.v1.Node nodeInfo = 1`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -689,4 +692,95 @@ mod handlers {
         let ids: Vec<&str> = listed.iter().map(|i| i.id.as_str()).collect();
         assert_eq!(ids, ["e2e:///ns/a", "e2e:///ns/b"]);
     }
+}
+
+const GROUP: &str = "MachineDeployment/default/md-0";
+
+/// The template bytes decode to exactly what the template holds.
+#[test]
+fn template_bytes_carry_every_field_the_template_sets() {
+    use crate::capi::{ScalableResource, capacity};
+    use crate::template::{InfraSource, TemplateInputs};
+    let keys = Keys::default();
+    let md = serde_json::json!({
+        "kind": "MachineDeployment",
+        "metadata": {
+            "namespace": "default", "name": "md-0", "resourceVersion": "1",
+            "annotations": {
+                capacity::CPU: "500m",
+                capacity::MEMORY: "2Gi",
+                capacity::GPU_TYPE: "nvidia.com/gpu",
+                capacity::GPU_COUNT: "1",
+                capacity::TAINTS: "a=b:NoSchedule,c:NoExecute",
+            },
+        },
+        "spec": {
+            "replicas": 0,
+            "template": {"metadata": {"labels": {"node-role.kubernetes.io/worker": ""}}},
+        },
+    });
+    let r = ScalableResource::from_json(ScalableKind::MachineDeployment, &keys, &md).unwrap();
+    let t = crate::template::build(&TemplateInputs {
+        keys: &keys,
+        group_id: GROUP,
+        resource: &r,
+        infra: InfraSource::NoReference,
+        node_labels: None,
+        default_arch: None,
+    })
+    .template
+    .expect("template");
+    let bytes = template_bytes(&t);
+    assert!(!bytes.is_empty());
+    assert!(!bytes.starts_with(b"k8s\0"));
+    let decoded = k8s_pb::api::core::v1::Node::decode(bytes.as_slice()).expect("decodes");
+    assert_eq!(decoded, to_pb(&t.node));
+
+    let md = decoded.metadata.clone().unwrap_or_default();
+    assert_eq!(md.name.as_deref(), Some(t.summary.name.as_str()));
+    assert_eq!(md.labels, t.summary.labels);
+    assert_eq!(
+        md.annotations
+            .get(NODE_GROUP_ANNOTATION)
+            .map(String::as_str),
+        Some(GROUP)
+    );
+    let spec = decoded.spec.clone().unwrap_or_default();
+    let taints: Vec<(Option<&str>, Option<&str>, Option<&str>)> = spec
+        .taints
+        .iter()
+        .map(|t| (t.key.as_deref(), t.value.as_deref(), t.effect.as_deref()))
+        .collect();
+    assert_eq!(
+        taints,
+        vec![
+            (Some("a"), Some("b"), Some("NoSchedule")),
+            (Some("c"), None, Some("NoExecute"))
+        ]
+    );
+    assert_eq!(spec.provider_id, None);
+    let status = decoded.status.clone().unwrap_or_default();
+    let cap: std::collections::BTreeMap<String, String> = status
+        .capacity
+        .iter()
+        .map(|(k, q)| (k.clone(), q.string.clone().unwrap_or_default()))
+        .collect();
+    assert_eq!(
+        cap,
+        [
+            ("cpu", "500m"),
+            ("memory", "2Gi"),
+            ("nvidia.com/gpu", "1"),
+            ("pods", "110")
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .into()
+    );
+    assert_eq!(status.capacity, status.allocatable);
+    assert_eq!(status.conditions.len(), 5);
+    assert_eq!(status.conditions[0].r#type.as_deref(), Some("Ready"));
+    assert_eq!(status.conditions[0].status.as_deref(), Some("True"));
+    let info = status.node_info.unwrap_or_default();
+    assert_eq!(info.architecture.as_deref(), Some("amd64"));
+    assert_eq!(info.operating_system.as_deref(), Some("linux"));
 }
