@@ -16,7 +16,7 @@
 //! `LOAD_RPCS` (100000), `LOAD_TIMEOUT` (seconds per call, 10: CA's cloud-config default).
 
 #[path = "../tests/support/mod.rs"]
-mod support;
+pub mod support;
 
 // The fleet of the `fleet` bench, created the same way.
 #[allow(dead_code)]

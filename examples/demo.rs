@@ -17,7 +17,7 @@
 //! and the work directories are removed (kept, with the logs' paths printed, when the demo fails).
 
 #[path = "../tests/support/mod.rs"]
-mod support;
+pub mod support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

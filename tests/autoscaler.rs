@@ -4,7 +4,7 @@
 //! namespace, provider and CA; pods only fit their own scenario's groups, so scenarios run side by
 //! side. Assertions are on objects (replicas, Machines, Nodes, pods, Events), never on log text.
 
-mod support;
+pub mod support;
 
 use std::time::Duration;
 
@@ -571,8 +571,8 @@ async fn autoscaler_over_mutual_tls() {
     s.capi.create_deployment(&md, false).await;
     let dir = procs::work_dir().join(format!("mtls-{}", s.ns));
     std::fs::create_dir_all(&dir).expect("create the mTLS directory");
-    let server_ca = Ca::new();
-    let client_ca = Ca::new();
+    let server_ca = Ca::generate();
+    let client_ca = Ca::generate();
     let serving = server_ca.serving_cert("capi-autoscaler-provider");
     let client = client_ca.client_cert("cluster-autoscaler", None);
     let path = |name: &str, pem: &str| pki::write_private(&dir, name, pem);

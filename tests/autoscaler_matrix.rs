@@ -4,7 +4,7 @@
 //! ones, 1.34.5 both: every cell must pass. The cells run side by side; the table of results and
 //! times is printed before the verdict. (CA on v1beta1-only CRDs: tests/autoscaler_v1beta1.rs.)
 
-mod support;
+pub mod support;
 
 use std::time::Instant;
 

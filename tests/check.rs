@@ -5,7 +5,7 @@
 //!
 //! Every test works in a namespace of its own and runs the commands with a namespace filter.
 
-mod support;
+pub mod support;
 
 use std::path::Path;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! provider as a native sidecar with a startup probe, the workload kubeconfig for a management-cluster CA,
 //! least-privilege RBAC identical in both packagings. tests/manifests.rs applies and runs the same objects.
 
-mod support;
+pub mod support;
 
 use std::collections::BTreeSet;
 

@@ -8,7 +8,7 @@
 //! The faults stall, kill and stop processes this binary shares (and each test times things), so the
 //! tests run one at a time ([`SERIAL`]). Each prints its wall time.
 
-mod support;
+pub mod support;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -14,7 +14,7 @@
 //!
 //! Every test works in a namespace of its own with a provider that only looks at that namespace.
 
-mod support;
+pub mod support;
 
 use std::time::{Duration, Instant};
 
@@ -322,9 +322,9 @@ async fn hostile_grpc_input_is_refused_or_answered_and_memory_stays_bounded() {
 async fn tls_files_rotated_to_a_new_ca_are_picked_up_without_a_restart() {
     let (cp, capi) = capi().await;
     let id = priced_group(&capi, "md").await;
-    let old = TlsSet::new();
-    let new = TlsSet::new();
-    let files = TlsDir::new();
+    let old = TlsSet::generate();
+    let new = TlsSet::generate();
+    let files = TlsDir::create();
     files.install(&old);
     let extra = vec![
         "--node-group-auto-discovery".to_string(),

@@ -12,7 +12,7 @@
 //! MachineDeployment up from zero for a pending pod; nothing is refused by RBAC; TLS/mTLS between them is as
 //! configured. Variants share cluster-scoped names and kube-system, so they run one at a time.
 
-mod support;
+pub mod support;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -21,7 +21,7 @@
 //! `MODEL_OPS` override the seed (printed, so a failure can be replayed: each client's choices follow
 //! from it; the interleaving with the reconciler does not) and the number of operations (10,000).
 
-mod support;
+pub mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

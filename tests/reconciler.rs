@@ -3,7 +3,7 @@
 //! and then the newest, MachinePools through providerIDList, the Node delay and the
 //! provisioning-failure knob. No provider runs here.
 
-mod support;
+pub mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! is over everything is as before. Rollouts are detected from MachineSet revisions and from the
 //! MachineDeployment's `RollingOut` condition.
 
-mod support;
+pub mod support;
 
 use std::time::Duration;
 

@@ -8,7 +8,7 @@
 //!
 //! Every test works in a namespace of its own with a provider that only looks at that namespace.
 
-mod support;
+pub mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

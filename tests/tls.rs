@@ -1,7 +1,7 @@
 //! The gRPC listener with TLS and with mutual TLS, as cluster-autoscaler's cloud-config `cert`/`key`/
 //! `cacert` uses it: real certificates, a real handshake, clients from the wrong CA refused.
 
-mod support;
+pub mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -37,7 +37,7 @@ struct Pki {
 impl Pki {
     fn new() -> Pki {
         let dir = procs::scratch_dir();
-        let ca = Ca::new();
+        let ca = Ca::generate();
         let server = ca.serving_cert("capi-autoscaler-provider");
         Pki { dir, ca, server }
     }
@@ -193,7 +193,7 @@ async fn mutual_tls_accepts_only_clients_with_a_certificate_from_the_client_ca()
     assert_eq!(node_groups(channel).await.expect("NodeGroups over mTLS"), 0);
 
     // A client certificate from another CA is refused during the handshake.
-    let foreign = Ca::new().client_cert("cluster-autoscaler", None);
+    let foreign = Ca::generate().client_cert("cluster-autoscaler", None);
     let refused = match connect(&provider.address, Some(tls(&pki, Some(&foreign)))).await {
         Ok(channel) => node_groups(channel).await.is_err(),
         Err(_) => true,

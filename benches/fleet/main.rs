@@ -26,7 +26,7 @@
 //! per kind, 50), `BENCH_W_WRITE_BUDGET` (seconds, 300), `BENCH_SKIP` (`w`, `a`, `ca`, `writes`).
 
 #[path = "../../tests/support/mod.rs"]
-mod support;
+pub mod support;
 
 mod apf;
 mod ca;

@@ -381,7 +381,7 @@ pub(super) async fn start_apiserver(
     service_cidr: &str,
 ) -> Result<ApiServer, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-    let ca = Ca::new();
+    let ca = Ca::generate();
     let serving = ca.serving_cert(&format!("{name}-kube-apiserver"));
     let admin = ca.client_cert(&format!("{name}-admin"), Some("system:masters"));
     let (sa_key, sa_pub) = pki::service_account_key();

@@ -200,8 +200,8 @@ pub struct TlsSet {
 }
 
 impl TlsSet {
-    pub fn new() -> TlsSet {
-        let ca = Ca::new();
+    pub fn generate() -> TlsSet {
+        let ca = Ca::generate();
         let server = ca.serving_cert("capi-autoscaler-provider");
         let client = ca.client_cert("cluster-autoscaler", None);
         TlsSet { ca, server, client }
@@ -223,7 +223,7 @@ pub struct TlsDir {
 }
 
 impl TlsDir {
-    pub fn new() -> TlsDir {
+    pub fn create() -> TlsDir {
         TlsDir {
             dir: procs::scratch_dir(),
         }

@@ -1,8 +1,9 @@
 //! Shared harness for integration tests: a real etcd + kube-apiserver (built from Go modules by
 //! tests/upstream/build.sh) with the Cluster API CRDs, identities, and the provider binary.
 //!
-//! Use from a test file with `mod support;`. One control plane per test binary, started on first
-//! use and stopped when the binary ends (also after a panic):
+//! Use from a test file with `pub mod support;`: public, the harness is that test crate's API, so
+//! the parts a binary does not call are not dead code there. One control plane per test binary,
+//! started on first use and stopped when the binary ends (also after a panic):
 //!
 //! ```ignore
 //! let cp = support::control_plane(support::Setup::shipped());
@@ -13,7 +14,6 @@
 //!
 //! Environment: `CAPI_E2E_KEEP=1` keeps the work directory (certificates, kubeconfigs, logs) even
 //! when every test passed; it is always kept when a test panicked, and its path is printed.
-#![allow(dead_code, unused_imports)]
 
 pub mod autoscaler;
 pub mod capi;

@@ -24,7 +24,7 @@ pub struct Ca {
 }
 
 impl Ca {
-    pub fn new() -> Ca {
+    pub fn generate() -> Ca {
         let mut params = CertificateParams::default();
         params.distinguished_name = dn("capi-e2e-ca", None);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);

@@ -58,7 +58,6 @@ pub const REVISION_ANNOTATION: &str = "machinedeployment.clusters.x-k8s.io/revis
 /// The label CAPI puts on a MachineSet, its selector and its Machines.
 pub const TEMPLATE_HASH_LABEL: &str = "machine-template-hash";
 const CAPACITY: &str = "capacity.cluster-autoscaler.kubernetes.io";
-const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 /// CAPI's random-suffix alphabet (no vowels, no look-alikes).
 const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
 /// How long a MachineDeployment without a MachineSet waits for one from the test before the
