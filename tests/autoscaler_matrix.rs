@@ -2,7 +2,7 @@
 //! cluster-autoscaler.versions) scales a group up from zero and removes the empty node again through
 //! the provider, on Cluster API v1beta2. CA 1.33 reads only the legacy wire fields, 1.35+ only the new
 //! ones, 1.34.5 both: every cell must pass. The cells run side by side; the table of results and
-//! times is printed before the verdict. (CA on v1beta1-only CRDs: tests/autoscaler_v1beta1.rs.)
+//! times is printed before the verdict. (CA on v1beta1-only CRDs: tests/e2e_v1beta1/autoscaler.rs.)
 
 pub mod support;
 

@@ -2,7 +2,7 @@
 //! serves only Cluster API v1beta1 (as stored by CAPI before v1.11): a scale-up from zero and the
 //! removal of the empty node, through the provider's v1beta1 code paths.
 
-pub mod support;
+use crate::support;
 
 use support::Setup;
 use support::autoscaler::default_version;

@@ -1,7 +1,7 @@
 //! Node groups on the v1beta1-only Cluster API CRDs (v1beta1 storage), with v1beta1-shaped objects:
 //! `infrastructureRef.apiVersion`, `status.nodeRef` as an ObjectReference, `status.failureMessage`.
 
-pub mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

@@ -6,7 +6,7 @@
 //! Every test works in a namespace of its own. Tests share the apiserver, so the one that counts the
 //! apiserver's requests runs alone: it takes [`API_QUIET`] exclusively, every other test shares it.
 
-pub mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! Foundation: the real control plane with the Cluster API CRDs as shipped (v1beta2 storage) and the
 //! renamed-group copy, real RBAC, and the provider's gRPC health service.
 
-pub mod support;
+use crate::support;
 
 use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule};
 use kube::Api;

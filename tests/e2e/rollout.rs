@@ -4,7 +4,7 @@
 //! is over everything is as before. Rollouts are detected from MachineSet revisions and from the
 //! MachineDeployment's `RollingOut` condition.
 
-pub mod support;
+use crate::support;
 
 use std::time::Duration;
 

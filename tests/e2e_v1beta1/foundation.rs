@@ -1,7 +1,7 @@
 //! Foundation on the v1beta1-only Cluster API CRDs (v1beta1 is the storage version): objects written
 //! and read as v1beta1, with v1beta1's reference shape (`infrastructureRef.apiVersion`).
 
-pub mod support;
+use crate::support;
 
 use kube::Api;
 use kube::api::{DynamicObject, ListParams, PostParams};

@@ -6,7 +6,7 @@
 //!
 //! Every test works in a namespace of its own with a provider that only looks at that namespace.
 
-pub mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 

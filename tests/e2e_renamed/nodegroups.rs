@@ -2,7 +2,7 @@
 //! with the provider told so by `CAPI_GROUP` (or `--capi-group`): annotations, labels and the
 //! delete-machine mark all follow the group; objects of `cluster.x-k8s.io` are not looked at.
 
-pub mod support;
+use crate::support;
 
 use std::collections::HashMap;
 

@@ -8,7 +8,7 @@
 //!
 //! Every test works in a namespace of its own with a provider that only looks at that namespace.
 
-pub mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -462,7 +462,7 @@ async fn a_missing_infra_template_is_a_problem_until_it_appears() {
         map(&[("cpu", "1"), ("memory", "2Gi"), ("pods", "110")])
     );
     // Each missing template is a problem on its MachineDeployment, naming the template (the
-    // provider's log; `check` shows the same problems, see tests/check.rs).
+    // provider's log; `check` shows the same problems, see tests/e2e/check.rs).
     for (md, template) in [("late", "late-tmpl"), ("late-ann", "late-ann-tmpl")] {
         wait_log_line(
             &provider,

@@ -3,7 +3,7 @@
 //! and then the newest, MachinePools through providerIDList, the Node delay and the
 //! provisioning-failure knob. No provider runs here.
 
-pub mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! gets UNAVAILABLE (which CA retries) or a complete, correct answer, never a partial one: every OK
 //! NodeGroups lists every group, every OK NodeGroupForNode maps its node.
 
-pub mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

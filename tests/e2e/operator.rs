@@ -3,7 +3,7 @@
 //! configuration taken from the environment by `serve` and `check` alike, and logs without colour codes
 //! when they do not go to a terminal.
 
-pub mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};

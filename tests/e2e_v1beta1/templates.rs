@@ -3,7 +3,7 @@
 //! from that template's `status.capacity` and `status.nodeInfo`. The node is created in the
 //! apiserver from the exact gRPC bytes, so the server validates it.
 
-pub mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 

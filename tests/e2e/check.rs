@@ -5,7 +5,7 @@
 //!
 //! Every test works in a namespace of its own and runs the commands with a namespace filter.
 
-pub mod support;
+use crate::support;
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The gRPC listener with TLS and with mutual TLS, as cluster-autoscaler's cloud-config `cert`/`key`/
 //! `cacert` uses it: real certificates, a real handshake, clients from the wrong CA refused.
 
-pub mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
