@@ -26,31 +26,72 @@ const MAX_ATTEMPTS: usize = 8;
 /// Bound on each API call, below CA's default gRPC deadline (5s).
 const CALL_TIMEOUT: Duration = Duration::from_secs(4);
 
-/// Why a scale operation failed, in the domain's terms; the service maps each to the status code
-/// CA acts on.
+/// Why a scale operation failed, in the domain's terms; the wire module maps each to the status
+/// code CA acts on.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ActuatorError {
-    /// The group, a node or an object named does not exist.
+    /// No node group has this id (any more).
+    #[error("node group {id:?} not found")]
+    GroupNotFound { id: String },
+    /// A node or an object the request names is not there.
     #[error("{0}")]
-    Missing(String),
+    NotFound(String),
     /// The request itself is wrong: a delta of the wrong sign, a node of another group.
     #[error("{0}")]
     BadRequest(String),
-    /// The group's state does not allow it: outside [min, max], a rollout, nodes that would go.
+    /// The size the operation leads to is outside the bounds of the group object it would write.
+    #[error("{group}: {operation}: desired size {desired} is outside [{min}, {max}]")]
+    OutOfBounds {
+        group: String,
+        operation: String,
+        desired: i32,
+        min: i32,
+        max: i32,
+    },
+    /// The group's state does not allow it: a rollout, a malformed object, registered nodes that
+    /// would go.
     #[error("{0}")]
     Refused(String),
-    /// The API could not be reached or did not answer in time (whether a write landed may be
-    /// unknown; a retry finds out).
-    #[error("{0}")]
-    ApiUnavailable(String),
-    /// The API refused this identity.
-    #[error("{0}")]
-    Forbidden(String),
     /// Still conflicting with other writers after every attempt.
     #[error("{0}")]
     Conflict(String),
+    /// The management cluster's API failed the call.
+    #[error("{message}")]
+    Api { cause: ApiCause, message: String },
     #[error("{0}")]
     Internal(String),
+}
+
+/// Why an API call failed, as far as a caller decides differently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiCause {
+    /// Not reached, no answer in time, or a server-side error: whether a write landed may be
+    /// unknown, a retry finds out.
+    Unreachable,
+    /// The API refused this identity (RBAC).
+    Forbidden,
+    /// Any other answer.
+    Failed,
+}
+
+impl ActuatorError {
+    fn api(cause: ApiCause, message: String) -> Self {
+        ActuatorError::Api { cause, message }
+    }
+
+    fn unreachable(message: String) -> Self {
+        Self::api(ApiCause::Unreachable, message)
+    }
+
+    fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            ActuatorError::Api {
+                cause: ApiCause::Unreachable,
+                ..
+            }
+        )
+    }
 }
 
 /// An API error, kept apart from conflicts so writes can retry those.
@@ -64,21 +105,25 @@ fn classify(what: &str, e: kube::Error) -> ApiFailure {
     match e {
         kube::Error::Api(status) if status.code == 409 => ApiFailure::Conflict,
         kube::Error::Api(status) => ApiFailure::Other(match status.code {
-            404 => ActuatorError::Missing(format!("{what}: not found: {}", status.message)),
-            403 => ActuatorError::Forbidden(format!(
-                "{what}: forbidden (check the provider's RBAC): {}",
-                status.message
-            )),
+            404 => ActuatorError::NotFound(format!("{what}: not found: {}", status.message)),
+            403 => ActuatorError::api(
+                ApiCause::Forbidden,
+                format!(
+                    "{what}: forbidden (check the provider's RBAC): {}",
+                    status.message
+                ),
+            ),
             400 | 422 => ActuatorError::Refused(format!("{what}: rejected: {}", status.message)),
-            429 | 500..=599 => ActuatorError::ApiUnavailable(format!(
+            429 | 500..=599 => ActuatorError::unreachable(format!(
                 "{what}: API server error {}: {}",
                 status.code, status.message
             )),
-            code => {
-                ActuatorError::Internal(format!("{what}: API error {code}: {}", status.message))
-            }
+            code => ActuatorError::api(
+                ApiCause::Failed,
+                format!("{what}: API error {code}: {}", status.message),
+            ),
         }),
-        other => ApiFailure::Other(ActuatorError::ApiUnavailable(format!(
+        other => ApiFailure::Other(ActuatorError::unreachable(format!(
             "{what}: management cluster API unreachable: {other}"
         ))),
     }
@@ -90,7 +135,7 @@ async fn call<T>(
 ) -> Result<T, ApiFailure> {
     match tokio::time::timeout(CALL_TIMEOUT, fut).await {
         Ok(result) => result.map_err(|e| classify(what, e)),
-        Err(_) => Err(ApiFailure::Other(ActuatorError::ApiUnavailable(format!(
+        Err(_) => Err(ApiFailure::Other(ActuatorError::unreachable(format!(
             "{what}: management cluster API did not answer within {CALL_TIMEOUT:?}"
         )))),
     }
@@ -180,6 +225,18 @@ struct GroupState {
     resource_version: String,
 }
 
+impl GroupState {
+    fn out_of_bounds(&self, group: &NodeGroup, operation: &str, desired: i32) -> ActuatorError {
+        ActuatorError::OutOfBounds {
+            group: group.id.clone(),
+            operation: operation.to_string(),
+            desired,
+            min: self.min,
+            max: self.max,
+        }
+    }
+}
+
 /// What a write changes: the new replica count and, for a removal, the ledger entry it pays for.
 struct Change {
     replicas: i32,
@@ -238,7 +295,7 @@ impl Actuator {
         let group = snapshot
             .group(id)
             .cloned()
-            .ok_or_else(|| ActuatorError::Missing(format!("node group {id:?} not found")))?;
+            .ok_or_else(|| ActuatorError::GroupNotFound { id: id.to_string() })?;
         Ok((snapshot, group))
     }
 
@@ -314,7 +371,9 @@ impl Actuator {
         let resource = self
             .store
             .cached_resource(group.kind(), &group.resource.key)
-            .ok_or_else(|| ActuatorError::Missing(format!("node group {:?} is gone", group.id)))?;
+            .ok_or_else(|| ActuatorError::GroupNotFound {
+                id: group.id.clone(),
+            })?;
         self.state_of(group, &resource)
     }
 
@@ -407,10 +466,7 @@ impl Actuator {
                 return Ok(state.replicas);
             };
             if wanted.replicas < state.min || wanted.replicas > state.max {
-                return Err(ActuatorError::Refused(format!(
-                    "{}: {} replicas is outside [{}, {}]",
-                    group.id, wanted.replicas, state.min, state.max
-                )));
+                return Err(state.out_of_bounds(group, operation, wanted.replicas));
             }
             let mut ledger = state.ledger.clone();
             ledger.retain(|entry| state.listed.contains(entry));
@@ -442,7 +498,7 @@ impl Actuator {
                 }
                 Err(ApiFailure::Other(e)) => {
                     self.metrics.api_write(operation, "error");
-                    if !matches!(e, ActuatorError::ApiUnavailable(_)) {
+                    if !e.is_unreachable() {
                         return Err(e);
                     }
                     // The write may have landed before its answer was lost.
@@ -452,7 +508,7 @@ impl Actuator {
                         // that read shows this one arrived meanwhile.
                         Some(false) => unanswered.push((state.resource_version.clone(), wanted)),
                         None => {
-                            return Err(ActuatorError::ApiUnavailable(format!(
+                            return Err(ActuatorError::unreachable(format!(
                                 "{e}; whether the write landed is unknown (it is looked up again on retry)"
                             )));
                         }
@@ -548,10 +604,7 @@ impl Actuator {
         self.write(&group, "increase-size", |state| {
             let desired = state.replicas.saturating_add(delta);
             if desired > state.max {
-                return Err(ActuatorError::Refused(format!(
-                    "{id}: size increase too large: desired {desired}, max {}",
-                    state.max
-                )));
+                return Err(state.out_of_bounds(&group, "size increase", desired));
             }
             Ok(Some(Change {
                 replicas: desired,
@@ -582,10 +635,7 @@ impl Actuator {
                 )));
             }
             if desired < state.min {
-                return Err(ActuatorError::Refused(format!(
-                    "{id}: size decrease too large: desired {desired}, min {}",
-                    state.min
-                )));
+                return Err(state.out_of_bounds(&group, "size decrease", desired));
             }
             Ok(Some(Change {
                 replicas: desired,
@@ -628,10 +678,11 @@ impl Actuator {
         }
         let owed = (fresh + unpaid.min(counts.owed())) as i32;
         if owed > 0 && state.replicas - owed < state.min {
-            return Err(ActuatorError::Refused(format!(
-                "{id}: deleting {owed} node(s) would take replicas from {} below min size {}",
-                state.replicas, state.min
-            )));
+            return Err(state.out_of_bounds(
+                &group,
+                &format!("deleting {owed} node(s)"),
+                state.replicas - owed,
+            ));
         }
 
         let mut group = group;
@@ -762,7 +813,7 @@ impl Actuator {
             .await
         {
             Ok(_) => Ok(()),
-            Err(e @ ActuatorError::ApiUnavailable(_)) => {
+            Err(e) if e.is_unreachable() => {
                 tracing::warn!(group = %group.id, machine = %key, "decrement outcome unknown, the mark stays for the counts to settle: {e}");
                 Err(e)
             }
@@ -802,7 +853,7 @@ impl Actuator {
                 self.store.record(None, obj);
                 true
             }
-            Err(ApiFailure::Other(ActuatorError::Missing(_))) => true,
+            Err(ApiFailure::Other(ActuatorError::NotFound(_))) => true,
             Err(e) => {
                 self.metrics.api_write("unmark-machine", "error");
                 tracing::warn!(machine = %key, "{what} failed: {e:?}; the repair retries it");
@@ -951,7 +1002,7 @@ fn removal_plan(
                 keys,
             )
             .ok_or_else(|| {
-                ActuatorError::Missing(format!("{} belongs to no node group", node.describe()))
+                ActuatorError::NotFound(format!("{} belongs to no node group", node.describe()))
             })?;
         if location.group_id != id {
             return Err(ActuatorError::BadRequest(format!(

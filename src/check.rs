@@ -17,8 +17,8 @@ use crate::metrics::Metrics;
 use crate::options::GroupOptions;
 use crate::pricing::{PriceSource, ReferencePrices};
 use crate::problem::Problem;
-use crate::server::start_store;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
+use crate::startup::start_store;
 use crate::store::WatchSettings;
 use crate::template::{TemplateSummary, taint_string};
 

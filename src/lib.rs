@@ -4,10 +4,12 @@
 //! out) and a thin shell (store, actuator, service, server) that does the I/O.
 
 mod actuator;
+mod apis;
 pub mod capi;
 pub mod check;
 pub mod config;
 pub mod discovery;
+mod events;
 mod index;
 pub mod logging;
 mod metrics;
@@ -19,6 +21,7 @@ mod removal;
 pub mod server;
 pub mod service;
 pub mod snapshot;
+mod startup;
 mod store;
 pub mod template;
 mod tls;

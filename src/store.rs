@@ -11,13 +11,14 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use futures::StreamExt;
 use kube::Client;
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
-use kube::discovery::{self, ApiGroup};
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::api::{Api, ApiResource, DynamicObject};
+use kube::discovery;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::Notify;
 
+use crate::apis::{CapiApis, resource_name};
 use crate::capi::{Machine, ObjectKey, ScalableKind, ScalableResource};
+use crate::events::Events;
 use crate::index::{self, Prepared, Watched};
 use crate::metrics::Metrics;
 use crate::problem::Problem;
@@ -125,124 +126,6 @@ fn describe(health: &WatchHealth, now: Instant, stale_after: Duration) -> Option
     }
 }
 
-/// `plural.group` (`plural` for the core group): how watches are named in logs, metrics and reasons.
-pub fn resource_name(resource: &ApiResource) -> String {
-    if resource.group.is_empty() {
-        resource.plural.clone()
-    } else {
-        format!("{}.{}", resource.plural, resource.group)
-    }
-}
-
-/// The Cluster API resources this provider reads and writes, at the version in use.
-#[derive(Clone, Debug)]
-pub struct CapiApis {
-    pub group: String,
-    pub version: String,
-    /// Only the kinds the API serves (MachinePools may be absent).
-    pub scalable: BTreeMap<ScalableKind, ApiResource>,
-    pub machine: ApiResource,
-    /// Clusters, when served: only read for their managed topology.
-    pub cluster: Option<ApiResource>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("discovering API group {group:?}{}: {reason}", at_version(version))]
-    Discovery {
-        group: String,
-        version: Option<String>,
-        reason: String,
-    },
-    #[error("API group {group:?} does not serve {what}")]
-    NotServed { group: String, what: String },
-}
-
-fn at_version(version: &Option<String>) -> String {
-    version
-        .as_deref()
-        .map(|v| format!(" at version {v} (CAPI_VERSION)"))
-        .unwrap_or_default()
-}
-
-impl CapiApis {
-    /// The served version: `CAPI_VERSION` when set, else the group's preferred version.
-    pub async fn discover(
-        client: &Client,
-        group: &str,
-        version: Option<&str>,
-    ) -> Result<Self, StoreError> {
-        let discovery_error = |e: kube::Error| StoreError::Discovery {
-            group: group.to_string(),
-            version: version.map(str::to_string),
-            reason: match e {
-                kube::Error::Api(status) if status.code == 404 => {
-                    "not served by this API server (404)".to_string()
-                }
-                kube::Error::Api(status) => format!("{} ({})", status.message, status.code),
-                other => other.to_string(),
-            },
-        };
-        let api_group: ApiGroup = match version {
-            Some(v) => discovery::pinned_group(client, &kube::core::GroupVersion::gv(group, v))
-                .await
-                .map_err(discovery_error)?,
-            None => discovery::group(client, group)
-                .await
-                .map_err(discovery_error)?,
-        };
-        let version = version
-            .map(str::to_string)
-            .unwrap_or_else(|| api_group.preferred_version_or_latest().to_string());
-        let served = api_group.versioned_resources(&version);
-        let find = |kind: &str| {
-            served
-                .iter()
-                .find(|(r, _)| r.kind == kind)
-                .map(|(r, _)| r.clone())
-        };
-        let machine = find("Machine").ok_or_else(|| StoreError::NotServed {
-            group: group.to_string(),
-            what: format!("machines at {version}"),
-        })?;
-        let scalable: BTreeMap<ScalableKind, ApiResource> = ScalableKind::ALL
-            .into_iter()
-            .filter_map(|k| find(k.as_str()).map(|r| (k, r)))
-            .collect();
-        if !scalable.contains_key(&ScalableKind::MachineSet) {
-            return Err(StoreError::NotServed {
-                group: group.to_string(),
-                what: format!("machinesets at {version}"),
-            });
-        }
-        let cluster = find("Cluster");
-        Ok(CapiApis {
-            group: group.to_string(),
-            version,
-            scalable,
-            machine,
-            cluster,
-        })
-    }
-
-    /// The same resources without discovery (tests and `CAPI_VERSION` users who know what is served).
-    pub fn assume(group: &str, version: &str) -> Self {
-        let resource = |kind: &str, plural: &str| {
-            ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
-        };
-        CapiApis {
-            group: group.to_string(),
-            version: version.to_string(),
-            scalable: ScalableKind::ALL
-                .into_iter()
-                .map(|k| (k, resource(k.as_str(), k.plural())))
-                .collect(),
-            machine: resource("Machine", "machines"),
-            cluster: Some(resource("Cluster", "clusters")),
-        }
-    }
-}
-
 pub struct Store {
     settings: Settings,
     /// The one namespace discovery specs allow, when they all name the same.
@@ -262,9 +145,7 @@ pub struct Store {
     /// Set once a snapshot built from a complete listing is published.
     complete: AtomicBool,
     infra_started: Mutex<BTreeSet<InfraKind>>,
-    reported: Mutex<BTreeSet<Problem>>,
-    /// Problems become Events on their objects; `None` for read-only uses (`check`).
-    recorder: Option<Recorder>,
+    events: Events,
     metrics: Arc<Metrics>,
 }
 
@@ -280,7 +161,7 @@ impl Store {
         settings: Settings,
         index: Index,
         metrics: Arc<Metrics>,
-        recorder: Option<Recorder>,
+        events: Events,
         watch_settings: WatchSettings,
     ) -> Store {
         Store {
@@ -298,8 +179,7 @@ impl Store {
             health_changed: Notify::new(),
             complete: AtomicBool::new(false),
             infra_started: Mutex::new(BTreeSet::new()),
-            reported: Mutex::new(BTreeSet::new()),
-            recorder,
+            events,
             metrics,
         }
     }
@@ -315,22 +195,18 @@ impl Store {
         events: bool,
         watch_settings: WatchSettings,
     ) -> Arc<Store> {
-        let recorder = events.then(|| {
-            Recorder::new(
-                client.clone(),
-                Reporter {
-                    controller: "capi-autoscaler-provider".into(),
-                    instance: std::env::var("POD_NAME").ok(),
-                },
-            )
-        });
+        let events = if events {
+            Events::recorded(&client)
+        } else {
+            Events::logged()
+        };
         let store = Arc::new(Store::new(
             client,
             apis,
             settings,
             Index::default(),
             metrics,
-            recorder,
+            events,
             watch_settings,
         ));
         let mut watches: Vec<(Watched, Api<DynamicObject>, String)> = Vec::new();
@@ -388,7 +264,7 @@ impl Store {
             settings,
             index,
             metrics,
-            None,
+            Events::logged(),
             WatchSettings::default(),
         ));
         store.rebuild();
@@ -655,34 +531,13 @@ impl Store {
     }
 
     /// Records a Warning Event on a cached Machine (no-op for read-only uses).
-    pub fn machine_event(self: &Arc<Self>, key: &ObjectKey, reason: &str, note: String) {
-        let Some(recorder) = self.recorder.clone() else {
-            return;
-        };
+    pub fn machine_event(&self, key: &ObjectKey, reason: &str, note: String) {
         let Some(uid) = lock(&self.index).machine(key).map(|m| m.uid.clone()) else {
             return;
         };
-        let reference = k8s_openapi::api::core::v1::ObjectReference {
-            api_version: Some(self.apis.machine.api_version.clone()),
-            kind: Some(self.apis.machine.kind.clone()),
-            name: Some(key.name.clone()),
-            namespace: Some(key.namespace.clone()),
-            uid: Some(uid),
-            ..Default::default()
-        };
-        let event = KubeEvent {
-            type_: EventType::Warning,
-            reason: reason.to_string(),
-            note: Some(truncate(&note, 1000)),
-            action: reason.to_string(),
-            secondary: None,
-        };
-        let key = key.clone();
-        tokio::spawn(async move {
-            if let Err(e) = recorder.publish(&event, &reference).await {
-                tracing::debug!(machine = %key, "recording event: {e}");
-            }
-        });
+        let reference = object_reference(&self.apis.machine, key.clone(), uid);
+        self.events
+            .warn(reference, reason, reason.to_string(), &note);
     }
 
     /// Replicas and resourceVersion of a resource as cached.
@@ -730,7 +585,8 @@ impl Store {
         }
         // Until everything has listed, missing objects are just not seen yet: not problems to report.
         if self.is_listed() {
-            self.report(&snapshot);
+            self.events
+                .report(&snapshot.problems, |p| self.event_reference(p));
         }
     }
 
@@ -743,46 +599,6 @@ impl Store {
             tokio::time::sleep(REBUILD_SPACING).await;
             if self.dirty.swap(false, Ordering::AcqRel) {
                 self.rebuild();
-            }
-        }
-    }
-
-    /// Logs and records an Event for each problem the first time it appears; logs when one goes away.
-    fn report(self: &Arc<Self>, snapshot: &Snapshot) {
-        let current: BTreeSet<Problem> = snapshot.problems.iter().cloned().collect();
-        let (new, gone) = {
-            let mut reported = lock(&self.reported);
-            let new: Vec<Problem> = current.difference(&reported).cloned().collect();
-            let gone: Vec<Problem> = reported.difference(&current).cloned().collect();
-            *reported = current;
-            (new, gone)
-        };
-        for problem in gone {
-            tracing::info!(object = %problem.object, field = %problem.field, "problem resolved: {}", problem.message);
-        }
-        for problem in new {
-            tracing::warn!(object = %problem.object, field = %problem.field, "{}", problem.message);
-            if let (Some(recorder), Some(reference)) =
-                (&self.recorder, self.event_reference(&problem))
-            {
-                let recorder = recorder.clone();
-                tokio::spawn(async move {
-                    let event = KubeEvent {
-                        type_: EventType::Warning,
-                        reason: "AutoscalerConfigProblem".into(),
-                        note: Some(truncate(
-                            &format!("{}: {}", problem.field, problem.message),
-                            1000,
-                        )),
-                        // Events aggregate by reason and action: one action per distinct problem keeps a
-                        // later problem on the same object from only bumping an older event's count.
-                        action: format!("Check-{:016x}", problem_hash(&problem)),
-                        secondary: None,
-                    };
-                    if let Err(e) = recorder.publish(&event, &reference).await {
-                        tracing::debug!(object = %problem.object, "recording event: {e}");
-                    }
-                });
             }
         }
     }
@@ -804,14 +620,7 @@ impl Store {
         } else {
             return None;
         };
-        Some(k8s_openapi::api::core::v1::ObjectReference {
-            api_version: Some(resource.api_version.clone()),
-            kind: Some(resource.kind.clone()),
-            name: Some(key.name),
-            namespace: Some(key.namespace),
-            uid: Some(uid),
-            ..Default::default()
-        })
+        Some(object_reference(resource, key, uid))
     }
 
     fn start_infra_watch(self: &Arc<Self>, kind: InfraKind) {
@@ -940,11 +749,19 @@ impl Store {
     }
 }
 
-fn problem_hash(problem: &Problem) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (&problem.field, &problem.message).hash(&mut hasher);
-    hasher.finish()
+fn object_reference(
+    resource: &ApiResource,
+    key: ObjectKey,
+    uid: String,
+) -> k8s_openapi::api::core::v1::ObjectReference {
+    k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some(resource.api_version.clone()),
+        kind: Some(resource.kind.clone()),
+        name: Some(key.name),
+        namespace: Some(key.namespace),
+        uid: Some(uid),
+        ..Default::default()
+    }
 }
 
 /// The part of a watch error a person needs: the API's message rather than the whole status dump.
@@ -989,17 +806,6 @@ fn watch_error_code(e: &watcher::Error) -> Option<u16> {
         watcher::Error::WatchError(status) => Some(status.code),
         _ => None,
     }
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
 }
 
 #[cfg(test)]
@@ -1064,16 +870,5 @@ mod tests {
             text.contains("has not listed yet, failing for 1s: timeout"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn watches_are_named_by_resource_and_group() {
-        let md = ApiResource::from_gvk_with_plural(
-            &GroupVersionKind::gvk("cluster.x-k8s.io", "v1beta2", "MachineDeployment"),
-            "machinedeployments",
-        );
-        assert_eq!(resource_name(&md), "machinedeployments.cluster.x-k8s.io");
-        let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
-        assert_eq!(resource_name(&nodes), "nodes");
     }
 }

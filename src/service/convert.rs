@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use prost::Message;
 use tonic::Status;
 
-use crate::actuator::{ActuatorError, NodeToDelete};
+use crate::actuator::{ActuatorError, ApiCause, NodeToDelete};
 use crate::options::{Defaults, GroupOptions};
 use crate::pricing;
 use crate::proto::instance_status::InstanceState as WireState;
@@ -22,12 +22,17 @@ use crate::template::TemplateNode;
 impl From<ActuatorError> for Status {
     fn from(e: ActuatorError) -> Self {
         match e {
-            ActuatorError::Missing(m) => Status::not_found(m),
+            e @ ActuatorError::GroupNotFound { .. } => Status::not_found(e.to_string()),
+            ActuatorError::NotFound(m) => Status::not_found(m),
             ActuatorError::BadRequest(m) => Status::invalid_argument(m),
+            e @ ActuatorError::OutOfBounds { .. } => Status::failed_precondition(e.to_string()),
             ActuatorError::Refused(m) => Status::failed_precondition(m),
-            ActuatorError::ApiUnavailable(m) => Status::unavailable(m),
-            ActuatorError::Forbidden(m) => Status::permission_denied(m),
             ActuatorError::Conflict(m) => Status::aborted(m),
+            ActuatorError::Api { cause, message } => match cause {
+                ApiCause::Unreachable => Status::unavailable(message),
+                ApiCause::Forbidden => Status::permission_denied(message),
+                ApiCause::Failed => Status::internal(message),
+            },
             ActuatorError::Internal(m) => Status::internal(m),
         }
     }

@@ -195,10 +195,11 @@ fn an_old_pod_price_request_is_understood() {
 mod rollout {
     use super::super::*;
     use crate::actuator::Actuator;
+    use crate::apis::CapiApis;
     use crate::capi::rollout::REVISION_ANNOTATION;
     use crate::capi::{Machine, ScalableKind, ScalableResource};
     use crate::snapshot::{Index, Settings};
-    use crate::store::{CapiApis, Store};
+    use crate::store::Store;
     use serde_json::{Value, json};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -416,6 +417,7 @@ fn a_price_request_without_times_is_invalid() {
 /// is answered, what is refused before the writer, and how writer errors reach CA.
 mod handlers {
     use super::super::*;
+    use crate::actuator::ApiCause;
     use crate::capi::{Machine, ScalableResource};
     use crate::snapshot::{Index, Settings};
     use serde_json::json;
@@ -618,22 +620,49 @@ mod handlers {
     async fn writer_errors_reach_ca_as_the_codes_it_acts_on() {
         let (service, backend) = service(Fixed::new());
         let cases = [
-            (ActuatorError::Missing("m".into()), tonic::Code::NotFound),
+            (
+                ActuatorError::GroupNotFound { id: "g".into() },
+                tonic::Code::NotFound,
+            ),
+            (ActuatorError::NotFound("m".into()), tonic::Code::NotFound),
             (
                 ActuatorError::BadRequest("b".into()),
                 tonic::Code::InvalidArgument,
+            ),
+            (
+                ActuatorError::OutOfBounds {
+                    group: "g".into(),
+                    operation: "size increase".into(),
+                    desired: 4,
+                    min: 0,
+                    max: 3,
+                },
+                tonic::Code::FailedPrecondition,
             ),
             (
                 ActuatorError::Refused("r".into()),
                 tonic::Code::FailedPrecondition,
             ),
             (
-                ActuatorError::ApiUnavailable("u".into()),
+                ActuatorError::Api {
+                    cause: ApiCause::Unreachable,
+                    message: "u".into(),
+                },
                 tonic::Code::Unavailable,
             ),
             (
-                ActuatorError::Forbidden("f".into()),
+                ActuatorError::Api {
+                    cause: ApiCause::Forbidden,
+                    message: "f".into(),
+                },
                 tonic::Code::PermissionDenied,
+            ),
+            (
+                ActuatorError::Api {
+                    cause: ApiCause::Failed,
+                    message: "a".into(),
+                },
+                tonic::Code::Internal,
             ),
             (ActuatorError::Conflict("c".into()), tonic::Code::Aborted),
             (ActuatorError::Internal("i".into()), tonic::Code::Internal),
@@ -645,7 +674,7 @@ mod handlers {
             assert_eq!((status.code(), status.message()), (code, message.as_str()));
         }
         increase(&service).await.unwrap();
-        assert_eq!(backend.writes().len(), 8);
+        assert_eq!(backend.writes().len(), 11);
         assert!(
             backend
                 .writes()
