@@ -401,7 +401,7 @@ mod tests {
             let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
             index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
         }
-        index.snapshot(&Settings::default(), 1)
+        index.snapshot(&Settings::default())
     }
 
     #[test]

@@ -443,7 +443,7 @@ mod tests {
         let (keys, mut index) = (keys(), Index::default());
         apply(&mut index, &keys, &MD, md("good", "1", 1, "5"));
         apply(&mut index, &keys, &MD, md("bad", "2", 1, "ten"));
-        let snapshot = index.snapshot(&Settings::default(), 1);
+        let snapshot = index.snapshot(&Settings::default());
         assert!(snapshot.group("MachineDeployment/ns/good").is_some());
         assert!(snapshot.group("MachineDeployment/ns/bad").is_none());
         let problem = snapshot

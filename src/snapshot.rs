@@ -254,8 +254,8 @@ impl Index {
     }
 
     /// Builds the snapshot: node groups, their instances and templates, lookup tables, problems.
-    pub fn snapshot(&self, settings: &Settings, generation: u64) -> Snapshot {
-        Builder::new(self, settings, None, None).build(generation, 0)
+    pub fn snapshot(&self, settings: &Settings) -> Snapshot {
+        Builder::new(self, settings, None, None).build(0)
     }
 
     /// [`snapshot`](Self::snapshot) for a store that rebuilds over and over: `previous` is the last
@@ -264,12 +264,7 @@ impl Index {
     /// those groups are rebuilt and the rest, lookups included, is shared with `previous`; otherwise
     /// it is built from scratch, reusing the templates whose inputs did not change. Either way the
     /// result equals [`snapshot`](Self::snapshot)'s.
-    pub fn snapshot_reusing(
-        &mut self,
-        settings: &Settings,
-        generation: u64,
-        previous: &Snapshot,
-    ) -> Snapshot {
+    pub fn snapshot_reusing(&mut self, settings: &Settings, previous: &Snapshot) -> Snapshot {
         self.epoch += 1;
         let basis = self.epoch;
         let journal = std::mem::replace(
@@ -279,7 +274,7 @@ impl Index {
                 ..Journal::default()
             },
         );
-        Builder::new(self, settings, Some(previous), Some(&journal)).build(generation, basis)
+        Builder::new(self, settings, Some(previous), Some(&journal)).build(basis)
     }
 }
 
@@ -388,7 +383,6 @@ pub struct NodeRef<'a> {
 /// Everything read RPCs answer from; immutable once built.
 #[derive(Clone, Debug)]
 pub struct Snapshot {
-    pub generation: u64,
     pub groups: Groups,
     /// Where nodes live. Shared by the snapshots built after changes that moved no node.
     lookup: Arc<Lookup>,
@@ -536,7 +530,7 @@ struct GroupMachines {
 
 impl Default for Snapshot {
     fn default() -> Self {
-        Index::default().snapshot(&Settings::default(), 0)
+        Index::default().snapshot(&Settings::default())
     }
 }
 
@@ -1152,8 +1146,8 @@ impl<'a> Builder<'a> {
         })
     }
 
-    fn build(mut self, generation: u64, basis: u64) -> Snapshot {
-        if let Some(snapshot) = self.patch(generation, basis) {
+    fn build(mut self, basis: u64) -> Snapshot {
+        if let Some(snapshot) = self.patch(basis) {
             return snapshot;
         }
         let owner_labels = OwnerLabels::new(&self.settings.keys);
@@ -1174,7 +1168,6 @@ impl<'a> Builder<'a> {
         base_problems.dedup();
         let skipped = std::mem::take(&mut self.skipped);
         self.finish(
-            generation,
             basis,
             groups,
             Arc::new(lookup),
@@ -1377,7 +1370,6 @@ impl<'a> Builder<'a> {
     #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
-        generation: u64,
         basis: u64,
         groups: Groups,
         lookup: Arc<Lookup>,
@@ -1421,7 +1413,6 @@ impl<'a> Builder<'a> {
         problems.sort();
         problems.dedup();
         Snapshot {
-            generation,
             groups,
             lookup,
             templates,
@@ -1439,7 +1430,7 @@ impl<'a> Builder<'a> {
     /// The snapshot after changes local to some groups (see [`Journal`]): those groups are rebuilt,
     /// everything else is taken from the previous snapshot. `None` when the changes are of another
     /// kind, or the previous snapshot is not the one they are relative to.
-    fn patch(&mut self, generation: u64, basis: u64) -> Option<Snapshot> {
+    fn patch(&mut self, basis: u64) -> Option<Snapshot> {
         let (previous, journal) = (self.previous?, self.journal?);
         if journal.other || previous.basis == 0 || previous.basis != journal.since {
             return None;
@@ -1545,7 +1536,6 @@ impl<'a> Builder<'a> {
             groups.0.insert(id.to_string(), Arc::new(group));
         }
         Some(self.finish(
-            generation,
             basis,
             groups,
             Arc::clone(&previous.lookup),

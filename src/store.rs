@@ -4,7 +4,7 @@
 //! snapshot is rebuilt (coalescing bursts) and swapped in atomically. Read RPCs only load the snapshot.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -134,7 +134,6 @@ pub struct Store {
     client: Client,
     index: Mutex<Index>,
     snapshot: ArcSwap<Snapshot>,
-    generation: AtomicU64,
     dirty: AtomicBool,
     changed: Notify,
     watch_settings: WatchSettings,
@@ -171,7 +170,6 @@ impl Store {
             client,
             index: Mutex::new(index),
             snapshot: ArcSwap::from_pointee(Snapshot::default()),
-            generation: AtomicU64::new(0),
             dirty: AtomicBool::new(false),
             changed: Notify::new(),
             watch_settings,
@@ -565,14 +563,13 @@ impl Store {
         let started = Instant::now();
         // Judged before the build: a snapshot is complete only if everything had listed before it.
         let ready = self.is_listed();
-        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let (snapshot, wanted) = {
             let mut index = lock(&self.index);
             // Built from the snapshot served now: only the groups changed since are rebuilt when that is
             // enough (the provider's own writes), templates whose inputs did not change are reused.
             // Published under the index lock, so two builds never publish out of order.
             let previous = self.snapshot.load();
-            let snapshot = Arc::new(index.snapshot_reusing(&self.settings, generation, &previous));
+            let snapshot = Arc::new(index.snapshot_reusing(&self.settings, &previous));
             self.snapshot.store(Arc::clone(&snapshot));
             (snapshot, index.wanted_infra_kinds())
         };

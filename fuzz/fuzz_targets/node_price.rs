@@ -80,7 +80,7 @@ static SNAPSHOT: LazyLock<Snapshot> = LazyLock::new(|| {
     }
     let m = Machine::from_json(&keys, &machine).expect("fixture");
     index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
-    let snapshot = index.snapshot(&Settings::default(), 1);
+    let snapshot = index.snapshot(&Settings::default());
     assert!(
         snapshot.group(GROUP).is_some_and(|g| g.price == Some(0.5)),
         "fixture group"

@@ -478,7 +478,7 @@ mod handlers {
                 index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
             }
             Fixed {
-                snapshot: Arc::new(index.snapshot(&settings, 1)),
+                snapshot: Arc::new(index.snapshot(&settings)),
                 keys,
                 complete: true,
                 stale: Vec::new(),

@@ -119,7 +119,7 @@ fn node<'a>(provider_id: &'a str, name: &'a str) -> NodeRef<'a> {
 
 #[test]
 fn a_machine_set_owned_by_a_deployment_is_not_a_group_and_its_machines_belong_to_the_deployment() {
-    let s = deployment_index().snapshot(&settings(), 1);
+    let s = deployment_index().snapshot(&settings());
     assert_eq!(
         s.groups.keys().collect::<Vec<_>>(),
         ["MachineDeployment/ns/md"]
@@ -160,7 +160,7 @@ fn a_marked_machine_the_replicas_no_longer_cover_is_deleting_and_one_they_cover_
         m2.annotations
             .insert(keys().delete_machine, "by capi-autoscaler-provider".into());
         add_machine(&mut index, m2);
-        let s = index.snapshot(&settings(), 1);
+        let s = index.snapshot(&settings());
         let g = s.group("MachineDeployment/ns/md").unwrap();
         g.instances
             .iter()
@@ -184,7 +184,7 @@ fn a_marked_machine_the_replicas_no_longer_cover_is_deleting_and_one_they_cover_
 
 #[test]
 fn nodes_map_by_exact_normalised_and_made_up_ids_and_by_annotations() {
-    let s = deployment_index().snapshot(&settings(), 1);
+    let s = deployment_index().snapshot(&settings());
     let k = keys();
     let id = |n: &NodeRef<'_>| s.group_for_node(n, &k).map(|g| g.id.clone());
     let md = Some("MachineDeployment/ns/md".to_string());
@@ -257,7 +257,7 @@ fn one_malformed_group_is_skipped_alone_with_a_problem_naming_the_field() {
             1,
         ),
     );
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     assert_eq!(
         s.groups.keys().collect::<Vec<_>>(),
         ["MachineDeployment/ns/md"]
@@ -318,7 +318,7 @@ fn unannotated_zero_max_paused_and_replica_less_resources_are_not_served() {
     let mut unset = resource(ScalableKind::MachineSet, "unset", Some("0"), Some("3"), 0);
     unset.replicas = None;
     add(&mut index, unset);
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     assert!(
         s.groups.is_empty(),
         "{:?}",
@@ -351,7 +351,7 @@ fn machine_pools_list_their_provider_ids_and_their_machines() {
         &mut index,
         machine("mp-c", "MachinePool", "mp", None, false),
     );
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     let g = s.group("MachinePool/ns/mp").unwrap();
     let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
     assert_eq!(
@@ -388,7 +388,7 @@ fn failed_and_deleting_machines_get_upstream_ids_states_and_error_info() {
         message: String::new(),
     });
     add_machine(&mut index, failed_deleting);
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     let g = s.group("MachineSet/ns/ms").unwrap();
     let by_id: BTreeMap<_, _> = g.instances.iter().map(|i| (i.id.as_str(), i)).collect();
     let f = by_id["failed-machine-ns_failed"];
@@ -420,7 +420,7 @@ fn a_registered_machine_without_a_known_provider_id_is_no_instance_but_counts_an
         &mut index,
         machine("known", "MachineSet", "ms", Some("p://known"), true),
     );
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     let g = s.group("MachineSet/ns/ms").unwrap();
     let ids: Vec<_> = g.instances.iter().map(|i| i.id.as_str()).collect();
     assert_eq!(
@@ -450,7 +450,7 @@ fn a_registered_machine_without_a_known_provider_id_is_no_instance_but_counts_an
         provider_id: Some("p://no-id".into()),
         labels: BTreeMap::new(),
     });
-    let s = index.snapshot(&settings(), 2);
+    let s = index.snapshot(&settings());
     let ids: Vec<_> = s
         .group("MachineSet/ns/ms")
         .unwrap()
@@ -492,7 +492,7 @@ fn a_cluster_topology_that_sets_an_autoscaled_groups_replicas_is_a_problem_on_th
         key: ObjectKey::new("ns", "c1"),
         workers: vec![worker("md-0", Some(3)), worker("md-1", None)],
     });
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     let topology: Vec<_> = s
         .problems
         .iter()
@@ -511,14 +511,14 @@ fn a_cluster_topology_that_sets_an_autoscaled_groups_replicas_is_a_problem_on_th
     // Still served: the conflict is the Cluster's to fix.
     assert_eq!(s.groups.len(), 2);
     index.delete_cluster(&ObjectKey::new("ns", "c1"));
-    assert!(index.snapshot(&settings(), 2).problems.is_empty());
+    assert!(index.snapshot(&settings()).problems.is_empty());
 }
 
 #[test]
 fn a_reset_replaces_every_object_of_that_kind_only() {
     let mut index = deployment_index();
     index.reset_resources(ScalableKind::MachineDeployment, Vec::new());
-    let s = index.snapshot(&settings(), 2);
+    let s = index.snapshot(&settings());
     assert!(s.group("MachineDeployment/ns/md").is_none());
     assert!(
         index
@@ -526,7 +526,7 @@ fn a_reset_replaces_every_object_of_that_kind_only() {
             .is_some()
     );
     index.reset_machines(Vec::new());
-    assert_eq!(index.snapshot(&settings(), 3).machines, 0);
+    assert_eq!(index.snapshot(&settings()).machines, 0);
     index.delete_resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "md-abc"));
     assert!(
         index
@@ -548,7 +548,7 @@ fn a_machine_set_whose_deployment_is_not_served_is_its_own_group() {
         &mut index,
         machine("m", "MachineSet", "ms", Some("p://m"), true),
     );
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     assert_eq!(
         s.group_for_node(&node("p://m", "m"), &keys())
             .map(|g| g.id.as_str()),
@@ -570,7 +570,7 @@ fn discovery_filters_which_resources_are_groups() {
     add(&mut index, other);
     let mut s = settings();
     s.discovery = vec!["clusterapi:namespace=elsewhere".parse().unwrap()];
-    let snap = index.snapshot(&s, 1);
+    let snap = index.snapshot(&s);
     assert_eq!(
         snap.groups.keys().collect::<Vec<_>>(),
         ["MachineDeployment/elsewhere/other"]
@@ -612,7 +612,7 @@ fn rolling_index(old_spec: i32, old_status: Option<i32>) -> Index {
 
 #[test]
 fn a_rolling_out_deployment_serves_its_target_as_min_and_keeps_the_configured_min() {
-    let s = rolling_index(1, Some(1)).snapshot(&settings(), 1);
+    let s = rolling_index(1, Some(1)).snapshot(&settings());
     let g = s.group("MachineDeployment/ns/md").unwrap();
     let rollout = g.rollout.as_ref().expect("rolling out");
     assert_eq!(
@@ -643,14 +643,14 @@ fn a_rolling_out_deployment_serves_its_target_as_min_and_keeps_the_configured_mi
 #[test]
 fn a_drained_old_machine_set_ends_the_rollout() {
     // spec.replicas 0 while its Machines are still going: still rolling out.
-    let s = rolling_index(0, Some(1)).snapshot(&settings(), 1);
+    let s = rolling_index(0, Some(1)).snapshot(&settings());
     assert!(
         s.group("MachineDeployment/ns/md")
             .unwrap()
             .rollout
             .is_some()
     );
-    let s = rolling_index(0, Some(0)).snapshot(&settings(), 2);
+    let s = rolling_index(0, Some(0)).snapshot(&settings());
     let g = s.group("MachineDeployment/ns/md").unwrap();
     assert_eq!((g.rollout.as_ref(), g.served_min()), (None, 1));
     assert_eq!(
@@ -669,7 +669,7 @@ fn the_served_min_never_exceeds_max() {
         .unwrap();
     md.replicas = Some(7);
     add(&mut index, md);
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     let g = s.group("MachineDeployment/ns/md").unwrap();
     assert_eq!((g.target, g.served_min(), g.max), (7, 5, 5));
 }
@@ -683,7 +683,7 @@ fn the_rolling_out_condition_pauses_scale_down_without_old_machine_sets() {
         .unwrap();
     md.rolling_out = true;
     add(&mut index, md);
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     let g = s.group("MachineDeployment/ns/md").unwrap();
     assert!(g.rollout.as_ref().is_some_and(|r| r.condition));
     assert_eq!(g.served_min(), 2);
@@ -699,7 +699,7 @@ fn a_non_integer_revision_is_a_problem_on_the_machine_set_and_pauses_scale_down(
     odd.annotations
         .insert(REVISION_ANNOTATION.into(), "v1".into());
     add(&mut index, odd);
-    let s = index.snapshot(&settings(), 1);
+    let s = index.snapshot(&settings());
     assert!(
         s.group("MachineDeployment/ns/md")
             .unwrap()
@@ -742,7 +742,7 @@ fn only_machine_sets_of_the_deployment_count_by_owner_or_by_the_groups_label() {
     };
     let rolling = |index: &Index, settings: &Settings| {
         index
-            .snapshot(settings, 1)
+            .snapshot(settings)
             .group("MachineDeployment/ns/md")
             .map(|g| g.rollout.is_some())
     };
@@ -844,13 +844,13 @@ fn a_rebuild_reuses_the_templates_whose_inputs_did_not_change() {
     let mut index = Index::default();
     add(&mut index, with_capacity("a", 1, "2"));
     add(&mut index, with_capacity("b", 0, "2"));
-    let first = index.snapshot(&settings(), 1);
+    let first = index.snapshot(&settings());
     let template = |s: &Snapshot, id: &str| s.group(id).unwrap().template.clone().unwrap();
     // A replica write on `a`, a capacity change on `b`.
     add(&mut index, with_capacity("a", 3, "2"));
     add(&mut index, with_capacity("b", 0, "8"));
-    let second = index.snapshot_reusing(&settings(), 2, &first);
-    let fresh = index.snapshot(&settings(), 2);
+    let second = index.snapshot_reusing(&settings(), &first);
+    let fresh = index.snapshot(&settings());
     for id in ["MachineDeployment/ns/a", "MachineDeployment/ns/b"] {
         assert_eq!(template(&second, id), template(&fresh, id), "{id}");
     }
@@ -868,7 +868,7 @@ fn a_rebuild_reuses_the_templates_whose_inputs_did_not_change() {
 
 #[test]
 fn one_location_serves_every_lookup_of_a_machine() {
-    let s = deployment_index().snapshot(&settings(), 1);
+    let s = deployment_index().snapshot(&settings());
     let keys = keys();
     let by_id = s.locate(&node("e2e:///ns/m1", ""), &keys).unwrap();
     let by_normalized = s.locate(&node("other:///m1", ""), &keys).unwrap();
@@ -963,10 +963,10 @@ fn a_rebuild_after_local_changes_equals_a_build_from_scratch() {
         ("x:///l2", "l2"),
         ("", "pending-machine-ns_m2"),
     ];
-    let mut previous = index.snapshot_reusing(&settings(), 1, &Snapshot::default());
+    let mut previous = index.snapshot_reusing(&settings(), &Snapshot::default());
     assert_eq!(
         view(&previous, &nodes),
-        view(&index.snapshot(&settings(), 1), &nodes)
+        view(&index.snapshot(&settings()), &nodes)
     );
 
     let resource_of = |index: &Index, kind, name: &str| {
@@ -1063,23 +1063,23 @@ fn a_rebuild_after_local_changes_equals_a_build_from_scratch() {
             }),
         ),
     ];
-    for (generation, (what, local, change)) in (2..).zip(changes) {
+    for (what, local, change) in changes {
         change(&mut index);
-        let next = index.snapshot_reusing(&settings(), generation, &previous);
-        let fresh = index.snapshot(&settings(), generation);
+        let next = index.snapshot_reusing(&settings(), &previous);
+        let fresh = index.snapshot(&settings());
         assert_eq!(view(&next, &nodes), view(&fresh, &nodes), "{what}");
         assert_eq!(Arc::ptr_eq(&next.lookup, &previous.lookup), local, "{what}");
         previous = next;
     }
     // A snapshot that is not the last one built this way is never patched.
-    let stale = index.snapshot(&settings(), 50);
+    let stale = index.snapshot(&settings());
     let mut r = resource_of(&index, ScalableKind::MachineDeployment, "md");
     r.replicas = Some(4);
     add(&mut index, r);
-    let next = index.snapshot_reusing(&settings(), 51, &stale);
+    let next = index.snapshot_reusing(&settings(), &stale);
     assert!(!Arc::ptr_eq(&next.lookup, &stale.lookup));
     assert_eq!(
         view(&next, &nodes),
-        view(&index.snapshot(&settings(), 51), &nodes)
+        view(&index.snapshot(&settings()), &nodes)
     );
 }
