@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 
 use kube::Client;
-use kube::api::{ApiResource, GroupVersionKind};
+use kube::api::ApiResource;
+#[cfg(test)]
+use kube::api::GroupVersionKind;
 use kube::discovery::{self, ApiGroup};
 
 use crate::capi::ScalableKind;
@@ -109,7 +111,8 @@ impl CapiApis {
         })
     }
 
-    /// The same resources without discovery (tests and `CAPI_VERSION` users who know what is served).
+    /// The same resources without discovery.
+    #[cfg(test)]
     pub fn assume(group: &str, version: &str) -> Self {
         let resource = |kind: &str, plural: &str| {
             ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)

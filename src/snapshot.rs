@@ -1126,7 +1126,6 @@ impl<'a> Builder<'a> {
             return Arc::clone(memo);
         }
         let outcome = template::build(&TemplateInputs {
-            keys: &self.settings.keys,
             group_id: &group.id,
             resource: &group.resource,
             infra: infra.source(),

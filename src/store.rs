@@ -538,18 +538,6 @@ impl Store {
             .warn(reference, reason, reason.to_string(), &note);
     }
 
-    /// Replicas and resourceVersion of a resource as cached.
-    pub fn cached_replicas(
-        &self,
-        kind: ScalableKind,
-        key: &ObjectKey,
-    ) -> Option<(Option<i32>, String)> {
-        let index = lock(&self.index);
-        index
-            .resource(kind, key)
-            .map(|r| (r.replicas, r.resource_version.clone()))
-    }
-
     pub fn cached_machine(&self, key: &ObjectKey) -> Option<Arc<Machine>> {
         lock(&self.index).machine(key).cloned()
     }

@@ -26,7 +26,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::capi::names::{is_label_value, is_qualified_name};
 use crate::capi::quantity::parse_quantity;
-use crate::capi::{GPU_LABEL, InfraTemplate, Keys, ScalableResource, Taint, capacity};
+use crate::capi::{GPU_LABEL, InfraTemplate, ScalableResource, Taint, capacity};
 use crate::problem::Problem;
 
 /// Annotation on every template node: the id of its group (pricing maps template nodes back with it).
@@ -82,7 +82,6 @@ pub enum InfraSource<'a> {
 }
 
 pub struct TemplateInputs<'a> {
-    pub keys: &'a Keys,
     /// `Kind/namespace/name`.
     pub group_id: &'a str,
     pub resource: &'a ScalableResource,

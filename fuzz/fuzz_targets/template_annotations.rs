@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 use capi_autoscaler_provider::capi::names::{is_label_value, is_qualified_name};
 use capi_autoscaler_provider::capi::quantity::parse_quantity;
 use capi_autoscaler_provider::capi::{
-    InfraRef, InfraTemplate, Keys, MachineTemplate, ObjectKey, ScalableKind, ScalableResource,
-    Taint, capacity,
+    InfraRef, InfraTemplate, MachineTemplate, ObjectKey, ScalableKind, ScalableResource, Taint,
+    capacity,
 };
 use capi_autoscaler_provider::service::template_bytes;
 use capi_autoscaler_provider::template::{
@@ -104,7 +104,6 @@ fn map(u: &mut Unstructured, keys: &[&str]) -> Result<BTreeMap<String, String>> 
 }
 
 fn run(u: &mut Unstructured) -> Result<()> {
-    let keys = Keys::default();
     let annotations = annotations(u, &KEYS, TOKENS)?;
     let mut taints = Vec::new();
     for _ in 0..u.int_in_range(0..=2)? {
@@ -186,7 +185,6 @@ fn run(u: &mut Unstructured) -> Result<()> {
         .then(|| text_of(u, &["amd64", "arm64", "s390x", "x"], 2))
         .transpose()?;
     let inputs = TemplateInputs {
-        keys: &keys,
         group_id: "MachineDeployment/ns/md-0",
         resource: &resource,
         infra,

@@ -500,19 +500,6 @@ impl Node {
             labels: string_map(obj, &["metadata", "labels"])?,
         })
     }
-
-    /// Name, `spec.providerID` (empty → `None`) and labels of a workload-cluster Node.
-    pub fn from_k8s(node: &k8s_openapi::api::core::v1::Node) -> Self {
-        Node {
-            name: node.metadata.name.clone().unwrap_or_default(),
-            provider_id: node
-                .spec
-                .as_ref()
-                .and_then(|s| s.provider_id.clone())
-                .filter(|p| !p.is_empty()),
-            labels: node.metadata.labels.clone().unwrap_or_default(),
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -750,7 +750,6 @@ fn template_bytes_carry_every_field_the_template_sets() {
     });
     let r = ScalableResource::from_json(ScalableKind::MachineDeployment, &keys, &md).unwrap();
     let t = crate::template::build(&TemplateInputs {
-        keys: &keys,
         group_id: GROUP,
         resource: &r,
         infra: InfraSource::NoReference,

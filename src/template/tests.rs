@@ -64,9 +64,7 @@ fn run_with(
     node_labels: Option<&BTreeMap<String, String>>,
     default_arch: Option<&str>,
 ) -> TemplateOutcome {
-    let keys = Keys::default();
     build(&TemplateInputs {
-        keys: &keys,
         group_id: GROUP,
         resource: r,
         infra,
