@@ -125,6 +125,28 @@ pub enum PriceSource {
     Fallback,
 }
 
+/// One node of a priced group, as reference prices are derived from it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PricedNode {
+    /// The group's price per node-hour.
+    pub hourly: f64,
+    pub cpu_cores: f64,
+    pub memory_gib: f64,
+    /// Nodes with GPUs cost more than their CPU and memory.
+    pub gpu: bool,
+}
+
+impl PricedNode {
+    fn usable(&self) -> bool {
+        self.hourly.is_finite()
+            && self.hourly >= 0.0
+            && self.cpu_cores.is_finite()
+            && self.cpu_cores > 0.0
+            && self.memory_gib.is_finite()
+            && self.memory_gib > 0.0
+    }
+}
+
 impl ReferencePrices {
     /// CA's GCE price model list prices (USD per core-hour, per GiB-hour), used when nothing else is known.
     pub const FALLBACK: ReferencePrices = ReferencePrices {
@@ -132,25 +154,19 @@ impl ReferencePrices {
         gib_hour: 0.004446,
     };
 
-    /// Reference prices from priced groups: `(hourly price, cpu cores, memory GiB)` of one node of each.
-    /// Half of each price goes to CPU and half to memory; the result is the median per core and the median
-    /// per GiB (the mean of the middle two for an even count). Entries without a finite non-negative price or
-    /// without positive finite CPU and memory are skipped; `None` when none is left. See the module doc.
-    pub fn derive(priced: &[(f64, f64, f64)]) -> Option<ReferencePrices> {
-        let mut per_core = Vec::new();
-        let mut per_gib = Vec::new();
-        for &(price, cores, gib) in priced {
-            let usable = price.is_finite()
-                && price >= 0.0
-                && cores.is_finite()
-                && cores > 0.0
-                && gib.is_finite()
-                && gib > 0.0;
-            if usable {
-                per_core.push(price / 2.0 / cores);
-                per_gib.push(price / 2.0 / gib);
-            }
-        }
+    /// Reference prices from one node of each priced group. Half of each price goes to CPU and half
+    /// to memory; the result is the median per core and the median per GiB (the mean of the middle
+    /// two for an even count). GPU nodes cost more than their CPU and memory: they count only when
+    /// no node without GPUs is priced. Entries without a finite non-negative price or without
+    /// positive finite CPU and memory are skipped; `None` when none is left. See the module doc.
+    pub fn derive(priced: &[PricedNode]) -> Option<ReferencePrices> {
+        let usable: Vec<&PricedNode> = priced.iter().filter(|n| n.usable()).collect();
+        let plain = usable.iter().any(|n| !n.gpu);
+        let (mut per_core, mut per_gib): (Vec<f64>, Vec<f64>) = usable
+            .iter()
+            .filter(|n| !(plain && n.gpu))
+            .map(|n| (n.hourly / 2.0 / n.cpu_cores, n.hourly / 2.0 / n.memory_gib))
+            .unzip();
         Some(ReferencePrices {
             cpu_hour: median(&mut per_core)?,
             gib_hour: median(&mut per_gib)?,
@@ -162,16 +178,16 @@ impl ReferencePrices {
     pub fn resolve(
         cpu_flag: Option<f64>,
         gib_flag: Option<f64>,
-        priced: &[(f64, f64, f64)],
+        priced: &[PricedNode],
     ) -> (ReferencePrices, [PriceSource; 2]) {
         let valid = |f: Option<f64>| f.filter(|v| v.is_finite() && *v >= 0.0);
         let derived = Self::derive(priced);
-        let used = priced
-            .iter()
-            .filter(|(p, c, m)| {
-                p.is_finite() && *p >= 0.0 && c.is_finite() && *c > 0.0 && m.is_finite() && *m > 0.0
-            })
-            .count();
+        let usable = priced.iter().filter(|n| n.usable());
+        let used = if priced.iter().any(|n| n.usable() && !n.gpu) {
+            usable.filter(|n| !n.gpu).count()
+        } else {
+            usable.count()
+        };
         let pick = |flag: Option<f64>, from_derived: Option<f64>, fallback: f64| match (
             valid(flag),
             from_derived,

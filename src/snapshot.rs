@@ -3,7 +3,7 @@
 //! The index consumes watch events (apply, delete, reset) per kind, exactly as the store receives them,
 //! so it is tested by feeding it events, without a cluster.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
@@ -13,7 +13,7 @@ use crate::capi::{
 };
 use crate::discovery::{self, DiscoverySpec};
 use crate::options::{self, GroupOptions};
-use crate::pricing::{self, PriceSource, ReferencePrices};
+use crate::pricing::{self, PriceSource, PricedNode, ReferencePrices};
 use crate::problem::Problem;
 use crate::template::{self, InfraSource, TemplateInputs, TemplateNode};
 
@@ -879,29 +879,37 @@ impl<'a> Builder<'a> {
     fn machine_sets_by_deployment(
         &self,
         labels: &OwnerLabels,
+        only: Option<&HashSet<(&str, &str)>>,
     ) -> HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> {
         let index: &'a Index = self.index;
         let mut sets: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = HashMap::new();
-        for ((kind, key), parsed) in &index.resources {
+        let machine_sets = index
+            .resources
+            .range((ScalableKind::MachineSet, ObjectKey::new("", ""))..)
+            .take_while(|((kind, _), _)| *kind == ScalableKind::MachineSet);
+        for ((_, key), parsed) in machine_sets {
             let Ok(ms) = parsed else {
                 continue;
             };
-            if *kind != ScalableKind::MachineSet {
-                continue;
-            }
-            let mut deployments: BTreeSet<&'a str> = ms
+            let owners = ms
                 .owners
                 .iter()
                 .filter(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
-                .map(|o| o.name.as_str())
-                .collect();
-            if let Some(name) = ms.labels.get(&labels.deployment) {
-                deployments.insert(name.as_str());
-            }
-            for md in deployments {
-                sets.entry((key.namespace.as_str(), md))
-                    .or_default()
-                    .push(ms.as_ref());
+                .map(|o| o.name.as_str());
+            let named = ms.labels.get(&labels.deployment).map(String::as_str);
+            for md in owners.chain(named) {
+                let at = (key.namespace.as_str(), md);
+                if only.is_some_and(|wanted| !wanted.contains(&at)) {
+                    continue;
+                }
+                let listed = sets.entry(at).or_default();
+                // The owner reference and the label usually name the same MachineDeployment.
+                if !listed
+                    .last()
+                    .is_some_and(|last| std::ptr::eq(*last, ms.as_ref()))
+                {
+                    listed.push(ms.as_ref());
+                }
             }
         }
         sets
@@ -1185,7 +1193,7 @@ impl<'a> Builder<'a> {
     ) -> (BTreeMap<String, NodeGroup>, HashMap<String, Vec<Problem>>) {
         let mut groups: BTreeMap<String, NodeGroup> = BTreeMap::new();
         let mut group_problems: HashMap<String, Vec<Problem>> = HashMap::new();
-        let sets_by_deployment = self.machine_sets_by_deployment(owner_labels);
+        let sets_by_deployment = self.machine_sets_by_deployment(owner_labels, None);
         let index: &'a Index = self.index;
         for ((kind, key), parsed) in &index.resources {
             let resource = match parsed {
@@ -1377,32 +1385,22 @@ impl<'a> Builder<'a> {
         base_problems: Vec<Problem>,
         skipped: BTreeMap<String, String>,
     ) -> Snapshot {
-        let priced: Vec<(f64, f64, f64, bool)> = groups
+        let priced: Vec<PricedNode> = groups
             .values()
             .filter_map(|g| {
-                let (price, template) = (g.price?, g.template.as_ref()?);
-                Some((
-                    price,
-                    template.summary.cpu_cores,
-                    template.summary.memory_gib,
-                    template.summary.gpu.is_some(),
-                ))
+                let (hourly, template) = (g.price?, g.template.as_ref()?);
+                Some(PricedNode {
+                    hourly,
+                    cpu_cores: template.summary.cpu_cores,
+                    memory_gib: template.summary.memory_gib,
+                    gpu: template.summary.gpu.is_some(),
+                })
             })
             .collect();
-        // GPU nodes cost more than their CPU and memory: they set pod prices only when nothing else is priced.
-        let reference: Vec<(f64, f64, f64)> = if priced.iter().any(|p| !p.3) {
-            priced
-                .iter()
-                .filter(|p| !p.3)
-                .map(|p| (p.0, p.1, p.2))
-                .collect()
-        } else {
-            priced.iter().map(|p| (p.0, p.1, p.2)).collect()
-        };
         let (reference_prices, reference_sources) = ReferencePrices::resolve(
             self.settings.cpu_hour_price,
             self.settings.gib_hour_price,
-            &reference,
+            &priced,
         );
         let mut problems: Vec<Problem> = base_problems
             .iter()
@@ -1473,12 +1471,22 @@ impl<'a> Builder<'a> {
                 served(location.group_id.clone());
             }
         }
-        let sets_by_deployment = if affected.iter().any(|id| {
-            previous.groups.get(id).map(NodeGroup::kind) == Some(ScalableKind::MachineDeployment)
-        }) {
-            self.machine_sets_by_deployment(&owner_labels)
-        } else {
+        // Only the MachineSets of the MachineDeployments rebuilt: their rollout state.
+        let deployments: HashSet<(&str, &str)> = affected
+            .iter()
+            .filter_map(|id| previous.groups.get(id))
+            .filter(|g| g.kind() == ScalableKind::MachineDeployment)
+            .map(|g| {
+                (
+                    g.resource.key.namespace.as_str(),
+                    g.resource.key.name.as_str(),
+                )
+            })
+            .collect();
+        let sets_by_deployment = if deployments.is_empty() {
             HashMap::new()
+        } else {
+            self.machine_sets_by_deployment(&owner_labels, Some(&deployments))
         };
         let mut groups = previous.groups.clone();
         let mut templates = previous.templates.clone();

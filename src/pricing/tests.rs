@@ -93,10 +93,19 @@ fn timestamps() {
     assert_eq!(hours_between(b, a), 0.0);
 }
 
+fn node(hourly: f64, cpu_cores: f64, memory_gib: f64) -> PricedNode {
+    PricedNode {
+        hourly,
+        cpu_cores,
+        memory_gib,
+        gpu: false,
+    }
+}
+
 #[test]
 fn derive_reference_prices() {
     // one group: 4 cores, 16 GiB, 0.2/h → 0.1/4 per core, 0.1/16 per GiB
-    let r = ReferencePrices::derive(&[(0.2, 4.0, 16.0)]);
+    let r = ReferencePrices::derive(&[node(0.2, 4.0, 16.0)]);
     assert_eq!(
         r,
         Some(ReferencePrices {
@@ -108,8 +117,12 @@ fn derive_reference_prices() {
     let r = r.unwrap_or(ReferencePrices::FALLBACK);
     assert!(close(4.0 * r.cpu_hour + 16.0 * r.gib_hour, 0.2));
 
-    // median over three, the GPU outlier does not move it
-    let r = ReferencePrices::derive(&[(0.2, 4.0, 16.0), (0.4, 8.0, 32.0), (10.0, 4.0, 16.0)]);
+    // median over three: an outlier does not move it
+    let r = ReferencePrices::derive(&[
+        node(0.2, 4.0, 16.0),
+        node(0.4, 8.0, 32.0),
+        node(10.0, 4.0, 16.0),
+    ]);
     assert_eq!(
         r,
         Some(ReferencePrices {
@@ -118,7 +131,7 @@ fn derive_reference_prices() {
         })
     );
     // even count: mean of the middle two
-    let r = ReferencePrices::derive(&[(0.2, 4.0, 16.0), (0.6, 4.0, 16.0)]);
+    let r = ReferencePrices::derive(&[node(0.2, 4.0, 16.0), node(0.6, 4.0, 16.0)]);
     let r = r.unwrap_or(ReferencePrices::FALLBACK);
     assert!(
         close(r.cpu_hour, 0.05) && close(r.gib_hour, 0.0125),
@@ -128,11 +141,11 @@ fn derive_reference_prices() {
     assert_eq!(ReferencePrices::derive(&[]), None);
     assert_eq!(
         ReferencePrices::derive(&[
-            (0.2, 0.0, 16.0),
-            (0.2, 4.0, 0.0),
-            (f64::NAN, 4.0, 16.0),
-            (-1.0, 4.0, 16.0),
-            (0.2, f64::INFINITY, 16.0)
+            node(0.2, 0.0, 16.0),
+            node(0.2, 4.0, 0.0),
+            node(f64::NAN, 4.0, 16.0),
+            node(-1.0, 4.0, 16.0),
+            node(0.2, f64::INFINITY, 16.0)
         ]),
         None
     );
@@ -140,7 +153,7 @@ fn derive_reference_prices() {
 
 #[test]
 fn resolve_reference_prices() {
-    let priced = [(0.2, 4.0, 16.0)];
+    let priced = [node(0.2, 4.0, 16.0)];
     let (r, src) = ReferencePrices::resolve(None, None, &priced);
     assert_eq!(
         r,
@@ -171,6 +184,34 @@ fn resolve_reference_prices() {
     let (r, src) = ReferencePrices::resolve(None, Some(f64::NAN), &[]);
     assert_eq!(r, ReferencePrices::FALLBACK);
     assert_eq!(src, [PriceSource::Fallback, PriceSource::Fallback]);
+}
+
+#[test]
+fn gpu_nodes_set_reference_prices_only_when_nothing_else_is_priced() {
+    let gpu = PricedNode {
+        gpu: true,
+        ..node(10.0, 4.0, 16.0)
+    };
+    let plain = ReferencePrices {
+        cpu_hour: 0.025,
+        gib_hour: 0.00625,
+    };
+    let (r, src) = ReferencePrices::resolve(None, None, &[gpu, node(0.2, 4.0, 16.0)]);
+    assert_eq!((r, src), (plain, [PriceSource::Derived(1); 2]));
+    let (r, src) = ReferencePrices::resolve(None, None, &[gpu]);
+    assert_eq!(
+        (r, src),
+        (
+            ReferencePrices {
+                cpu_hour: 1.25,
+                gib_hour: 0.3125
+            },
+            [PriceSource::Derived(1); 2]
+        )
+    );
+    // An unusable plain node does not push the GPU one out.
+    let (r, _) = ReferencePrices::resolve(None, None, &[gpu, node(0.2, 0.0, 16.0)]);
+    assert_eq!(r.cpu_hour, 1.25);
 }
 
 fn q(s: &str) -> Quantity {
