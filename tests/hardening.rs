@@ -200,10 +200,10 @@ async fn hostile_grpc_input_is_refused_or_answered_and_memory_stays_bounded() {
         longest_message = longest_message.max(w.await.expect("a worker"));
     }
     let after_ids = rss_mib(pid);
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: 10,000 random 100 KB ids answered NOT_FOUND in {:.1}s; longest status message {longest_message} bytes",
         started.elapsed().as_secs_f64()
-    );
+    ));
     // The hostile id is not echoed whole.
     assert!(longest_message <= 1200, "{longest_message}");
 
@@ -223,11 +223,11 @@ async fn hostile_grpc_input_is_refused_or_answered_and_memory_stays_bounded() {
         raw("NodeGroupDeleteNodes", message).await,
         &[Code::ResourceExhausted],
     );
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: DeleteNodes × 3,000,000 empty nodes: {:?} {}",
         status.code(),
         status.message()
-    );
+    ));
     // 10,000,000 empty nodes (20 MB): over --max-message-size.
     let mut message = len_field(2, id.as_bytes());
     message.extend(empty_elements(1, 10_000_000));
@@ -236,11 +236,11 @@ async fn hostile_grpc_input_is_refused_or_answered_and_memory_stays_bounded() {
         raw("NodeGroupDeleteNodes", message).await,
         &[Code::ResourceExhausted],
     );
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: DeleteNodes × 10,000,000 empty nodes: {:?} {}",
         status.code(),
         status.message()
-    );
+    ));
     // A node with 2,000,000 empty labels (its map entries).
     let status = expect_one_of(
         "NodeGroupForNode with 2,000,000 empty labels",
@@ -251,11 +251,11 @@ async fn hostile_grpc_input_is_refused_or_answered_and_memory_stays_bounded() {
         .await,
         &[Code::ResourceExhausted],
     );
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: NodeGroupForNode × 2,000,000 empty labels: {:?} {}",
         status.code(),
         status.message()
-    );
+    ));
     // PricingPodPrice with 1,500,000 (2.9 MB), 5,000,000 (10 MB) and 10,000,000 (20 MB) empty containers.
     for n in [1_500_000, 5_000_000, 10_000_000] {
         let result = rpc
@@ -267,17 +267,17 @@ async fn hostile_grpc_input_is_refused_or_answered_and_memory_stays_bounded() {
             result,
             &[Code::ResourceExhausted],
         );
-        eprintln!(
+        support::procs::announce(&format!(
             "hardening: PricingPodPrice × {n} empty containers: {:?} {}",
             status.code(),
             status.message()
-        );
+        ));
     }
     let after = rss_mib(pid);
     let peak = peak_rss_mib(pid);
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: provider VmRSS {before:.1} MiB before, {after_ids:.1} MiB after the ids, {after:.1} MiB after the large requests; peak (VmHWM) {peak:.1} MiB"
-    );
+    ));
 
     // The process lives and answers normal calls.
     assert!(
@@ -406,10 +406,10 @@ async fn tls_files_rotated_to_a_new_ca_are_picked_up_without_a_restart() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: rotated TLS files served to new connections after {:.2}s",
         rotated.elapsed().as_secs_f64()
-    );
+    ));
     // New connections with the old CA are refused both ways: the client does not trust the new
     // server certificate; a client certificate of the old CA is not accepted any more.
     assert!(
@@ -508,10 +508,10 @@ async fn a_revoked_watch_makes_the_provider_not_serving_with_the_reason_and_writ
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: NOT_SERVING {:.2}s after the ClusterRoleBinding was deleted; /readyz:\n{reasons}",
         revoked.elapsed().as_secs_f64()
-    );
+    ));
     assert!(
         reasons.contains("forbidden") && reasons.contains("(403)"),
         "{reasons}"
@@ -566,10 +566,10 @@ async fn a_revoked_watch_makes_the_provider_not_serving_with_the_reason_and_writ
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: SERVING again {:.2}s after the ClusterRoleBinding came back",
         restored.elapsed().as_secs_f64()
-    );
+    ));
     rpc.increase(&id, 1)
         .await
         .expect("IncreaseSize after the permissions came back");
@@ -619,11 +619,11 @@ async fn check_reports_a_forbidden_nodes_watch_at_once() {
         Duration::from_secs(30),
     )
     .await;
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: check with a forbidden Nodes watch exited {:?} after {:.2}s",
         run.code,
         run.elapsed.as_secs_f64()
-    );
+    ));
     assert_eq!(run.code, Some(2), "{}", run.describe());
     // Not the 60 s listing timeout: at once.
     assert!(run.elapsed < Duration::from_secs(15), "{}", run.describe());
@@ -691,10 +691,10 @@ async fn an_api_gone_longer_than_the_stale_bound_makes_the_provider_not_serving(
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
     let after = gone.elapsed();
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: API gone: NOT_SERVING after {:.2}s (--watch-stale-after 5s, --watch-timeout 2s); /readyz:\n{reasons}",
         after.as_secs_f64()
-    );
+    ));
     // Not before the bound (a watch notices within --watch-timeout, then fails for 5 s), not much later.
     assert!(after >= Duration::from_secs(5), "{after:?}");
     assert!(
@@ -726,10 +726,10 @@ async fn an_api_gone_longer_than_the_stale_bound_makes_the_provider_not_serving(
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
-    eprintln!(
+    support::procs::announce(&format!(
         "hardening: API back: SERVING after {:.2}s",
         back.elapsed().as_secs_f64()
-    );
+    ));
     rpc.increase(&id, 1)
         .await
         .expect("IncreaseSize with the API back");
