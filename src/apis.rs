@@ -10,6 +10,7 @@ use kube::api::GroupVersionKind;
 use kube::discovery::{self, ApiGroup};
 
 use crate::capi::ScalableKind;
+use crate::snapshot::InfraKind;
 
 /// `plural.group` (`plural` for the core group): how watches are named in logs, metrics and reasons.
 pub fn resource_name(resource: &ApiResource) -> String {
@@ -128,6 +129,23 @@ impl CapiApis {
             cluster: Some(resource("Cluster", "clusters")),
         }
     }
+}
+
+/// The version serving an infrastructure kind: the first served version of its group that has it,
+/// preferred version first.
+pub async fn infra_resource(client: &Client, kind: &InfraKind) -> Result<ApiResource, String> {
+    let group = discovery::group(client, &kind.api_group)
+        .await
+        .map_err(|e| {
+            format!(
+                "API group {} is not served or not discoverable: {e}",
+                kind.api_group
+            )
+        })?;
+    group
+        .recommended_kind(&kind.kind)
+        .map(|(resource, _)| resource)
+        .ok_or_else(|| format!("API group {} serves no kind {}", kind.api_group, kind.kind))
 }
 
 #[cfg(test)]

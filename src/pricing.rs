@@ -160,11 +160,8 @@ impl ReferencePrices {
     /// no node without GPUs is priced. Entries without a finite non-negative price or without
     /// positive finite CPU and memory are skipped; `None` when none is left. See the module doc.
     pub fn derive(priced: &[PricedNode]) -> Option<ReferencePrices> {
-        let usable: Vec<&PricedNode> = priced.iter().filter(|n| n.usable()).collect();
-        let plain = usable.iter().any(|n| !n.gpu);
-        let (mut per_core, mut per_gib): (Vec<f64>, Vec<f64>) = usable
+        let (mut per_core, mut per_gib): (Vec<f64>, Vec<f64>) = counted(priced)
             .iter()
-            .filter(|n| !(plain && n.gpu))
             .map(|n| (n.hourly / 2.0 / n.cpu_cores, n.hourly / 2.0 / n.memory_gib))
             .unzip();
         Some(ReferencePrices {
@@ -182,12 +179,7 @@ impl ReferencePrices {
     ) -> (ReferencePrices, [PriceSource; 2]) {
         let valid = |f: Option<f64>| f.filter(|v| v.is_finite() && *v >= 0.0);
         let derived = Self::derive(priced);
-        let usable = priced.iter().filter(|n| n.usable());
-        let used = if priced.iter().any(|n| n.usable() && !n.gpu) {
-            usable.filter(|n| !n.gpu).count()
-        } else {
-            usable.count()
-        };
+        let used = counted(priced).len();
         let pick = |flag: Option<f64>, from_derived: Option<f64>, fallback: f64| match (
             valid(flag),
             from_derived,
@@ -207,6 +199,16 @@ impl ReferencePrices {
             Self::FALLBACK.gib_hour,
         );
         (ReferencePrices { cpu_hour, gib_hour }, [cpu_src, gib_src])
+    }
+}
+
+/// The nodes reference prices come from: the usable ones, GPU nodes only when no other is priced.
+fn counted(priced: &[PricedNode]) -> Vec<&PricedNode> {
+    let usable: Vec<&PricedNode> = priced.iter().filter(|n| n.usable()).collect();
+    if usable.iter().any(|n| !n.gpu) {
+        usable.into_iter().filter(|n| !n.gpu).collect()
+    } else {
+        usable
     }
 }
 

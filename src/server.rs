@@ -29,6 +29,9 @@ use crate::tls::{ReloadingTls, TlsFiles};
 use crate::version;
 use crate::wire::{self, Shape};
 
+/// The CloudProvider service as served: handlers over the actuator and its store.
+type Provider = Service<Arc<Actuator>>;
+
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         version = version::VERSION,
@@ -64,7 +67,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
     health
-        .set_not_serving::<CloudProviderServer<Service<Arc<Actuator>>>>()
+        .set_not_serving::<CloudProviderServer<Provider>>()
         .await;
     tokio::spawn(report_health(Arc::clone(&store), health));
 
@@ -152,9 +155,7 @@ async fn report_health(store: Arc<Store>, health: tonic_health::server::HealthRe
         let reasons = store.not_ready_reasons();
         match (serving, reasons.is_empty()) {
             (false, true) => {
-                health
-                    .set_serving::<CloudProviderServer<Service<Arc<Actuator>>>>()
-                    .await;
+                health.set_serving::<CloudProviderServer<Provider>>().await;
                 health
                     .set_service_status("", tonic_health::ServingStatus::Serving)
                     .await;
@@ -166,7 +167,7 @@ async fn report_health(store: Arc<Store>, health: tonic_health::server::HealthRe
             }
             (true, false) => {
                 health
-                    .set_not_serving::<CloudProviderServer<Service<Arc<Actuator>>>>()
+                    .set_not_serving::<CloudProviderServer<Provider>>()
                     .await;
                 health
                     .set_service_status("", tonic_health::ServingStatus::NotServing)

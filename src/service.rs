@@ -138,7 +138,7 @@ fn shorten(text: &str, max: usize) -> String {
 fn find<'a>(snapshot: &'a Snapshot, id: &str) -> Result<&'a Group, Status> {
     snapshot
         .group(id)
-        .ok_or_else(|| Status::not_found(format!("node group {id:?} not found")))
+        .ok_or_else(|| ActuatorError::GroupNotFound { id: id.to_string() }.into())
 }
 
 /// The group a node being priced belongs to: a real node by providerID or machine annotations, a

@@ -12,11 +12,10 @@ use arc_swap::ArcSwap;
 use futures::StreamExt;
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject};
-use kube::discovery;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::Notify;
 
-use crate::apis::{CapiApis, resource_name};
+use crate::apis::{CapiApis, infra_resource, resource_name};
 use crate::capi::{Machine, ObjectKey, ScalableKind, ScalableResource};
 use crate::events::Events;
 use crate::index::{self, Prepared, Watched};
@@ -618,7 +617,7 @@ impl Store {
             // The kind may be served later (its CRD installed after the reference): keep looking.
             let mut delay = Duration::from_secs(1);
             let resource = loop {
-                match store.infra_resource(&kind).await {
+                match infra_resource(&store.client, &kind).await {
                     Ok(resource) => break resource,
                     Err(reason) => {
                         tracing::warn!(kind = %kind.kind, group = %kind.api_group, retry_in = ?delay, "infrastructure templates unavailable: {reason}");
@@ -641,23 +640,6 @@ impl Store {
             store.register_watch(&name, false);
             store.watch(Watched::Infra(kind), api, name).await;
         });
-    }
-
-    /// The version serving an infrastructure kind: the first served version of its group that has it,
-    /// preferred version first.
-    async fn infra_resource(&self, kind: &InfraKind) -> Result<ApiResource, String> {
-        let group = discovery::group(&self.client, &kind.api_group)
-            .await
-            .map_err(|e| {
-                format!(
-                    "API group {} is not served or not discoverable: {e}",
-                    kind.api_group
-                )
-            })?;
-        group
-            .recommended_kind(&kind.kind)
-            .map(|(resource, _)| resource)
-            .ok_or_else(|| format!("API group {} serves no kind {}", kind.api_group, kind.kind))
     }
 
     /// Runs one watch for good. After an error the watcher is dropped and started again (a fresh

@@ -192,13 +192,61 @@ fn an_old_pod_price_request_is_understood() {
     assert_eq!(pricing::hours_between(start, end), 1.0);
 }
 
+/// Objects of namespace `ns` for handler tests: MachineDeployment md (min 1, max 5).
+mod objects {
+    use crate::capi::{Keys, Machine, ScalableKind, ScalableResource};
+    use crate::snapshot::Index;
+    use serde_json::{Value, json};
+    use std::sync::Arc;
+
+    pub fn md(replicas: i32) -> Value {
+        let keys = Keys::default();
+        json!({
+            "kind": "MachineDeployment",
+            "metadata": {
+                "namespace": "ns", "name": "md", "resourceVersion": "1",
+                "annotations": {keys.min_size.as_str(): "1", keys.max_size.as_str(): "5"},
+            },
+            "spec": {"replicas": replicas},
+        })
+    }
+
+    /// A running Machine of MachineSet `set` with a Node of its name.
+    pub fn machine(name: &str, set: &str) -> Value {
+        json!({
+            "kind": "Machine",
+            "metadata": {
+                "namespace": "ns", "name": name, "resourceVersion": "1",
+                "ownerReferences": [{"kind": "MachineSet", "name": set}],
+            },
+            "spec": {"providerID": format!("e2e:///ns/{name}")},
+            "status": {"nodeRef": {"name": name}},
+        })
+    }
+
+    pub fn index_of(resources: Vec<(ScalableKind, Value)>, machines: Vec<Value>) -> Index {
+        let keys = Keys::default();
+        let mut index = Index::default();
+        for (kind, object) in resources {
+            let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
+            index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
+        }
+        for object in machines {
+            let m = Machine::from_json(&keys, &object).unwrap();
+            index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
+        }
+        index
+    }
+}
+
 mod rollout {
     use super::super::*;
+    use super::objects::{index_of, machine, md};
     use crate::actuator::Actuator;
     use crate::apis::CapiApis;
+    use crate::capi::ScalableKind;
     use crate::capi::rollout::REVISION_ANNOTATION;
-    use crate::capi::{Machine, ScalableKind, ScalableResource};
-    use crate::snapshot::{Index, Settings};
+    use crate::snapshot::Settings;
     use crate::store::Store;
     use serde_json::{Value, json};
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -233,54 +281,28 @@ mod rollout {
         })
     }
 
-    fn machine(name: &str, set: &str) -> Value {
-        json!({
-            "kind": "Machine",
-            "metadata": {
-                "namespace": "ns", "name": name, "resourceVersion": "1",
-                "ownerReferences": [{"kind": "MachineSet", "name": set}],
-            },
-            "spec": {"providerID": format!("e2e:///ns/{name}")},
-            "status": {"nodeRef": {"name": name}},
-        })
-    }
-
     /// MachineDeployment md (min 1, max 5, replicas 4): md-new (revision 2) with two running
     /// Machines and one pending, md-old (revision 1) with the given replicas and one Machine.
     async fn service(old_spec: i32, old_status: i32) -> (Live, Arc<AtomicUsize>) {
-        let keys = crate::capi::Keys::default();
-        let md = json!({
-            "kind": "MachineDeployment",
-            "metadata": {
-                "namespace": "ns", "name": "md", "resourceVersion": "1",
-                "annotations": {keys.min_size.as_str(): "1", keys.max_size.as_str(): "5"},
-            },
-            "spec": {"replicas": 4},
-        });
-        let mut index = Index::default();
-        for (kind, object) in [
-            (ScalableKind::MachineDeployment, md),
-            (ScalableKind::MachineSet, machine_set("md-new", "2", 3, 3)),
-            (
-                ScalableKind::MachineSet,
-                machine_set("md-old", "1", old_spec, old_status),
-            ),
-        ] {
-            let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
-            index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
-        }
         let mut pending = machine("p", "md-new");
         pending["spec"] = json!({});
         pending["status"] = json!({});
-        for object in [
-            machine("a", "md-new"),
-            machine("b", "md-new"),
-            pending,
-            machine("c", "md-old"),
-        ] {
-            let m = Machine::from_json(&keys, &object).unwrap();
-            index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
-        }
+        let index = index_of(
+            vec![
+                (ScalableKind::MachineDeployment, md(4)),
+                (ScalableKind::MachineSet, machine_set("md-new", "2", 3, 3)),
+                (
+                    ScalableKind::MachineSet,
+                    machine_set("md-old", "1", old_spec, old_status),
+                ),
+            ],
+            vec![
+                machine("a", "md-new"),
+                machine("b", "md-new"),
+                pending,
+                machine("c", "md-old"),
+            ],
+        );
         let (client, count) = counting_api().await;
         let metrics = Arc::new(Metrics::new());
         let store = Store::fixed(
@@ -417,9 +439,9 @@ fn a_price_request_without_times_is_invalid() {
 /// is answered, what is refused before the writer, and how writer errors reach CA.
 mod handlers {
     use super::super::*;
+    use super::objects::{index_of, machine, md};
     use crate::actuator::ApiCause;
-    use crate::capi::{Machine, ScalableResource};
-    use crate::snapshot::{Index, Settings};
+    use crate::snapshot::Settings;
     use serde_json::json;
     use std::sync::Mutex;
 
@@ -439,15 +461,6 @@ mod handlers {
         /// MachineDeployment ns/md (min 1, max 5, replicas 2) with Machines a and b.
         fn new() -> Fixed {
             let settings = Settings::default();
-            let keys = settings.keys.clone();
-            let md = json!({
-                "kind": "MachineDeployment",
-                "metadata": {
-                    "namespace": "ns", "name": "md", "resourceVersion": "1",
-                    "annotations": {keys.min_size.as_str(): "1", keys.max_size.as_str(): "5"},
-                },
-                "spec": {"replicas": 2},
-            });
             let ms = json!({
                 "kind": "MachineSet",
                 "metadata": {
@@ -456,30 +469,16 @@ mod handlers {
                 },
                 "spec": {"replicas": 2},
             });
-            let mut index = Index::default();
-            for (kind, object) in [
-                (ScalableKind::MachineDeployment, md),
-                (ScalableKind::MachineSet, ms),
-            ] {
-                let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
-                index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
-            }
-            for name in ["a", "b"] {
-                let machine = json!({
-                    "kind": "Machine",
-                    "metadata": {
-                        "namespace": "ns", "name": name, "resourceVersion": "1",
-                        "ownerReferences": [{"kind": "MachineSet", "name": "md-1"}],
-                    },
-                    "spec": {"providerID": format!("e2e:///ns/{name}")},
-                    "status": {"nodeRef": {"name": name}},
-                });
-                let m = Machine::from_json(&keys, &machine).unwrap();
-                index.apply_machine(m.key.clone(), Ok(Arc::new(m)));
-            }
+            let index = index_of(
+                vec![
+                    (ScalableKind::MachineDeployment, md(2)),
+                    (ScalableKind::MachineSet, ms),
+                ],
+                vec![machine("a", "md-1"), machine("b", "md-1")],
+            );
             Fixed {
                 snapshot: Arc::new(index.snapshot(&settings)),
-                keys,
+                keys: settings.keys.clone(),
                 complete: true,
                 stale: Vec::new(),
                 answer: Mutex::new(None),
