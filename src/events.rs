@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 
-use crate::problem::Problem;
+use crate::problem::{self, Problem};
 
 /// Longest note an Event carries (the API limits it to 1 KiB).
 const NOTE_MAX: usize = 1000;
@@ -53,7 +53,7 @@ impl Events {
         let event = Event {
             type_: EventType::Warning,
             reason: reason.to_string(),
-            note: Some(truncate(note, NOTE_MAX)),
+            note: Some(problem::cut(note, NOTE_MAX).to_string()),
             action,
             secondary: None,
         };
@@ -108,17 +108,6 @@ fn problem_hash(problem: &Problem) -> u64 {
     hasher.finish()
 }
 
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,10 +115,10 @@ mod tests {
     #[test]
     fn notes_are_cut_at_a_character_boundary() {
         let note = "é".repeat(600);
-        let cut = truncate(&note, NOTE_MAX);
-        assert!(cut.len() <= NOTE_MAX && note.starts_with(&cut));
+        let cut = problem::cut(&note, NOTE_MAX);
+        assert!(cut.len() <= NOTE_MAX && note.starts_with(cut));
         assert_eq!(cut.chars().count(), 500);
-        assert_eq!(truncate("short", NOTE_MAX), "short");
+        assert_eq!(problem::cut("short", NOTE_MAX), "short");
     }
 
     #[test]

@@ -36,3 +36,13 @@ impl fmt::Display for Problem {
         write!(f, "{}: {}: {}", self.object, self.field, self.message)
     }
 }
+
+/// The longest prefix of `text` of at most `max` bytes that ends at a character boundary: how
+/// messages are cut to fit an Event note or a status message.
+pub fn cut(text: &str, max: usize) -> &str {
+    let mut end = max.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}

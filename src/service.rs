@@ -128,11 +128,7 @@ fn shorten(text: &str, max: usize) -> String {
     if text.len() <= max {
         return text.to_string();
     }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes)", &text[..end], text.len())
+    format!("{}… ({} bytes)", crate::problem::cut(text, max), text.len())
 }
 
 fn find<'a>(snapshot: &'a Snapshot, id: &str) -> Result<&'a Group, Status> {

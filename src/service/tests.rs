@@ -239,8 +239,34 @@ mod objects {
     }
 }
 
+/// Scale calls on group `id` as CA makes them, for any backend.
+mod calls {
+    use super::super::*;
+
+    pub async fn increase<B: Backend>(service: &Service<B>, id: &str) -> Result<(), Status> {
+        service
+            .node_group_increase_size(Request::new(NodeGroupIncreaseSizeRequest {
+                id: id.into(),
+                delta: 1,
+            }))
+            .await
+            .map(drop)
+    }
+
+    pub async fn decrease<B: Backend>(service: &Service<B>, id: &str) -> Result<(), Status> {
+        service
+            .node_group_decrease_target_size(Request::new(NodeGroupDecreaseTargetSizeRequest {
+                id: id.into(),
+                delta: -1,
+            }))
+            .await
+            .map(drop)
+    }
+}
+
 mod rollout {
     use super::super::*;
+    use super::calls;
     use super::objects::{index_of, machine, md};
     use crate::actuator::Actuator;
     use crate::apis::CapiApis;
@@ -382,23 +408,11 @@ mod rollout {
         assert_eq!(api_calls.load(Ordering::SeqCst), 0, "DeleteNodes wrote");
 
         // Scale-up and DecreaseTargetSize still go to the API (which fails here).
-        let increase = service
-            .node_group_increase_size(Request::new(NodeGroupIncreaseSizeRequest {
-                id: ID.into(),
-                delta: 1,
-            }))
-            .await
-            .unwrap_err();
+        let increase = calls::increase(&service, ID).await.unwrap_err();
         assert_eq!(increase.code(), tonic::Code::Unavailable, "{increase:?}");
         let after_increase = api_calls.load(Ordering::SeqCst);
         assert!(after_increase > 0);
-        let decrease = service
-            .node_group_decrease_target_size(Request::new(NodeGroupDecreaseTargetSizeRequest {
-                id: ID.into(),
-                delta: -1,
-            }))
-            .await
-            .unwrap_err();
+        let decrease = calls::decrease(&service, ID).await.unwrap_err();
         assert_eq!(decrease.code(), tonic::Code::Unavailable, "{decrease:?}");
         assert!(api_calls.load(Ordering::SeqCst) > after_increase);
     }
@@ -439,6 +453,7 @@ fn a_price_request_without_times_is_invalid() {
 /// is answered, what is refused before the writer, and how writer errors reach CA.
 mod handlers {
     use super::super::*;
+    use super::calls;
     use super::objects::{index_of, machine, md};
     use crate::actuator::ApiCause;
     use crate::snapshot::Settings;
@@ -535,16 +550,6 @@ mod handlers {
         )
     }
 
-    async fn increase(service: &Service<Arc<Fixed>>) -> Result<(), Status> {
-        service
-            .node_group_increase_size(Request::new(NodeGroupIncreaseSizeRequest {
-                id: ID.into(),
-                delta: 1,
-            }))
-            .await
-            .map(drop)
-    }
-
     async fn target_size(service: &Service<Arc<Fixed>>, id: &str) -> Result<i32, Status> {
         service
             .node_group_target_size(Request::new(NodeGroupTargetSizeRequest { id: id.into() }))
@@ -568,7 +573,7 @@ mod handlers {
             tonic::Code::Unavailable
         );
         assert_eq!(
-            increase(&service).await.unwrap_err().code(),
+            calls::increase(&service, ID).await.unwrap_err().code(),
             tonic::Code::Unavailable
         );
         assert!(backend.writes().is_empty(), "{:?}", backend.writes());
@@ -585,20 +590,14 @@ mod handlers {
             stale: vec![reason.into()],
             ..Fixed::new()
         });
-        let refused = increase(&service).await.unwrap_err();
+        let refused = calls::increase(&service, ID).await.unwrap_err();
         assert_eq!(refused.code(), tonic::Code::Unavailable);
         assert!(
             refused.message().contains(ID) && refused.message().contains(reason),
             "{}",
             refused.message()
         );
-        let decrease = service
-            .node_group_decrease_target_size(Request::new(NodeGroupDecreaseTargetSizeRequest {
-                id: ID.into(),
-                delta: -1,
-            }))
-            .await
-            .unwrap_err();
+        let decrease = calls::decrease(&service, ID).await.unwrap_err();
         assert_eq!(decrease.code(), tonic::Code::Unavailable);
         let delete = service
             .node_group_delete_nodes(Request::new(NodeGroupDeleteNodesRequest {
@@ -669,10 +668,10 @@ mod handlers {
         for (error, code) in cases {
             let message = error.to_string();
             *backend.answer.lock().unwrap() = Some(error);
-            let status = increase(&service).await.unwrap_err();
+            let status = calls::increase(&service, ID).await.unwrap_err();
             assert_eq!((status.code(), status.message()), (code, message.as_str()));
         }
-        increase(&service).await.unwrap();
+        calls::increase(&service, ID).await.unwrap();
         assert_eq!(backend.writes().len(), 11);
         assert!(
             backend
