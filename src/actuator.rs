@@ -169,8 +169,30 @@ impl NodeToDelete {
 pub struct Actuator {
     store: Arc<Store>,
     metrics: Arc<Metrics>,
-    /// One operation per group at a time; entries only for groups that exist (pruned as groups go).
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per group that exists (pruned as groups go): its operation lock and when it was last raised.
+    groups: Mutex<HashMap<String, Arc<GroupOps>>>,
+}
+
+/// What the actuator keeps about one group.
+#[derive(Default)]
+struct GroupOps {
+    /// One operation per group at a time.
+    lock: tokio::sync::Mutex<()>,
+    /// When this process last sent a write raising the group's replicas. Cluster API's controllers
+    /// act on cached replicas: for a while after a raise they may still act on the lower count and
+    /// delete marked Machines first. A mark the raise made unpaid is left alone for the grace period
+    /// after it, or the repair's unmark would let them delete an unmarked Machine instead.
+    raised: Mutex<Option<Instant>>,
+}
+
+impl GroupOps {
+    fn raised_within(&self, period: Duration) -> bool {
+        lock_ignoring_poison(&self.raised).is_some_and(|at| at.elapsed() < period)
+    }
+}
+
+fn lock_ignoring_poison<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The provider's backend: the store's snapshot for reads, the actuator for writes.
@@ -275,17 +297,25 @@ impl Actuator {
         Actuator {
             store,
             metrics,
-            locks: Mutex::new(HashMap::new()),
+            groups: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The lock of a group that exists in `snapshot`; locks of groups that are gone are dropped.
-    fn group_lock(&self, snapshot: &Snapshot, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-        if locks.len() > snapshot.groups.len() {
-            locks.retain(|g, l| snapshot.groups.contains_key(g) || Arc::strong_count(l) > 1);
+    /// The operations record of a group that exists in `snapshot`; those of groups that are gone
+    /// are dropped.
+    fn group_ops(&self, snapshot: &Snapshot, id: &str) -> Arc<GroupOps> {
+        let mut groups = lock_ignoring_poison(&self.groups);
+        if groups.len() > snapshot.groups.len() {
+            groups.retain(|g, o| snapshot.groups.contains_key(g) || Arc::strong_count(o) > 1);
         }
-        Arc::clone(locks.entry(id.to_string()).or_default())
+        Arc::clone(groups.entry(id.to_string()).or_default())
+    }
+
+    /// Notes a raise of `id`'s replicas about to be sent (see [`GroupOps::raised`]).
+    fn note_raise(&self, id: &str) {
+        if let Some(ops) = lock_ignoring_poison(&self.groups).get(id) {
+            *lock_ignoring_poison(&ops.raised) = Some(Instant::now());
+        }
     }
 
     /// The group as of everything the index holds now (an operation decides from it).
@@ -480,6 +510,9 @@ impl Actuator {
             if ledger != state.ledger {
                 patch["metadata"]["annotations"] = json!({ LEDGER_ANNOTATION: ledger.render() });
             }
+            if wanted.replicas > state.replicas {
+                self.note_raise(&group.id);
+            }
             let started = Instant::now();
             match call(
                 &what,
@@ -598,8 +631,8 @@ impl Actuator {
             )));
         }
         let (snapshot, _) = self.group(id)?;
-        let lock = self.group_lock(&snapshot, id);
-        let _guard = lock.lock().await;
+        let ops = self.group_ops(&snapshot, id);
+        let _guard = ops.lock.lock().await;
         let (_, group) = self.group(id)?;
         self.write(&group, "increase-size", |state| {
             let desired = state.replicas.saturating_add(delta);
@@ -622,8 +655,8 @@ impl Actuator {
             )));
         }
         let (snapshot, _) = self.group(id)?;
-        let lock = self.group_lock(&snapshot, id);
-        let _guard = lock.lock().await;
+        let ops = self.group_ops(&snapshot, id);
+        let _guard = ops.lock.lock().await;
         let (_, group) = self.group(id)?;
         let registered = group.registered;
         self.write(&group, "decrease-target-size", |state| {
@@ -648,8 +681,8 @@ impl Actuator {
 
     async fn delete(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError> {
         let (snapshot, _) = self.group(id)?;
-        let lock = self.group_lock(&snapshot, id);
-        let _guard = lock.lock().await;
+        let ops = self.group_ops(&snapshot, id);
+        let _guard = ops.lock.lock().await;
         let (snapshot, group) = self.group(id)?;
         // CA only gets here if it ignored the raised min: during a rollout the MachineDeployment
         // controller picks the MachineSet that shrinks, so a lower replica count may take another
@@ -863,17 +896,21 @@ impl Actuator {
     }
 
     /// Takes back every mark of ours that no decrement paid for and that is older than `grace` (as
-    /// the cache shows it, confirmed from the API): what a crash, a lost answer or a
-    /// dropped call left between the two writes of a removal. The node
-    /// stays; CA got no OK for it and asks again if it still wants it gone. Each repair is logged,
-    /// counted (`api_writes_total{operation="repair-unmark"}`) and recorded as an Event on the Machine.
+    /// the cache shows it, confirmed from the API), in groups this process has not raised within
+    /// `grace` either: what a crash, a lost answer or a dropped call left between the two writes of
+    /// a removal, or a scale-up absorbed. The node stays; CA got no OK for it and asks again if it
+    /// still wants it gone. Each repair is logged, counted
+    /// (`api_writes_total{operation="repair-unmark"}`) and recorded as an Event on the Machine.
     pub async fn repair(&self, grace: Duration) -> usize {
         let snapshot = self.store.snapshot();
         let delete_key = self.store.settings().keys.delete_machine.clone();
         let mut repaired = 0;
         for (id, _) in snapshot.groups.iter() {
-            let lock = self.group_lock(&snapshot, id);
-            let _guard = lock.lock().await;
+            let ops = self.group_ops(&snapshot, id);
+            let _guard = ops.lock.lock().await;
+            if ops.raised_within(grace) {
+                continue;
+            }
             // Fresh after taking the lock: an operation that just finished has recorded its writes.
             self.store.refresh();
             let current = self.store.snapshot();

@@ -12,9 +12,11 @@
 //! - invariant 2: replicas within [min, max], now and in every version written since the last check
 //!   (a watch delivers each version; after the run, every version etcd holds is checked again);
 //! - invariant 3: Machines marked by us and not being deleted exceed what replicas pay for (Machines
-//!   beyond replicas) by no more than the operations in flight plus the marks younger than the grace
-//!   period and a repair interval (a removal whose decrement a scale-up absorbed waits for CA's retry
-//!   or the repair); after quiescence no mark of ours is left at all once Cluster API converged.
+//!   beyond replicas) by no more than the operations in flight, plus the marks younger than the grace
+//!   period and a repair interval, plus what the group's raises within that time absorbed (a removal
+//!   whose decrement a scale-up absorbed waits for CA's retry, or for the repair, which leaves a group
+//!   alone for the grace period after a raise); after quiescence no mark of ours is left at all once
+//!   Cluster API converged.
 //!
 //! Sequential groups have one client each (the model knows the order, so it is exact); the "hot"
 //! group has three concurrent clients (only the invariants are checked). `MODEL_SEED` and
@@ -82,12 +84,36 @@ struct Shared {
     /// DecreaseTargetSize), as totals started and finished.
     hot_started: AtomicI64,
     hot_finished: AtomicI64,
+    /// IncreaseSize calls by group name: when each finished (drained) and by how much it may have
+    /// raised replicas. A raise makes as many paid marks unpaid, and the repair leaves them for the
+    /// grace period after it.
+    raises: std::sync::Mutex<BTreeMap<String, Vec<(Instant, i64)>>>,
     outcomes: std::sync::Mutex<BTreeMap<String, u64>>,
 }
 
 impl Shared {
     fn more(&self) -> bool {
         self.ops.load(Ordering::SeqCst) < self.target
+    }
+
+    fn raised(&self, name: &str, by: i64) {
+        self.raises
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name.to_string())
+            .or_default()
+            .push((Instant::now(), by));
+    }
+
+    /// How many marks raises of `name` within `secs` may have left unpaid.
+    fn raised_within(&self, name: &str, secs: u64) -> i64 {
+        let window = Duration::from_secs(secs);
+        let mut raises = self.raises.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(list) = raises.get_mut(name) else {
+            return 0;
+        };
+        list.retain(|(at, _)| at.elapsed() < window);
+        list.iter().map(|(_, by)| by).sum()
     }
 
     fn count(&self, what: &str, code: Code) {
@@ -218,9 +244,11 @@ async fn check_group(
     }
     if kind == Kind::MachineDeployment {
         let young = view.marked().len() - view.marks_older_than(YOUNG_SECS);
-        if view.unpaid() > young as i64 + allowance {
+        let absorbed = sh.raised_within(name, YOUNG_SECS);
+        if view.unpaid() > young as i64 + absorbed + allowance {
             return Err(format!(
-                "invariant 3: {name}: {} unpaid marks, only {young} younger than {YOUNG_SECS}s and {allowance} in flight: {}",
+                "invariant 3: {name}: {} unpaid marks, only {young} younger than {YOUNG_SECS}s, \
+                 {absorbed} absorbed by raises within {YOUNG_SECS}s and {allowance} in flight: {}",
                 view.unpaid(),
                 view.describe()
             ));
@@ -281,6 +309,7 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
         steps += 1;
         let roll = rng.random_range(0..100);
         let before = m.replicas;
+        let mut raise = 0;
         // (what, code, allowed replicas after)
         let (what, code, allowed): (String, Code, BTreeSet<i64>) = if roll < 30 {
             let d = rng.random_range(1..=3);
@@ -291,6 +320,7 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
                 code = increase(&sh, &m.id, d).await;
                 tries += 1;
             }
+            raise = i64::from(d) * tries;
             let fits = before + i64::from(d) <= m.max;
             let allowed = match code {
                 Code::Ok if fits => BTreeSet::from([before + i64::from(d)]),
@@ -436,6 +466,9 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
         if matches!(code, Code::DeadlineExceeded | Code::Cancelled) {
             drain(&sh, &m.id).await?;
         }
+        if raise > 0 {
+            sh.raised(&m.name, raise);
+        }
         let view = check_group(&sh, m.kind, &m.name, || 0)
             .await
             .map_err(|e| m.fail(&sh, e))?;
@@ -553,6 +586,9 @@ async fn hot(sh: Arc<Shared>, name: String, seed: u64) -> Result<u64, String> {
             // The operation goes on after the handler's timeout: it is in flight until drained.
             drain(&sh, &id).await?;
         }
+        if what == "IncreaseSize" {
+            sh.raised(&name, i64::from(delta));
+        }
         sh.hot_finished.fetch_add(weight, Ordering::SeqCst);
         sh.count(what, code);
         if !matches!(
@@ -669,6 +705,7 @@ async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
         deployments: tokio::sync::Mutex::new(deployments),
         pools: tokio::sync::Mutex::new(pools),
         hot_started: AtomicI64::new(0),
+        raises: std::sync::Mutex::new(BTreeMap::new()),
         hot_finished: AtomicI64::new(0),
         outcomes: std::sync::Mutex::new(BTreeMap::new()),
     });

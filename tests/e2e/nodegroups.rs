@@ -950,6 +950,64 @@ async fn orphan_marks_are_taken_back_after_the_grace_period() {
     wait_event(capi, "orphan", "DeleteMarkRepaired").await;
 }
 
+/// A scale-up that absorbs a paid mark's decrement makes the mark unpaid at once, however old it is;
+/// Cluster API's controllers may still act on the lower count they cached and delete marked Machines
+/// first. So the repair leaves the group alone for the grace period after the raise, and only then
+/// takes the mark back.
+#[tokio::test]
+async fn a_mark_a_scale_up_absorbed_is_left_for_the_grace_period_after_the_raise() {
+    const GRACE: Duration = Duration::from_secs(3);
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    // 3 Machines, replicas 2: the old mark is paid.
+    capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(2), false)
+        .await;
+    let old = format!("unix {} by capi-autoscaler-provider", now_unix() - 600);
+    capi.create_machine(
+        &capi
+            .running("absorbed", md.clone())
+            .annotation(&capi.delete_key(), &old),
+    )
+    .await;
+    for name in ["a", "b"] {
+        capi.create_machine(&capi.running(name, md.clone())).await;
+    }
+    let (provider, mut rpc) = provider_for_args(
+        &env,
+        &["--repair-interval", "100ms", "--mark-grace-period", "3s"],
+    )
+    .await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+
+    let raised = Instant::now();
+    rpc.increase(&id, 1).await.expect("IncreaseSize +1");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    let taken_back = poll_until(
+        "the absorbed mark is taken back",
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            let marked = capi.marked_machines().await;
+            if marked.is_empty() {
+                Check::Done(raised.elapsed())
+            } else {
+                Check::Wait(format!("marked {marked:?}"))
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
+    assert!(
+        taken_back >= GRACE,
+        "taken back {:.2}s after the raise, within the grace period",
+        taken_back.as_secs_f64()
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    wait_event(capi, "absorbed", "DeleteMarkRepaired").await;
+}
+
 fn now_unix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
