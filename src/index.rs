@@ -138,7 +138,9 @@ pub(crate) fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
 
 /// An object added or changed, from a watch or as a write of ours got it back. Returns whether the
 /// index took it: a version older than the cached one is ignored, so a watch event behind a write
-/// already recorded, or a write's answer behind a watch event, never rolls the cache back.
+/// already recorded, or a write's answer behind a watch event, never rolls the cache back; the
+/// cached version again (the watch's echo of a write already recorded) changes nothing, so it costs
+/// no snapshot build.
 pub(crate) fn apply(index: &mut Index, keys: &Keys, what: &Watched, obj: DynamicObject) -> bool {
     let key = object_key(&obj);
     let cached = match what {
@@ -148,7 +150,8 @@ pub(crate) fn apply(index: &mut Index, keys: &Keys, what: &Watched, obj: Dynamic
         Watched::Machine => index.machine(&key).map(|m| m.resource_version.clone()),
         Watched::Node | Watched::Infra(_) | Watched::Cluster => None,
     };
-    if is_older(cached.as_deref(), obj.resource_version().as_deref()) {
+    let incoming = obj.resource_version();
+    if cached.is_some() && cached == incoming || is_older(cached.as_deref(), incoming.as_deref()) {
         return false;
     }
     match prepare(keys, what, obj) {
@@ -336,7 +339,8 @@ mod tests {
         assert!(apply(&mut index, &keys, &MD, md("a", "20", 4, "5")));
         assert!(!apply(&mut index, &keys, &MD, md("a", "19", 3, "5")));
         assert_eq!(replicas(&index, "a"), Some(4));
-        assert!(apply(&mut index, &keys, &MD, md("a", "20", 4, "5")));
+        // The watch's echo of the write: nothing to take.
+        assert!(!apply(&mut index, &keys, &MD, md("a", "20", 4, "5")));
         // Compared as numbers: "100" is newer than "99".
         assert!(apply(&mut index, &keys, &MD, md("a", "100", 2, "5")));
         assert!(!apply(&mut index, &keys, &MD, md("a", "99", 1, "5")));

@@ -3,7 +3,7 @@
 //! The index consumes watch events (apply, delete, reset) per kind, exactly as the store receives them,
 //! so it is tested by feeding it events, without a cluster.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
@@ -68,6 +68,9 @@ pub struct Index {
     machines: BTreeMap<ObjectKey, Parsed<Machine>>,
     nodes: HashMap<String, Arc<Node>>,
     infra_kinds: BTreeMap<InfraKind, InfraKindState>,
+    /// How many resources reference each infrastructure kind: kept as resources come and go, so
+    /// readiness and every build ask it without a walk over every resource.
+    infra_refs: BTreeMap<InfraKind, usize>,
     infra: HashMap<(InfraKind, ObjectKey), Parsed<InfraTemplate>>,
     /// Clusters by namespace/name, for the topology check.
     clusters: HashMap<ObjectKey, Arc<ClusterTopology>>,
@@ -100,16 +103,34 @@ impl Index {
             _ => false,
         };
         if local {
+            // Same template, so the same infrastructure reference.
             self.journal.resources.insert((kind, key.clone()));
         } else {
             self.journal.other = true;
+            self.count_infra_ref(Some(&parsed), 1);
         }
-        self.resources.insert((kind, key), parsed);
+        if let Some(old) = self.resources.insert((kind, key), parsed)
+            && !local
+        {
+            self.count_infra_ref(Some(&old), -1);
+        }
     }
 
     pub fn delete_resource(&mut self, kind: ScalableKind, key: &ObjectKey) {
         self.journal.other = true;
-        self.resources.remove(&(kind, key.clone()));
+        let old = self.resources.remove(&(kind, key.clone()));
+        self.count_infra_ref(old.as_ref(), -1);
+    }
+
+    fn count_infra_ref(&mut self, parsed: Option<&Parsed<ScalableResource>>, by: isize) {
+        let Some(kind) = parsed.and_then(referenced_infra_kind) else {
+            return;
+        };
+        let count = self.infra_refs.entry(kind.clone()).or_default();
+        *count = count.saturating_add_signed(by);
+        if *count == 0 {
+            self.infra_refs.remove(&kind);
+        }
     }
 
     /// A watch of `kind` re-listed: these are now all the objects of that kind.
@@ -122,6 +143,10 @@ impl Index {
         self.resources.retain(|(k, _), _| *k != kind);
         for (key, parsed) in objects {
             self.resources.insert((kind, key), parsed);
+        }
+        self.infra_refs.clear();
+        for kind in self.resources.values().filter_map(referenced_infra_kind) {
+            *self.infra_refs.entry(kind).or_default() += 1;
         }
     }
 
@@ -243,13 +268,10 @@ impl Index {
 
     /// Infrastructure template kinds referenced by candidate groups that nobody watches yet.
     pub fn wanted_infra_kinds(&self) -> BTreeSet<InfraKind> {
-        self.resources
-            .values()
-            .filter_map(|r| r.as_ref().ok())
-            .filter_map(|r| r.template.infrastructure_ref.as_ref())
-            .filter_map(|r| r.as_ref().ok())
-            .map(InfraKind::of)
-            .filter(|k| !self.infra_kinds.contains_key(k))
+        self.infra_refs
+            .keys()
+            .filter(|k| !self.infra_kinds.contains_key(*k))
+            .cloned()
             .collect()
     }
 
@@ -387,9 +409,13 @@ pub struct Snapshot {
     /// Where nodes live. Shared by the snapshots built after changes that moved no node.
     lookup: Arc<Lookup>,
     /// What each group's template was built from, for [`Index::snapshot_reusing`].
-    templates: HashMap<String, Arc<TemplateMemo>>,
+    templates: HashMap<Arc<str>, Arc<TemplateMemo>>,
+    /// The MachineSets of each MachineDeployment (by owner reference or label), for
+    /// [`Index::snapshot_reusing`]: a patch never changes which belong to which, so it reads them
+    /// from here instead of walking every MachineSet.
+    machine_sets: Arc<HashMap<ObjectKey, Vec<ObjectKey>>>,
     /// The problems of each served group (its options, price, rollout, template)…
-    group_problems: HashMap<String, Vec<Problem>>,
+    group_problems: HashMap<Arc<str>, Arc<[Problem]>>,
     /// … and all the others (objects that cannot be read, resources not served, claimed ids).
     base_problems: Vec<Problem>,
     /// Which state of the index this was built from ([`Index::snapshot_reusing`]); 0: none known.
@@ -403,10 +429,10 @@ pub struct Snapshot {
     pub machines: usize,
 }
 
-/// The served node groups by id. A group is shared by every snapshot it did not change in, so a
-/// rebuild after a write copies pointers, not groups.
+/// The served node groups by id. A group, and its id, are shared by every snapshot it did not
+/// change in, so a rebuild after a write copies pointers, not groups or strings.
 #[derive(Clone, Debug, Default)]
-pub struct Groups(BTreeMap<String, Arc<NodeGroup>>);
+pub struct Groups(BTreeMap<Arc<str>, Arc<NodeGroup>>);
 
 impl Groups {
     pub fn get(&self, id: &str) -> Option<&NodeGroup> {
@@ -426,8 +452,8 @@ impl Groups {
     }
 
     /// Ids in order.
-    pub fn keys(&self) -> impl Iterator<Item = &String> {
-        self.0.keys()
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(AsRef::as_ref)
     }
 
     /// Groups in id order.
@@ -435,20 +461,20 @@ impl Groups {
         self.0.values().map(Arc::as_ref)
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &NodeGroup)> {
-        self.0.iter().map(|(id, g)| (id, g.as_ref()))
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &NodeGroup)> {
+        self.0.iter().map(|(id, g)| (id.as_ref(), g.as_ref()))
     }
 }
 
 impl<'a> IntoIterator for &'a Groups {
-    type Item = (&'a String, &'a NodeGroup);
+    type Item = (&'a str, &'a NodeGroup);
     type IntoIter = std::iter::Map<
-        std::collections::btree_map::Iter<'a, String, Arc<NodeGroup>>,
-        fn((&'a String, &'a Arc<NodeGroup>)) -> (&'a String, &'a NodeGroup),
+        std::collections::btree_map::Iter<'a, Arc<str>, Arc<NodeGroup>>,
+        fn((&'a Arc<str>, &'a Arc<NodeGroup>)) -> (&'a str, &'a NodeGroup),
     >;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.0.iter().map(|(id, g)| (id, g.as_ref()))
+        self.0.iter().map(|(id, g)| (id.as_ref(), g.as_ref()))
     }
 }
 
@@ -641,6 +667,12 @@ impl TemplateMemo {
 /// Whether a new version of a resource changes only what a rebuild of its own group (and, for a
 /// MachineSet, of its MachineDeployment's) picks up: replica counts (not whether there are any), the
 /// resourceVersion, the rollout state.
+/// The infrastructure kind a readable resource's template references.
+fn referenced_infra_kind(parsed: &Parsed<ScalableResource>) -> Option<InfraKind> {
+    let reference = parsed.as_ref().ok()?.template.infrastructure_ref.as_ref()?;
+    reference.as_ref().ok().map(InfraKind::of)
+}
+
 fn same_layout(a: &ScalableResource, b: &ScalableResource) -> bool {
     same_but_counts(a, b, |x, y| x.is_some() == y.is_some())
 }
@@ -879,7 +911,6 @@ impl<'a> Builder<'a> {
     fn machine_sets_by_deployment(
         &self,
         labels: &OwnerLabels,
-        only: Option<&HashSet<(&str, &str)>>,
     ) -> HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> {
         let index: &'a Index = self.index;
         let mut sets: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = HashMap::new();
@@ -898,11 +929,7 @@ impl<'a> Builder<'a> {
                 .map(|o| o.name.as_str());
             let named = ms.labels.get(&labels.deployment).map(String::as_str);
             for md in owners.chain(named) {
-                let at = (key.namespace.as_str(), md);
-                if only.is_some_and(|wanted| !wanted.contains(&at)) {
-                    continue;
-                }
-                let listed = sets.entry(at).or_default();
+                let listed = sets.entry((key.namespace.as_str(), md)).or_default();
                 // The owner reference and the label usually name the same MachineDeployment.
                 if !listed
                     .last()
@@ -1128,7 +1155,7 @@ impl<'a> Builder<'a> {
         let infra = self.infra_input(&group.resource);
         if let Some(memo) = self
             .previous
-            .and_then(|p| p.templates.get(&group.id))
+            .and_then(|p| p.templates.get(group.id.as_str()))
             .filter(|m| m.holds_for(&group.resource, &infra, &copied))
         {
             return Arc::clone(memo);
@@ -1158,18 +1185,38 @@ impl<'a> Builder<'a> {
             return snapshot;
         }
         let owner_labels = OwnerLabels::new(&self.settings.keys);
-        let (mut groups, mut group_problems) = self.candidate_groups(&owner_labels);
+        let sets_by_deployment = self.machine_sets_by_deployment(&owner_labels);
+        let machine_sets = Arc::new(
+            sets_by_deployment
+                .iter()
+                .map(|(&(namespace, name), sets)| {
+                    let keys: Vec<ObjectKey> = sets.iter().map(|ms| ms.key.clone()).collect();
+                    (ObjectKey::new(namespace, name), keys)
+                })
+                .collect(),
+        );
+        let (mut groups, mut group_problems) = self.candidate_groups(&sets_by_deployment);
         let mut lookup = Lookup::default();
         let found = self.machines_by_group(&groups, &owner_labels, &mut lookup);
         self.attach_instances(&mut groups, found, &mut lookup);
         lookup.by_normalized_id = normalized_ids(&lookup);
-        let templates = self.templates(&mut groups, &mut group_problems);
-        let groups = Groups(
-            groups
-                .into_iter()
-                .map(|(id, g)| (id, Arc::new(g)))
-                .collect(),
-        );
+        let mut templates = self.templates(&mut groups, &mut group_problems);
+        // One shared id per group, for the maps every later patch copies.
+        let mut shared_templates = HashMap::with_capacity(templates.len());
+        let mut shared_problems = HashMap::with_capacity(group_problems.len());
+        let mut served = BTreeMap::new();
+        for (id, group) in groups {
+            let shared: Arc<str> = Arc::from(id.as_str());
+            if let Some(memo) = templates.remove(&id) {
+                shared_templates.insert(Arc::clone(&shared), memo);
+            }
+            if let Some(problems) = group_problems.remove(&id) {
+                shared_problems.insert(Arc::clone(&shared), Arc::from(problems));
+            }
+            served.insert(shared, Arc::new(group));
+        }
+        let groups = Groups(served);
+        let (templates, group_problems) = (shared_templates, shared_problems);
         let mut base_problems = std::mem::take(&mut self.problems);
         base_problems.sort();
         base_problems.dedup();
@@ -1179,6 +1226,7 @@ impl<'a> Builder<'a> {
             groups,
             Arc::new(lookup),
             templates,
+            machine_sets,
             group_problems,
             base_problems,
             skipped,
@@ -1189,11 +1237,10 @@ impl<'a> Builder<'a> {
     /// a problem of the snapshot.
     fn candidate_groups(
         &mut self,
-        owner_labels: &OwnerLabels,
+        sets_by_deployment: &HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>>,
     ) -> (BTreeMap<String, NodeGroup>, HashMap<String, Vec<Problem>>) {
         let mut groups: BTreeMap<String, NodeGroup> = BTreeMap::new();
         let mut group_problems: HashMap<String, Vec<Problem>> = HashMap::new();
-        let sets_by_deployment = self.machine_sets_by_deployment(owner_labels, None);
         let index: &'a Index = self.index;
         for ((kind, key), parsed) in &index.resources {
             let resource = match parsed {
@@ -1204,7 +1251,7 @@ impl<'a> Builder<'a> {
                 }
             };
             if let Some((group, problems)) =
-                self.served_group(*kind, key, resource, &sets_by_deployment)
+                self.served_group(*kind, key, resource, sets_by_deployment)
             {
                 if !problems.is_empty() {
                     group_problems.insert(group.id.clone(), problems);
@@ -1380,8 +1427,9 @@ impl<'a> Builder<'a> {
         basis: u64,
         groups: Groups,
         lookup: Arc<Lookup>,
-        templates: HashMap<String, Arc<TemplateMemo>>,
-        group_problems: HashMap<String, Vec<Problem>>,
+        templates: HashMap<Arc<str>, Arc<TemplateMemo>>,
+        machine_sets: Arc<HashMap<ObjectKey, Vec<ObjectKey>>>,
+        group_problems: HashMap<Arc<str>, Arc<[Problem]>>,
         base_problems: Vec<Problem>,
         skipped: BTreeMap<String, String>,
     ) -> Snapshot {
@@ -1404,7 +1452,7 @@ impl<'a> Builder<'a> {
         );
         let mut problems: Vec<Problem> = base_problems
             .iter()
-            .chain(group_problems.values().flatten())
+            .chain(group_problems.values().flat_map(|p| p.iter()))
             .cloned()
             .collect();
         problems.sort();
@@ -1413,6 +1461,7 @@ impl<'a> Builder<'a> {
             groups,
             lookup,
             templates,
+            machine_sets,
             group_problems,
             base_problems,
             basis,
@@ -1436,8 +1485,8 @@ impl<'a> Builder<'a> {
         let owner_labels = OwnerLabels::new(&self.settings.keys);
         let mut affected: BTreeSet<&str> = BTreeSet::new();
         let mut served = |id: String| {
-            if let Some((id, _)) = previous.groups.0.get_key_value(&id) {
-                affected.insert(id.as_str());
+            if let Some((id, _)) = previous.groups.0.get_key_value(id.as_str()) {
+                affected.insert(id.as_ref());
             }
         };
         for (kind, key) in &journal.resources {
@@ -1471,23 +1520,23 @@ impl<'a> Builder<'a> {
                 served(location.group_id.clone());
             }
         }
-        // Only the MachineSets of the MachineDeployments rebuilt: their rollout state.
-        let deployments: HashSet<(&str, &str)> = affected
+        // Only the MachineSets of the MachineDeployments rebuilt, as they are now: their rollout state.
+        let sets_by_deployment: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = affected
             .iter()
             .filter_map(|id| previous.groups.get(id))
             .filter(|g| g.kind() == ScalableKind::MachineDeployment)
-            .map(|g| {
-                (
-                    g.resource.key.namespace.as_str(),
-                    g.resource.key.name.as_str(),
-                )
+            .filter_map(|g| {
+                let key = &g.resource.key;
+                let sets = previous
+                    .machine_sets
+                    .get(key)?
+                    .iter()
+                    .filter_map(|ms| index.resource(ScalableKind::MachineSet, ms))
+                    .map(Arc::as_ref)
+                    .collect();
+                Some(((key.namespace.as_str(), key.name.as_str()), sets))
             })
             .collect();
-        let sets_by_deployment = if deployments.is_empty() {
-            HashMap::new()
-        } else {
-            self.machine_sets_by_deployment(&owner_labels, Some(&deployments))
-        };
         let mut groups = previous.groups.clone();
         let mut templates = previous.templates.clone();
         let mut group_problems = previous.group_problems.clone();
@@ -1534,19 +1583,21 @@ impl<'a> Builder<'a> {
             let memo = self.template_memo(&group, Some(&node_labels), copied);
             problems.extend(memo.problems.iter().cloned());
             group.template = memo.template.clone();
-            templates.insert(id.to_string(), memo);
+            let shared = Arc::clone(previous.groups.0.get_key_value(id)?.0);
+            templates.insert(Arc::clone(&shared), memo);
             if problems.is_empty() {
                 group_problems.remove(id);
             } else {
-                group_problems.insert(id.to_string(), problems);
+                group_problems.insert(Arc::clone(&shared), Arc::from(problems));
             }
-            groups.0.insert(id.to_string(), Arc::new(group));
+            groups.0.insert(shared, Arc::new(group));
         }
         Some(self.finish(
             basis,
             groups,
             Arc::clone(&previous.lookup),
             templates,
+            Arc::clone(&previous.machine_sets),
             group_problems,
             previous.base_problems.clone(),
             previous.skipped.clone(),

@@ -677,8 +677,9 @@ impl Store {
                     }
                     Ok(Event::Apply(obj)) => {
                         self.metrics.watch_event(what.label(), "apply");
-                        index::apply(&mut lock(&self.index), &self.settings.keys, &what, obj);
-                        self.mark_dirty();
+                        if index::apply(&mut lock(&self.index), &self.settings.keys, &what, obj) {
+                            self.mark_dirty();
+                        }
                     }
                     Ok(Event::Delete(obj)) => {
                         self.metrics.watch_event(what.label(), "delete");

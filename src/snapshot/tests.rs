@@ -1083,3 +1083,57 @@ fn a_rebuild_after_local_changes_equals_a_build_from_scratch() {
         view(&index.snapshot(&settings()), &nodes)
     );
 }
+
+#[test]
+fn wanted_infrastructure_kinds_follow_the_resources_that_reference_them() {
+    let with_ref = |name: &str, kind: &str, replicas: i32| {
+        let mut r = resource(ScalableKind::MachineDeployment, name, None, None, replicas);
+        r.template.infrastructure_ref = Some(Ok(InfraRef {
+            api_group: "infrastructure.cluster.x-k8s.io".into(),
+            api_version: None,
+            kind: kind.into(),
+            name: format!("{name}-template"),
+        }));
+        r
+    };
+    let kind = |k: &str| InfraKind {
+        api_group: "infrastructure.cluster.x-k8s.io".into(),
+        kind: k.into(),
+    };
+    let wanted = |index: &Index| -> Vec<String> {
+        index
+            .wanted_infra_kinds()
+            .into_iter()
+            .map(|k| k.kind)
+            .collect()
+    };
+    let mut index = Index::default();
+    add(&mut index, with_ref("a", "DockerMachineTemplate", 1));
+    add(&mut index, with_ref("b", "DockerMachineTemplate", 1));
+    add(&mut index, with_ref("c", "AWSMachineTemplate", 1));
+    assert_eq!(
+        wanted(&index),
+        ["AWSMachineTemplate", "DockerMachineTemplate"]
+    );
+    // Replicas only: the same reference.
+    add(&mut index, with_ref("c", "AWSMachineTemplate", 5));
+    assert_eq!(
+        wanted(&index),
+        ["AWSMachineTemplate", "DockerMachineTemplate"]
+    );
+    // Watched kinds are not wanted any more.
+    index.set_infra_kind_state(kind("DockerMachineTemplate"), InfraKindState::Syncing);
+    assert_eq!(wanted(&index), ["AWSMachineTemplate"]);
+    // The last reference to a kind moves to another kind, or its resource goes.
+    add(&mut index, with_ref("c", "GCPMachineTemplate", 5));
+    assert_eq!(wanted(&index), ["GCPMachineTemplate"]);
+    index.delete_resource(ScalableKind::MachineDeployment, &ObjectKey::new("ns", "c"));
+    assert!(wanted(&index).is_empty());
+    // A relist counts afresh.
+    let relisted = with_ref("d", "AzureMachineTemplate", 1);
+    index.reset_resources(
+        ScalableKind::MachineDeployment,
+        [(relisted.key.clone(), Ok(Arc::new(relisted)))],
+    );
+    assert_eq!(wanted(&index), ["AzureMachineTemplate"]);
+}
