@@ -861,13 +861,7 @@ async fn delete_nodes_pays_a_leftover_mark() {
     let md = Owner::Deployment("md".into());
     capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(2), false)
         .await;
-    let leftover = format!("unix {} by capi-autoscaler-provider", now_unix() - 5);
-    capi.create_machine(
-        &capi
-            .running("m0", md.clone())
-            .annotation(&capi.delete_key(), &leftover),
-    )
-    .await;
+    machine_marked_by_us(capi, "m0", md.clone(), 5).await;
     capi.create_machine(&capi.running("m1", md.clone())).await;
     let (_provider, mut rpc) = provider_for(&env).await;
     let id = capi.id(Kind::MachineDeployment, "md");
@@ -896,13 +890,7 @@ async fn orphan_marks_are_taken_back_after_the_grace_period() {
     // 3 Machines, replicas 3: no surplus, so a mark of ours is unpaid.
     capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(3), false)
         .await;
-    let old = format!("unix {} by capi-autoscaler-provider", now_unix() - 600);
-    capi.create_machine(
-        &capi
-            .running("orphan", md.clone())
-            .annotation(&capi.delete_key(), &old),
-    )
-    .await;
+    machine_marked_by_us(capi, "orphan", md.clone(), 600).await;
     capi.create_machine(
         &capi
             .running("foreign", md.clone())
@@ -915,12 +903,7 @@ async fn orphan_marks_are_taken_back_after_the_grace_period() {
     let paid = Owner::Deployment("paid".into());
     capi.create_deployment(&Scalable::md("paid").bounds(0, 10).replicas(1), false)
         .await;
-    capi.create_machine(
-        &capi
-            .running("paid-0", paid.clone())
-            .annotation(&capi.delete_key(), &old),
-    )
-    .await;
+    machine_marked_by_us(capi, "paid-0", paid.clone(), 600).await;
     capi.create_machine(&capi.running("paid-1", paid.clone()))
         .await;
     let (provider, _rpc) = provider_for_args(
@@ -964,13 +947,7 @@ async fn a_mark_a_scale_up_absorbed_is_left_for_the_grace_period_after_the_raise
     // 3 Machines, replicas 2: the old mark is paid.
     capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(2), false)
         .await;
-    let old = format!("unix {} by capi-autoscaler-provider", now_unix() - 600);
-    capi.create_machine(
-        &capi
-            .running("absorbed", md.clone())
-            .annotation(&capi.delete_key(), &old),
-    )
-    .await;
+    machine_marked_by_us(capi, "absorbed", md.clone(), 600).await;
     for name in ["a", "b"] {
         capi.create_machine(&capi.running(name, md.clone())).await;
     }
@@ -1006,6 +983,17 @@ async fn a_mark_a_scale_up_absorbed_is_left_for_the_grace_period_after_the_raise
     );
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
     wait_event(capi, "absorbed", "DeleteMarkRepaired").await;
+}
+
+/// A running Machine of `owner` carrying this provider's delete mark, written `age_secs` ago.
+async fn machine_marked_by_us(capi: &Capi, name: &str, owner: Owner, age_secs: u64) {
+    let mark = format!("unix {} by capi-autoscaler-provider", now_unix() - age_secs);
+    capi.create_machine(
+        &capi
+            .running(name, owner)
+            .annotation(&capi.delete_key(), &mark),
+    )
+    .await;
 }
 
 fn now_unix() -> u64 {
