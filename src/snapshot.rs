@@ -664,15 +664,15 @@ impl TemplateMemo {
     }
 }
 
-/// Whether a new version of a resource changes only what a rebuild of its own group (and, for a
-/// MachineSet, of its MachineDeployment's) picks up: replica counts (not whether there are any), the
-/// resourceVersion, the rollout state.
 /// The infrastructure kind a readable resource's template references.
 fn referenced_infra_kind(parsed: &Parsed<ScalableResource>) -> Option<InfraKind> {
     let reference = parsed.as_ref().ok()?.template.infrastructure_ref.as_ref()?;
     reference.as_ref().ok().map(InfraKind::of)
 }
 
+/// Whether a new version of a resource changes only what a rebuild of its own group (and, for a
+/// MachineSet, of its MachineDeployment's) picks up: replica counts (not whether there are any), the
+/// resourceVersion, the rollout state.
 fn same_layout(a: &ScalableResource, b: &ScalableResource) -> bool {
     same_but_counts(a, b, |x, y| x.is_some() == y.is_some())
 }
