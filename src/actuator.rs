@@ -13,6 +13,7 @@ use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::json;
 
 use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource};
+use crate::lock;
 use crate::metrics::Metrics;
 use crate::removal::{
     self, Counts, LEDGER_ANNOTATION, Ledger, MachineState, Removal, our_mark, pool_node_entry,
@@ -187,12 +188,8 @@ struct GroupOps {
 
 impl GroupOps {
     fn raised_within(&self, period: Duration) -> bool {
-        lock_ignoring_poison(&self.raised).is_some_and(|at| at.elapsed() < period)
+        lock(&self.raised).is_some_and(|at| at.elapsed() < period)
     }
-}
-
-fn lock_ignoring_poison<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The provider's backend: the store's snapshot for reads, the actuator for writes.
@@ -304,18 +301,11 @@ impl Actuator {
     /// The operations record of a group that exists in `snapshot`; those of groups that are gone
     /// are dropped.
     fn group_ops(&self, snapshot: &Snapshot, id: &str) -> Arc<GroupOps> {
-        let mut groups = lock_ignoring_poison(&self.groups);
+        let mut groups = lock(&self.groups);
         if groups.len() > snapshot.groups.len() {
             groups.retain(|g, o| snapshot.groups.contains_key(g) || Arc::strong_count(o) > 1);
         }
         Arc::clone(groups.entry(id.to_string()).or_default())
-    }
-
-    /// Notes a raise of `id`'s replicas about to be sent (see [`GroupOps::raised`]).
-    fn note_raise(&self, id: &str) {
-        if let Some(ops) = lock_ignoring_poison(&self.groups).get(id) {
-            *lock_ignoring_poison(&ops.raised) = Some(Instant::now());
-        }
     }
 
     /// The group as of everything the index holds now (an operation decides from it).
@@ -510,9 +500,6 @@ impl Actuator {
             if ledger != state.ledger {
                 patch["metadata"]["annotations"] = json!({ LEDGER_ANNOTATION: ledger.render() });
             }
-            if wanted.replicas > state.replicas {
-                self.note_raise(&group.id);
-            }
             let started = Instant::now();
             match call(
                 &what,
@@ -638,6 +625,10 @@ impl Actuator {
             let desired = state.replicas.saturating_add(delta);
             if desired > state.max {
                 return Err(state.out_of_bounds(&group, "size increase", desired));
+            }
+            if desired >= state.min {
+                // About to be sent (see `GroupOps::raised`); below min, `write` refuses it.
+                *lock(&ops.raised) = Some(Instant::now());
             }
             Ok(Some(Change {
                 replicas: desired,

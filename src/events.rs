@@ -73,10 +73,7 @@ impl Events {
     ) {
         let current: BTreeSet<Problem> = problems.iter().cloned().collect();
         let (new, gone) = {
-            let mut reported = self
-                .reported
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut reported = crate::lock(&self.reported);
             let new: Vec<Problem> = current.difference(&reported).cloned().collect();
             let gone: Vec<Problem> = reported.difference(&current).cloned().collect();
             *reported = current;

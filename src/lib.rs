@@ -27,3 +27,10 @@ pub mod template;
 mod tls;
 pub mod version;
 pub mod wire;
+
+/// Locks `m` even if a thread panicked while holding it: every value kept behind these mutexes is
+/// whole after each single update (a map entry, a timestamp, a set swapped in), and a later event or
+/// write brings it up to date.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

@@ -1483,10 +1483,11 @@ impl<'a> Builder<'a> {
         }
         let index: &'a Index = self.index;
         let owner_labels = OwnerLabels::new(&self.settings.keys);
-        let mut affected: BTreeSet<&str> = BTreeSet::new();
+        // By the id the previous snapshot shares, which the rebuilt group keeps.
+        let mut affected: BTreeSet<&Arc<str>> = BTreeSet::new();
         let mut served = |id: String| {
             if let Some((id, _)) = previous.groups.0.get_key_value(id.as_str()) {
-                affected.insert(id.as_ref());
+                affected.insert(id);
             }
         };
         for (kind, key) in &journal.resources {
@@ -1547,7 +1548,7 @@ impl<'a> Builder<'a> {
             let (rebuilt, base) =
                 self.collecting(|b| b.served_group(kind, key, resource, &sets_by_deployment));
             let (mut group, mut problems) = rebuilt?;
-            if !base.is_empty() || group.id != id {
+            if !base.is_empty() || group.id.as_str() != id.as_ref() {
                 return None;
             }
             // Same Machines, same ids: their states again, then the marks against the new target.
@@ -1583,14 +1584,13 @@ impl<'a> Builder<'a> {
             let memo = self.template_memo(&group, Some(&node_labels), copied);
             problems.extend(memo.problems.iter().cloned());
             group.template = memo.template.clone();
-            let shared = Arc::clone(previous.groups.0.get_key_value(id)?.0);
-            templates.insert(Arc::clone(&shared), memo);
+            templates.insert(Arc::clone(id), memo);
             if problems.is_empty() {
                 group_problems.remove(id);
             } else {
-                group_problems.insert(Arc::clone(&shared), Arc::from(problems));
+                group_problems.insert(Arc::clone(id), Arc::from(problems));
             }
-            groups.0.insert(shared, Arc::new(group));
+            groups.0.insert(Arc::clone(id), Arc::new(group));
         }
         Some(self.finish(
             basis,

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -19,6 +19,7 @@ use crate::apis::{CapiApis, infra_resource, resource_name};
 use crate::capi::{Machine, ObjectKey, ScalableKind, ScalableResource};
 use crate::events::Events;
 use crate::index::{self, Prepared, Watched};
+use crate::lock;
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
@@ -145,11 +146,6 @@ pub struct Store {
     infra_started: Mutex<BTreeSet<InfraKind>>,
     events: Events,
     metrics: Arc<Metrics>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock cannot leave the index half-updated in a way later events don't fix.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Store {

@@ -159,7 +159,7 @@ impl ReloadingTls {
     /// Loads the files again if they changed since the last look; true when a new configuration is in use.
     pub fn reload_if_changed(&self) -> bool {
         let stamp = self.files.stamp();
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = crate::lock(&self.last);
         if last.0 == stamp {
             return false;
         }
