@@ -24,8 +24,15 @@ const LOOP_MARKERS: [&str; 2] = ["Autoscaler loop triggered", "Starting main loo
 
 /// How CA is run.
 pub enum Flavor<'a> {
-    /// CA with `--cloud-provider=externalgrpc` against this provider at `address`.
-    Ours { address: &'a str },
+    /// CA with `--cloud-provider=externalgrpc` against this provider at `address` (its metrics at
+    /// `metrics`, when served).
+    Ours {
+        address: &'a str,
+        metrics: Option<&'a str>,
+    },
+    /// CA with `--cloud-provider=externalgrpc` against the floor at `address`: what CA's loop costs
+    /// when every answer is a precomputed constant.
+    Floor { address: &'a str },
     /// A: CA with the in-tree clusterapi provider.
     InTree,
 }
@@ -57,15 +64,27 @@ pub fn start(
     let version = "1.36.1";
     let address = format!("127.0.0.1:{}", procs::free_port());
     let (label, binary, mut args) = match flavor {
-        Flavor::Ours { address: provider } => {
-            let config = procs::work_dir().join(format!("cloud-config-{}.yaml", fleet.ns));
+        Flavor::Ours {
+            address: provider, ..
+        }
+        | Flavor::Floor { address: provider } => {
+            let label = if matches!(flavor, Flavor::Floor { .. }) {
+                "CA+floor"
+            } else {
+                "CA+ours"
+            };
+            let config = procs::work_dir().join(format!(
+                "cloud-config-{}-{}.yaml",
+                label.replace('+', "-"),
+                fleet.ns
+            ));
             std::fs::write(
                 &config,
                 format!("address: \"{provider}\"\ngrpc_timeout: \"10s\"\n"),
             )
             .unwrap_or_else(|e| panic!("write {}: {e}", config.display()));
             (
-                "CA+ours",
+                label,
                 autoscaler::binary(version, "externalgrpc"),
                 vec![
                     "--cloud-provider=externalgrpc".to_string(),
@@ -100,6 +119,13 @@ pub fn start(
         "--logtostderr=true".into(),
         "--v=4".into(),
     ]);
+    // `BENCH_CA_ARGS` (e.g. `--profiling=true`, then /debug/pprof on CA's address) adds flags.
+    args.extend(
+        std::env::var("BENCH_CA_ARGS")
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string),
+    );
     let log = procs::work_dir().join(format!("{}-{}.log", label.replace('+', "-"), fleet.ns));
     let child = procs::spawn_logged(&binary, &args, &log)
         .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
@@ -259,6 +285,10 @@ pub struct CaRun {
     pub phases: BTreeMap<String, f64>,
     /// Non-watch apiserver requests of CA (and of its provider) per loop.
     pub requests_per_loop: Option<f64>,
+    /// Calls the provider answered per loop, by method (this provider only, from its metrics).
+    pub provider_calls: BTreeMap<String, f64>,
+    /// Seconds the provider spent answering per loop (the sum of its call durations).
+    pub provider_seconds: Option<f64>,
     pub watches: f64,
     /// Start → end of the first loop.
     pub first_loop: Option<f64>,
@@ -286,6 +316,10 @@ pub async fn session(
     let started = Instant::now();
     let deadline = started + budget;
     let session_before = apf::counts(admin).await;
+    let provider_metrics = match &flavor {
+        Flavor::Ours { metrics, .. } => metrics.map(str::to_string),
+        Flavor::Floor { .. } | Flavor::InTree => None,
+    };
     let mut ca = start(cp, fleet, flavor, ca_identity);
     let mut run = CaRun {
         label: ca.label,
@@ -337,9 +371,11 @@ pub async fn session(
     // Steady loops.
     let before = ca.functions().await;
     let requests_before = apf::counts(admin).await;
+    let calls_before = provider_calls(provider_metrics.as_deref()).await;
     let done = ca.wait_loops(loops, deadline).await;
     let after = ca.functions().await;
     let requests_after = apf::counts(admin).await;
+    let calls_after = provider_calls(provider_metrics.as_deref()).await;
     let main = |m: &BTreeMap<String, (f64, f64)>| m.get("main").copied().unwrap_or_default();
     let loops_seen = main(&after).1 - main(&before).1;
     if loops_seen >= 1.0 {
@@ -353,6 +389,18 @@ pub async fn session(
         run.requests_per_loop =
             Some(apf::requests(&requests_before, &requests_after, counted) / loops_seen);
         run.watches = apf::watches(&requests_before, &requests_after, counted);
+        if let (Some(before), Some(after)) = (calls_before, calls_after) {
+            run.provider_calls = after
+                .calls
+                .iter()
+                .map(|(method, n)| {
+                    let previous = before.calls.get(method).copied().unwrap_or(0.0);
+                    (method.clone(), (n - previous) / loops_seen)
+                })
+                .filter(|(_, n)| *n > 0.0)
+                .collect();
+            run.provider_seconds = Some((after.seconds - before.seconds) / loops_seen);
+        }
     } else {
         // Only the first loop fit in the budget: its figures stand for the loop.
         run.notes.push(format!(
@@ -453,6 +501,38 @@ pub async fn session(
         fleet::set_replicas(&client, &fleet.ns, &group.name, 0).await;
     }
     run
+}
+
+/// The provider's answered calls by method and the sum of their durations, from its metrics.
+struct ProviderCalls {
+    calls: BTreeMap<String, f64>,
+    seconds: f64,
+}
+
+async fn provider_calls(metrics: Option<&str>) -> Option<ProviderCalls> {
+    let text = autoscaler::http_get(metrics?, "/metrics").await.ok()?;
+    let mut calls: BTreeMap<String, f64> = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("capi_autoscaler_provider_grpc_requests_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once(' ') else {
+            continue;
+        };
+        let (Some(method), Ok(value)) = (
+            support::capi::label_of(labels.trim_end_matches('}'), "method"),
+            value.trim().parse::<f64>(),
+        ) else {
+            continue;
+        };
+        *calls.entry(method.to_string()).or_default() += value;
+    }
+    let seconds = autoscaler::metric_sum(
+        &text,
+        "capi_autoscaler_provider_grpc_request_duration_seconds_sum",
+        &[],
+    );
+    Some(ProviderCalls { calls, seconds })
 }
 
 fn secs(v: Option<f64>) -> String {

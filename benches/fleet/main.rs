@@ -12,8 +12,9 @@
 //! - a replay of one CA 1.36 loop over gRPC against each, in rounds whose order rotates so that noise
 //!   falls on all alike: per-RPC latency, loop time, apiserver requests per loop (APF flow schemas per
 //!   identity); W is sampled where whole loops would take too long;
-//! - the real CA 1.36.1 with this provider, and A (CA with the in-tree provider): CA's loop and phases,
-//!   apiserver requests per loop, pending pod → replicas raised;
+//! - the real CA 1.36.1 with this provider, with the floor, and A (CA with the in-tree provider): CA's
+//!   loop and phases, apiserver requests per loop, the calls it makes to this provider, pending pod →
+//!   replicas raised;
 //! - write latency: IncreaseSize and DeleteNodes, call → visible in the API.
 //!
 //! Prints one table (also `target/bench/fleet.md`) and writes `target/bench/fleet.json`.
@@ -23,7 +24,8 @@
 //! 1,000 Machines, else 1), `BENCH_W_BUDGET` (seconds per RPC kind per W round, 20), `BENCH_CA_LOOPS`
 //! (3), `BENCH_CA_PODS` (5), `BENCH_CA_BUDGET` (seconds for CA with this provider, 900),
 //! `BENCH_A_BUDGET` (seconds for A: 3600 up to 1,000 Machines, 1800 above), `BENCH_WRITES` (samples
-//! per kind, 50), `BENCH_W_WRITE_BUDGET` (seconds, 300), `BENCH_SKIP` (`w`, `a`, `ca`, `writes`).
+//! per kind, 50), `BENCH_W_WRITE_BUDGET` (seconds, 300), `BENCH_SKIP` (`w`, `a`, `ca`, `ca-floor`,
+//! `writes`), `BENCH_CA_ARGS` (more flags for CA).
 
 #[path = "../../tests/support/mod.rs"]
 pub mod support;
@@ -412,6 +414,7 @@ async fn size(
             &fleet,
             ca::Flavor::Ours {
                 address: &ours.address,
+                metrics: ours.metrics_address.as_deref(),
             },
             &ids.ca,
             &counted,
@@ -422,6 +425,26 @@ async fn size(
         )
         .await;
         result.ca.insert("ours", run);
+        // The same CA against the floor: its loop when every answer costs nothing but the call.
+        // The floor changes nothing, so it gets no pods.
+        if !options.skip.contains("ca-floor") {
+            let run = ca::session(
+                cp,
+                admin,
+                &fleet,
+                ca::Flavor::Floor {
+                    address: &floor.address,
+                },
+                &ids.ca,
+                &[&ids.ca],
+                options.ca_loops,
+                0,
+                options.ca_budget,
+                machines as u64 + 2,
+            )
+            .await;
+            result.ca.insert("floor", run);
+        }
         if !options.skip.contains("a") {
             let run = ca::session(
                 cp,

@@ -467,7 +467,7 @@ fn template_node() -> k8s_pb::api::core::v1::Node {
 }
 
 fn unimplemented<T>() -> Result<Response<T>, Status> {
-    Err(Status::unimplemented("the floor answers only the replay"))
+    Err(Status::unimplemented("the floor answers only reads"))
 }
 
 fn found<T: Clone>(map: &HashMap<String, T>, id: &str) -> Result<Response<T>, Status> {
@@ -515,18 +515,21 @@ impl CloudProvider for Floor {
         unimplemented()
     }
 
+    // CA caches these two only when they succeed: an error would cost a call per node.
     async fn gpu_label(
         &self,
         _: Request<GpuLabelRequest>,
     ) -> Result<Response<GpuLabelResponse>, Status> {
-        unimplemented()
+        Ok(Response::new(GpuLabelResponse {
+            label: "nvidia.com/gpu".into(),
+        }))
     }
 
     async fn get_available_gpu_types(
         &self,
         _: Request<GetAvailableGpuTypesRequest>,
     ) -> Result<Response<GetAvailableGpuTypesResponse>, Status> {
-        unimplemented()
+        Ok(Response::new(GetAvailableGpuTypesResponse::default()))
     }
 
     async fn cleanup(
