@@ -58,6 +58,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let watch_settings = WatchSettings {
         timeout: args.watch_timeout,
         stale_after: args.watch_stale_after,
+        ..Default::default()
     };
     let store = start_store(&config, Arc::clone(&metrics), true, watch_settings).await?;
 

@@ -11,7 +11,7 @@ use crate::apis::CapiApis;
 use crate::config::{Config, KubeconfigSource};
 use crate::metrics::Metrics;
 use crate::snapshot::Settings;
-use crate::store::{Store, WatchSettings};
+use crate::store::{Store, Streaming, WatchSettings, streams_initial_lists};
 use crate::version;
 
 /// The client configuration for a kubeconfig file, or the inferred (in-cluster) configuration, with
@@ -83,6 +83,16 @@ pub async fn start_store(
     )
     .await?;
     tracing::info!(group = %apis.group, version = %apis.version, kinds = ?apis.scalable.keys().collect::<Vec<_>>(), "using Cluster API");
+    let watch_settings = WatchSettings {
+        streaming: Streaming {
+            management: streams(&management, "management").await,
+            workload: match &workload {
+                Some(client) => streams(client, "workload").await,
+                None => false,
+            },
+        },
+        ..watch_settings
+    };
     Ok(Store::start(
         management,
         workload,
@@ -92,6 +102,24 @@ pub async fn start_store(
         events,
         watch_settings,
     ))
+}
+
+/// Whether this cluster's watches start with a streamed initial list, from its server's version.
+async fn streams(client: &Client, cluster: &str) -> bool {
+    match client.apiserver_version().await {
+        Ok(info) => {
+            let streams = streams_initial_lists(&info.major, &info.minor);
+            tracing::info!(cluster, version = %info.git_version, streamed_initial_lists = streams, "API server");
+            streams
+        }
+        Err(e) => {
+            tracing::warn!(
+                cluster,
+                "API server version unreadable ({e}): initial lists in pages"
+            );
+            false
+        }
+    }
 }
 
 #[cfg(test)]

@@ -43,6 +43,8 @@ pub struct WatchSettings {
     /// A watch failing for longer is stale: not ready, and writes that need it are refused.
     /// Forbidden (403) and not found (404) are stale at once.
     pub stale_after: Duration,
+    /// Which clusters' watches start with a streamed initial list.
+    pub streaming: Streaming,
 }
 
 impl Default for WatchSettings {
@@ -50,6 +52,7 @@ impl Default for WatchSettings {
         WatchSettings {
             timeout: Duration::from_secs(60),
             stale_after: Duration::from_secs(60),
+            streaming: Streaming::default(),
         }
     }
 }
@@ -124,6 +127,28 @@ fn describe(health: &WatchHealth, now: Instant, stale_after: Duration) -> Option
             ))
         }
     }
+}
+
+/// Whether each cluster's watches start with a streamed initial list (see [`streams_initial_lists`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Streaming {
+    pub management: bool,
+    pub workload: bool,
+}
+
+/// Whether an API server of this version (`/version`'s major and minor, e.g. "1", "34+") streams
+/// initial lists by default: the WatchList feature gate is on by default in Kubernetes 1.32 and
+/// from 1.34, off in 1.33 and before. An unreadable version lists in pages, which every server
+/// serves; a server with the gate turned off refuses the stream, and the watch lists in pages.
+pub fn streams_initial_lists(major: &str, minor: &str) -> bool {
+    let number = |s: &str| {
+        s.chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse::<u32>()
+            .ok()
+    };
+    matches!((number(major), number(minor)), (Some(1), Some(m)) if m == 32 || m >= 34)
 }
 
 pub struct Store {
@@ -641,32 +666,54 @@ impl Store {
     /// Runs one watch for good. After an error the watcher is dropped and started again (a fresh
     /// list) after a pause: the next complete list is what says the watch is in sync again, since a
     /// watch resumed from a resourceVersion delivers nothing when nothing changed.
+    ///
+    /// Where the cluster's server streams initial lists, the list comes as a stream of watch events
+    /// (WatchList: the server never builds the whole list in one response, and parsing event by
+    /// event costs about half the CPU of list pages). A server that refuses it (the feature off: 422,
+    /// or an older server: 400) gets paginated lists from then on.
     async fn watch(self: Arc<Self>, what: Watched, api: Api<DynamicObject>, name: String) {
         let timeout = u32::try_from(self.watch_settings.timeout.as_secs())
             .unwrap_or(290)
             .clamp(1, 290);
-        let config = watcher::Config::default().timeout(timeout);
+        let mut streaming = match what {
+            Watched::Node => self.watch_settings.streaming.workload,
+            _ => self.watch_settings.streaming.management,
+        };
         let mut listed_once = false;
         let mut delay = RESTART_MIN;
         loop {
-            let mut stream = watcher::watcher(api.clone(), config.clone()).boxed();
+            let mut config = watcher::Config::default().timeout(timeout);
+            if streaming {
+                config = config.streaming_lists();
+            }
+            let mut stream = watcher::watcher(api.clone(), config).boxed();
+            let mut synced_here = false;
             // A (re)list is parsed object by object as it arrives: only the views are held until it
             // is complete, never the JSON of every object (which is many times their size).
             let mut buffer: Vec<Prepared> = Vec::new();
+            let mut list_started = Instant::now();
             let failure = loop {
                 let Some(event) = stream.next().await else {
                     break None;
                 };
                 match event {
-                    Ok(Event::Init) => buffer.clear(),
+                    Ok(Event::Init) => {
+                        buffer.clear();
+                        list_started = Instant::now();
+                    }
                     Ok(Event::InitApply(obj)) => {
                         buffer.push(index::prepare(&self.settings.keys, &what, obj))
                     }
                     Ok(Event::InitDone) => {
                         let objects = std::mem::take(&mut buffer);
+                        // What a slow start spent its time on, one line per watch.
+                        if !listed_once {
+                            tracing::info!(watch = %name, objects = objects.len(), took = ?list_started.elapsed(), "listed");
+                        }
                         self.metrics.watch_event(what.label(), "list");
                         index::reset(&mut lock(&self.index), &what, objects);
                         listed_once = true;
+                        synced_here = true;
                         self.watch_synced(&name);
                         delay = RESTART_MIN;
                         self.mark_dirty();
@@ -691,6 +738,14 @@ impl Store {
                 }
             };
             drop(stream);
+            if streaming
+                && !synced_here
+                && let Some(code @ (400 | 422)) = failure.as_ref().and_then(watch_error_code)
+            {
+                tracing::info!(watch = %name, code, "the API server does not stream initial lists (WatchList): listing in pages instead");
+                streaming = false;
+                continue;
+            }
             let (text, fatal) = match &failure {
                 Some(e) => (
                     watch_error_text(e),
@@ -786,6 +841,29 @@ mod tests {
                 message: message.to_string(),
                 fatal,
             }),
+        }
+    }
+
+    #[test]
+    fn initial_lists_are_streamed_only_where_the_server_streams_them_by_default() {
+        for (major, minor, streams) in [
+            ("1", "36", true),
+            ("1", "34", true),
+            ("1", "34+", true),
+            ("1", "33", false),
+            ("1", "32", true),
+            ("1", "31", false),
+            ("1", "27", false),
+            ("2", "0", false),
+            ("1", "", false),
+            ("", "", false),
+            ("one", "thirty-four", false),
+        ] {
+            assert_eq!(
+                streams_initial_lists(major, minor),
+                streams,
+                "{major}.{minor}"
+            );
         }
     }
 

@@ -530,13 +530,27 @@ async fn run(variant: Variant) {
         fail(variant.name, &pods, &e);
     }
     let scaled_up = ca_started.elapsed();
-    let reasons = workload::pod_event_reasons(&pods_client, &pod_ns, "web").await;
-    if !reasons.iter().any(|r| r == "TriggeredScaleUp") {
-        fail(
-            variant.name,
-            &pods,
-            &format!("CA's TriggeredScaleUp Event on the pod: {reasons:?}"),
-        );
+    // CA records the Event after the write that scaled, asynchronously: it may land a moment later.
+    let event = poll_until(
+        "CA's TriggeredScaleUp Event on the pod",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || {
+            let pods_client = &pods_client;
+            let pod_ns = &pod_ns;
+            async move {
+                let reasons = workload::pod_event_reasons(pods_client, pod_ns, "web").await;
+                if reasons.iter().any(|r| r == "TriggeredScaleUp") {
+                    Check::Done(())
+                } else {
+                    Check::Wait(format!("reasons {reasons:?}"))
+                }
+            }
+        },
+    )
+    .await;
+    if let Err(e) = event {
+        fail(variant.name, &pods, &e);
     }
 
     // `kubectl exec … -c provider -- /capi-autoscaler-provider check` (the README's way to see what CA sees)
@@ -654,6 +668,34 @@ async fn run(variant: Variant) {
                 );
             }
         }
+    }
+
+    // The control plane streams initial lists; the workload cluster has WatchList off, so the
+    // provider's Node watch there must have fallen back to paginated lists.
+    let fell_back = pods.iter().flat_map(|p| &p.containers).any(|c| {
+        std::fs::read_to_string(&c.log)
+            .unwrap_or_default()
+            .contains("does not stream initial lists")
+    });
+    let expected = matches!(variant.topology, Topology::Management { .. });
+    if fell_back != expected {
+        fail(
+            variant.name,
+            &pods,
+            &format!(
+                "the provider {} to paginated lists (expected: {})",
+                if fell_back {
+                    "fell back"
+                } else {
+                    "did not fall back"
+                },
+                if expected {
+                    "fall back for the workload cluster's Nodes"
+                } else {
+                    "stream every list"
+                }
+            ),
+        );
     }
 
     let summaries: Vec<String> = pods.iter().map(RunningPod::summary).collect();

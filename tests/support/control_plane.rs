@@ -303,7 +303,7 @@ async fn start(setup: Setup) -> Result<ControlPlane, String> {
         .to_string();
 
     let dir = procs::work_dir().join("control-plane");
-    let api = start_apiserver(&bin, &dir, "e2e", "10.0.0.0/24").await?;
+    let api = start_apiserver(&bin, &dir, "e2e", "10.0.0.0/24", &[]).await?;
     let ApiServer {
         server,
         admin_kubeconfig,
@@ -379,6 +379,7 @@ pub(super) async fn start_apiserver(
     dir: &Path,
     name: &str,
     service_cidr: &str,
+    extra_args: &[&str],
 ) -> Result<ApiServer, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     let ca = Ca::generate();
@@ -427,7 +428,7 @@ pub(super) async fn start_apiserver(
         let t_etcd = started.elapsed();
 
         let server = format!("https://127.0.0.1:{secure_port}");
-        let apiserver_args: Vec<String> = vec![
+        let mut apiserver_args: Vec<String> = vec![
             format!("--etcd-servers={etcd_url}"),
             "--bind-address=127.0.0.1".into(),
             "--advertise-address=127.0.0.1".into(),
@@ -449,6 +450,7 @@ pub(super) async fn start_apiserver(
             "--endpoint-reconciler-type=none".into(),
             "--v=1".into(),
         ];
+        apiserver_args.extend(extra_args.iter().map(|a| a.to_string()));
         let mut apiserver =
             match procs::spawn_logged(&bin.join("kube-apiserver"), &apiserver_args, &apiserver_log)
             {

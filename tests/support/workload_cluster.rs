@@ -1,6 +1,6 @@
 //! A second, separate cluster standing in for a Cluster API *workload* cluster: its own etcd, kube-apiserver
 //! (its own CA, its own service-account keys) and kube-scheduler, from the same upstream build as the
-//! control plane, no CRDs. With it a test can tell the two connections of a management-cluster install
+//! control plane, no CRDs, and the WatchList feature off. With it a test can tell the two connections of a management-cluster install
 //! apart: cluster-autoscaler must watch this cluster's Pods and Nodes while the provider reads and writes the
 //! Cluster API objects of the control plane.
 //!
@@ -53,7 +53,17 @@ pub fn workload_cluster(cp: &ControlPlane) -> &'static WorkloadCluster {
 
 async fn start(bin: PathBuf) -> Result<WorkloadCluster, String> {
     let dir = procs::work_dir().join("workload-cluster");
-    let api = start_apiserver(&bin, &dir, "workload", "10.0.1.0/24").await?;
+    // Streamed initial lists (WatchList) off, as on Kubernetes 1.33 or where an operator turned them
+    // off: the provider's Node watch here must fall back to paginated lists, while the control plane
+    // serves them streamed.
+    let api = start_apiserver(
+        &bin,
+        &dir,
+        "workload",
+        "10.0.1.0/24",
+        &["--feature-gates=WatchList=false"],
+    )
+    .await?;
     // The scheduler marks pods that fit no Node unschedulable, which is what makes
     // cluster-autoscaler consider them.
     spawn_scheduler(&bin, &dir.join("kube-scheduler.log"), &api.admin_kubeconfig)
