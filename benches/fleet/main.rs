@@ -405,7 +405,7 @@ async fn size(
         w_figures.rss_steady = w.rss();
     }
 
-    // The real CA with this provider, then with the in-tree provider.
+    // The real CA with this provider, with the floor, then with the in-tree provider.
     if with_ca {
         let counted = [&ids.ca, &ids.ours];
         let run = ca::session(
