@@ -159,32 +159,14 @@ impl Ca {
         let text = autoscaler::http_get(&self.address, "/metrics")
             .await
             .unwrap_or_default();
-        let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-        for line in text.lines() {
-            for (suffix, count) in [("_sum{", false), ("_count{", true)] {
-                let Some(rest) = line.strip_prefix(&format!("{FUNCTION_METRIC}{suffix}")) else {
-                    continue;
-                };
-                let Some((labels, value)) = rest.rsplit_once(' ') else {
-                    continue;
-                };
-                let Some(function) =
-                    support::capi::label_of(labels.trim_end_matches('}'), "function")
-                else {
-                    continue;
-                };
-                let Ok(value) = value.trim().parse::<f64>() else {
-                    continue;
-                };
-                let entry = out.entry(function.to_string()).or_default();
-                if count {
-                    entry.1 += value;
-                } else {
-                    entry.0 += value;
-                }
-            }
-        }
-        out
+        let sums = by_label(&text, &format!("{FUNCTION_METRIC}_sum"), "function");
+        let counts = by_label(&text, &format!("{FUNCTION_METRIC}_count"), "function");
+        sums.into_iter()
+            .map(|(function, sum)| {
+                let count = counts.get(&function).copied().unwrap_or(0.0);
+                (function, (sum, count))
+            })
+            .collect()
     }
 
     async fn loops_done(&self) -> f64 {
@@ -511,28 +493,40 @@ struct ProviderCalls {
 
 async fn provider_calls(metrics: Option<&str>) -> Option<ProviderCalls> {
     let text = autoscaler::http_get(metrics?, "/metrics").await.ok()?;
-    let mut calls: BTreeMap<String, f64> = BTreeMap::new();
+    Some(ProviderCalls {
+        calls: by_label(
+            &text,
+            "capi_autoscaler_provider_grpc_requests_total",
+            "method",
+        ),
+        seconds: autoscaler::metric_sum(
+            &text,
+            "capi_autoscaler_provider_grpc_request_duration_seconds_sum",
+            &[],
+        ),
+    })
+}
+
+/// The values of the series `metric{…}` in Prometheus text, summed by the value of one label.
+fn by_label(text: &str, metric: &str, label: &str) -> BTreeMap<String, f64> {
+    let prefix = format!("{metric}{{");
+    let mut out: BTreeMap<String, f64> = BTreeMap::new();
     for line in text.lines() {
-        let Some(rest) = line.strip_prefix("capi_autoscaler_provider_grpc_requests_total{") else {
+        let Some((labels, value)) = line
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.rsplit_once(' '))
+        else {
             continue;
         };
-        let Some((labels, value)) = rest.rsplit_once(' ') else {
-            continue;
-        };
-        let (Some(method), Ok(value)) = (
-            support::capi::label_of(labels.trim_end_matches('}'), "method"),
+        let (Some(key), Ok(value)) = (
+            support::capi::label_of(labels.trim_end_matches('}'), label),
             value.trim().parse::<f64>(),
         ) else {
             continue;
         };
-        *calls.entry(method.to_string()).or_default() += value;
+        *out.entry(key.to_string()).or_default() += value;
     }
-    let seconds = autoscaler::metric_sum(
-        &text,
-        "capi_autoscaler_provider_grpc_request_duration_seconds_sum",
-        &[],
-    );
-    Some(ProviderCalls { calls, seconds })
+    out
 }
 
 fn secs(v: Option<f64>) -> String {
