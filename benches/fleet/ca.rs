@@ -37,6 +37,16 @@ pub enum Flavor<'a> {
     InTree,
 }
 
+impl Flavor<'_> {
+    fn label(&self) -> &'static str {
+        match self {
+            Flavor::Ours { .. } => "CA+ours",
+            Flavor::Floor { .. } => "CA+floor",
+            Flavor::InTree => "CA+A",
+        }
+    }
+}
+
 /// A running CA; killed on drop.
 pub struct Ca {
     child: Child,
@@ -68,11 +78,7 @@ pub fn start(
             address: provider, ..
         }
         | Flavor::Floor { address: provider } => {
-            let label = if matches!(flavor, Flavor::Floor { .. }) {
-                "CA+floor"
-            } else {
-                "CA+ours"
-            };
+            let label = flavor.label();
             let config = procs::work_dir().join(format!(
                 "cloud-config-{}-{}.yaml",
                 label.replace('+', "-"),
@@ -93,7 +99,7 @@ pub fn start(
             )
         }
         Flavor::InTree => (
-            "CA+A",
+            flavor.label(),
             servers::upstream("cluster-autoscaler-clusterapi-1.36.1"),
             vec![
                 "--cloud-provider=clusterapi".to_string(),
