@@ -505,9 +505,7 @@ impl Store {
 
     /// Rebuilds the snapshot now if anything changed since the last build (the Refresh RPC).
     pub fn refresh(self: &Arc<Self>) {
-        if self.dirty.swap(false, Ordering::AcqRel) {
-            self.rebuild();
-        }
+        self.build(true);
     }
 
     /// Read-your-writes: a Machine, MachineDeployment, MachineSet or MachinePool as a write of the
@@ -568,11 +566,22 @@ impl Store {
     }
 
     fn rebuild(self: &Arc<Self>) {
+        self.build(false);
+    }
+
+    /// Builds and publishes a snapshot; with `only_if_changed`, only when the index changed since the
+    /// last build. The changed flag is taken under the index lock that a build publishes under, so when
+    /// this returns every change recorded before the call is served, whichever caller built it (a
+    /// write's read-your-writes cannot return while the rebuild loop still holds its change).
+    fn build(self: &Arc<Self>, only_if_changed: bool) {
         let started = Instant::now();
         // Judged before the build: a snapshot is complete only if everything had listed before it.
         let ready = self.is_listed();
         let (snapshot, wanted) = {
             let mut index = lock(&self.index);
+            if !self.dirty.swap(false, Ordering::AcqRel) && only_if_changed {
+                return;
+            }
             // Built from the snapshot served now: only the groups changed since are rebuilt when that is
             // enough (the provider's own writes), templates whose inputs did not change are reused.
             // Published under the index lock, so two builds never publish out of order.
@@ -602,9 +611,7 @@ impl Store {
             // REBUILD_SPACING between builds so constant churn in a large cluster costs a bounded share
             // of a core. Refresh (once per CA loop) and the provider's own writes rebuild at once.
             tokio::time::sleep(REBUILD_SPACING).await;
-            if self.dirty.swap(false, Ordering::AcqRel) {
-                self.rebuild();
-            }
+            self.build(true);
         }
     }
 
