@@ -280,6 +280,13 @@ impl Index {
         Builder::new(self, settings, None, None).build(0)
     }
 
+    /// Whether anything changed since the last [`snapshot_reusing`](Self::snapshot_reusing): every
+    /// change goes through the journal, so this is true exactly when that snapshot is out of date.
+    pub fn changed_since_snapshot(&self) -> bool {
+        let journal = &self.journal;
+        journal.other || !journal.resources.is_empty() || !journal.machines.is_empty()
+    }
+
     /// [`snapshot`](Self::snapshot) for a store that rebuilds over and over: `previous` is the last
     /// snapshot this index built this way (with the same settings). When everything that changed since
     /// is local to some groups (replicas written, Machines marked: the provider's own writes), only

@@ -159,7 +159,10 @@ pub struct Store {
     client: Client,
     index: Mutex<Index>,
     snapshot: ArcSwap<Snapshot>,
-    dirty: AtomicBool,
+    /// Wakes the rebuild loop. Whether there is anything to build is the index's to say (its
+    /// journal), read under the same lock as every change is made under: a flag set after a change
+    /// would leave a moment where a build finds the change but not the flag, and a write's
+    /// read-your-writes would return the snapshot from before it.
     changed: Notify,
     watch_settings: WatchSettings,
     /// Every watch by resource name.
@@ -190,7 +193,6 @@ impl Store {
             client,
             index: Mutex::new(index),
             snapshot: ArcSwap::from_pointee(Snapshot::default()),
-            dirty: AtomicBool::new(false),
             changed: Notify::new(),
             watch_settings,
             health: Mutex::new(BTreeMap::new()),
@@ -514,7 +516,7 @@ impl Store {
     pub fn record(self: &Arc<Self>, kind: Option<ScalableKind>, object: DynamicObject) {
         let what = kind.map_or(Watched::Machine, Watched::Scalable);
         if index::apply(&mut lock(&self.index), &self.settings.keys, &what, object) {
-            self.mark_dirty();
+            self.wake_rebuild();
         }
     }
 
@@ -533,7 +535,6 @@ impl Store {
             list_version,
             items,
         );
-        self.mark_dirty();
         self.refresh();
     }
 
@@ -560,8 +561,7 @@ impl Store {
         lock(&self.index).machine(key).cloned()
     }
 
-    fn mark_dirty(&self) {
-        self.dirty.store(true, Ordering::Release);
+    fn wake_rebuild(&self) {
         self.changed.notify_one();
     }
 
@@ -570,16 +570,15 @@ impl Store {
     }
 
     /// Builds and publishes a snapshot; with `only_if_changed`, only when the index changed since the
-    /// last build. The changed flag is taken under the index lock that a build publishes under, so when
-    /// this returns every change recorded before the call is served, whichever caller built it (a
-    /// write's read-your-writes cannot return while the rebuild loop still holds its change).
+    /// last build. Asked of the index under the lock a build publishes under, so when this returns
+    /// every change made to the index before the call is served, whichever caller built it.
     fn build(self: &Arc<Self>, only_if_changed: bool) {
         let started = Instant::now();
         // Judged before the build: a snapshot is complete only if everything had listed before it.
         let ready = self.is_listed();
         let (snapshot, wanted) = {
             let mut index = lock(&self.index);
-            if !self.dirty.swap(false, Ordering::AcqRel) && only_if_changed {
+            if only_if_changed && !index.changed_since_snapshot() {
                 return;
             }
             // Built from the snapshot served now: only the groups changed since are rebuilt when that is
@@ -656,7 +655,7 @@ impl Store {
                                 kind.clone(),
                                 InfraKindState::Unavailable(reason),
                             );
-                            store.mark_dirty();
+                            store.wake_rebuild();
                         }
                         tokio::time::sleep(delay).await;
                         delay = (delay * 2).min(INFRA_RETRY_MAX);
@@ -723,18 +722,18 @@ impl Store {
                         synced_here = true;
                         self.watch_synced(&name);
                         delay = RESTART_MIN;
-                        self.mark_dirty();
+                        self.wake_rebuild();
                     }
                     Ok(Event::Apply(obj)) => {
                         self.metrics.watch_event(what.label(), "apply");
                         if index::apply(&mut lock(&self.index), &self.settings.keys, &what, obj) {
-                            self.mark_dirty();
+                            self.wake_rebuild();
                         }
                     }
                     Ok(Event::Delete(obj)) => {
                         self.metrics.watch_event(what.label(), "delete");
                         index::delete(&mut lock(&self.index), &what, &obj);
-                        self.mark_dirty();
+                        self.wake_rebuild();
                     }
                     // 410 Gone: the resourceVersion is too old; the watcher lists again by itself.
                     Err(e) if watch_error_code(&e) == Some(410) => {
@@ -767,7 +766,7 @@ impl Store {
             {
                 lock(&self.index)
                     .set_infra_kind_state(kind.clone(), InfraKindState::Unavailable(text));
-                self.mark_dirty();
+                self.wake_rebuild();
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(RESTART_MAX);
@@ -849,6 +848,78 @@ mod tests {
                 fatal,
             }),
         }
+    }
+
+    /// A store with no watches, over a client that is never called.
+    fn unwatched_store() -> Arc<Store> {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        Store::fixed(
+            Client::try_from(config).unwrap(),
+            CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
+            Settings::default(),
+            Index::default(),
+            Arc::new(Metrics::new()),
+        )
+    }
+
+    fn md(replicas: i64, rv: &str) -> DynamicObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2",
+            "kind": "MachineDeployment",
+            "metadata": {
+                "name": "md", "namespace": "ns", "uid": "uid-md", "resourceVersion": rv,
+                "annotations": {
+                    "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": "0",
+                    "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": "5",
+                },
+            },
+            "spec": {"clusterName": "c1", "replicas": replicas, "template": {"spec": {"clusterName": "c1"}}},
+        }))
+        .unwrap()
+    }
+
+    fn target(store: &Store) -> Option<i32> {
+        store
+            .snapshot()
+            .group("MachineDeployment/ns/md")
+            .map(|g| g.target)
+    }
+
+    /// CI once saw TargetSize answer the old size right after IncreaseSize: the watch had applied
+    /// the write's echo and not yet said so, the write's own answer was then a no-op, and the
+    /// refresh found nothing to build.
+    #[tokio::test]
+    async fn a_refresh_serves_every_change_in_the_index_even_one_nobody_announced() {
+        let store = unwatched_store();
+        let keys = store.settings.keys.clone();
+        let scalable = Watched::Scalable(ScalableKind::MachineDeployment);
+        assert!(index::apply(
+            &mut lock(&store.index),
+            &keys,
+            &scalable,
+            md(2, "10")
+        ));
+        store.refresh();
+        assert_eq!(target(&store), Some(2));
+        // The watch's echo of a write, taken into the index; the loop is not woken yet.
+        assert!(index::apply(
+            &mut lock(&store.index),
+            &keys,
+            &scalable,
+            md(4, "11")
+        ));
+        // The write's own answer is the same version: nothing for the index to take.
+        store.record(Some(ScalableKind::MachineDeployment), md(4, "11"));
+        store.refresh();
+        assert_eq!(
+            target(&store),
+            Some(4),
+            "read-your-writes after the echo won"
+        );
+        // Nothing changed since: the snapshot served is kept, not built again.
+        let built = store.snapshot();
+        store.refresh();
+        assert!(Arc::ptr_eq(&built, &store.snapshot()));
     }
 
     #[test]
