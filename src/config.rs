@@ -90,6 +90,23 @@ pub struct ConnectionArgs {
         value_name = "PRICE"
     )]
     pub gib_hour_price: Option<f64>,
+    /// After this long without a frame from the API server on the HTTP/2 connection, ping it (as
+    /// client-go does after 30 s).
+    #[arg(
+        long = "api-ping-interval",
+        env = "CAPI_AUTOSCALER_PROVIDER_API_PING_INTERVAL",
+        default_value = "30s",
+        value_parser = parse_positive_duration
+    )]
+    pub api_ping_interval: std::time::Duration,
+    /// A ping not answered within this closes the connection: its watches and writes move to a new one.
+    #[arg(
+        long = "api-ping-timeout",
+        env = "CAPI_AUTOSCALER_PROVIDER_API_PING_TIMEOUT",
+        default_value = "15s",
+        value_parser = parse_positive_duration
+    )]
+    pub api_ping_timeout: std::time::Duration,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -299,6 +316,26 @@ pub struct Config {
     pub default_arch: Option<String>,
     pub cpu_hour_price: Option<f64>,
     pub gib_hour_price: Option<f64>,
+    pub api_ping: ApiPing,
+}
+
+/// The health check of the HTTP/2 connection to an API server (`startup::client`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApiPing {
+    /// Without a frame from the server this long, a ping.
+    pub interval: std::time::Duration,
+    /// No answer to it within this: the connection is closed.
+    pub timeout: std::time::Duration,
+}
+
+impl Default for ApiPing {
+    /// client-go's: HTTP2_READ_IDLE_TIMEOUT_SECONDS 30, HTTP2_PING_TIMEOUT_SECONDS 15.
+    fn default() -> Self {
+        ApiPing {
+            interval: std::time::Duration::from_secs(30),
+            timeout: std::time::Duration::from_secs(15),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -363,6 +400,10 @@ impl ConnectionArgs {
                 .filter(|v| !v.is_empty()),
             cpu_hour_price: self.cpu_hour_price,
             gib_hour_price: self.gib_hour_price,
+            api_ping: ApiPing {
+                interval: self.api_ping_interval,
+                timeout: self.api_ping_timeout,
+            },
         })
     }
 }
@@ -407,6 +448,31 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.management, KubeconfigSource::Inferred);
+    }
+
+    #[test]
+    fn api_pings_default_to_client_go_and_take_durations() {
+        let c = serve_config(&["serve"]).unwrap();
+        assert_eq!(c.api_ping, ApiPing::default());
+        let c = serve_config(&[
+            "serve",
+            "--api-ping-interval",
+            "1s",
+            "--api-ping-timeout",
+            "500ms",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.api_ping,
+            ApiPing {
+                interval: std::time::Duration::from_secs(1),
+                timeout: std::time::Duration::from_millis(500),
+            }
+        );
+        let refused = Cli::try_parse_from(["capi-autoscaler-provider", "--api-ping-timeout", "0s"])
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("--api-ping-timeout"), "{refused}");
     }
 
     #[test]

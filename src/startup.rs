@@ -4,11 +4,18 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use hyper_rustls::{FixedServerNameResolver, HttpsConnectorBuilder};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kube::Client;
+use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use tokio_rustls::rustls::pki_types::ServerName;
+use tower::retry::RetryLayer;
+use tower::{BoxError, ServiceBuilder};
 
 use crate::apis::CapiApis;
-use crate::config::{Config, KubeconfigSource};
+use crate::config::{ApiPing, Config, KubeconfigSource};
 use crate::metrics::Metrics;
 use crate::snapshot::Settings;
 use crate::store::{Store, Streaming, WatchSettings, streams_initial_lists};
@@ -42,9 +49,65 @@ pub async fn kube_config(source: &KubeconfigSource) -> anyhow::Result<kube::Conf
 }
 
 /// A client for a kubeconfig file, or the inferred (in-cluster) configuration.
-pub async fn client_for(source: &KubeconfigSource) -> anyhow::Result<Client> {
+pub async fn client_for(source: &KubeconfigSource, ping: ApiPing) -> anyhow::Result<Client> {
     let config = kube_config(source).await?;
-    Client::try_from(config).context("building the Kubernetes client")
+    client(config, ping).context("building the Kubernetes client")
+}
+
+/// A client that speaks HTTP/2 where the API server offers it (ALPN), as client-go does: every
+/// watch and every write share one connection, which the watches keep open. kube's own client
+/// speaks HTTP/1.1 only: a connection per watch, and an idle one closes after 90 s, so a write (CA
+/// scales now and then) usually waited for a new TCP and TLS connection first, the slowest part of
+/// a write against a busy API server. Everything else is kube's: TLS identity and roots, server
+/// name, authentication, headers, retries. Through a proxy, kube's client as it is. `ping`: a
+/// connection that answers no HTTP/2 ping is closed, so the watches and writes on it move to a new
+/// one instead of hanging on a dead one.
+pub fn client(config: kube::Config, ping: ApiPing) -> anyhow::Result<Client> {
+    use kube::client::ConfigExt;
+
+    if config.proxy_url.is_some() {
+        return Ok(Client::try_from(config)?);
+    }
+    // ALPN (h2, http/1.1) is the connector's to set, from the versions enabled below.
+    let tls = config.rustls_client_config()?;
+    let mut tcp = HttpConnector::new();
+    tcp.enforce_http(false);
+    tcp.set_nodelay(true);
+    tcp.set_connect_timeout(config.connect_timeout);
+    let https = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http();
+    let https = match &config.tls_server_name {
+        Some(name) => {
+            let name = ServerName::try_from(name.clone())
+                .with_context(|| format!("tls-server-name {name:?}"))?;
+            https.with_server_name_resolver(FixedServerNameResolver::new(name))
+        }
+        None => https,
+    };
+    let https = https.enable_http1().enable_http2().wrap_connector(tcp);
+    let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        // The pool would otherwise drop its entry for the shared connection after 90 s without a new
+        // request (the watches' streams are not new requests), and the next write would connect again.
+        // A closed connection still leaves the pool at once.
+        .pool_idle_timeout(None)
+        .timer(TokioTimer::new())
+        .http2_keep_alive_interval(ping.interval)
+        .http2_keep_alive_timeout(ping.timeout)
+        .http2_keep_alive_while_idle(true)
+        .build(https);
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(
+            config
+                .default_retry
+                .then(|| RetryLayer::new(RetryPolicy::server_retry())),
+        )
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(BoxError::from)
+        .service(http);
+    Ok(Client::new(service, config.default_namespace))
 }
 
 pub fn settings(config: &Config) -> Settings {
@@ -65,12 +128,12 @@ pub async fn start_store(
     events: bool,
     watch_settings: WatchSettings,
 ) -> anyhow::Result<Arc<Store>> {
-    let management = client_for(&config.management)
+    let management = client_for(&config.management, config.api_ping)
         .await
         .context("management cluster")?;
     let workload = match &config.workload {
         Some(path) => Some(
-            client_for(&KubeconfigSource::File(path.clone()))
+            client_for(&KubeconfigSource::File(path.clone()), config.api_ping)
                 .await
                 .context("workload cluster")?,
         ),
@@ -125,6 +188,19 @@ async fn streams(client: &Client, cluster: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tls_server_name_that_is_no_name_is_an_error_naming_it() {
+        let mut config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
+        config.tls_server_name = Some("not a name".to_string());
+        let error = client(config, ApiPing::default())
+            .err()
+            .expect("an invalid server name is refused");
+        assert!(
+            format!("{error:#}").contains("tls-server-name \"not a name\""),
+            "{error:#}"
+        );
+    }
 
     #[tokio::test]
     async fn every_api_request_carries_our_user_agent() {

@@ -24,7 +24,7 @@ use rand::{Rng as _, SeedableRng as _};
 use serde_json::json;
 use support::capi::{
     Capi, Kind, Owner, Rpc, Scalable, expect_code, fresh_capi, grpc_node, ids,
-    kubeconfig_with_server, socket_addr_of,
+    kubeconfig_with_server, label_of, request_counts, socket_addr_of,
 };
 use support::faults::{
     ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, bound_violations, etcd_versions,
@@ -360,18 +360,20 @@ async fn client_deadlines_during_an_api_stall_leave_no_unpaid_mark_and_no_lost_d
     ));
 }
 
-/// A write the provider gave up on is delivered late: its request waits on a connection the network
-/// holds past the provider's 4 s call timeout, and arrives only after the provider's re-read on a
-/// new connection has been answered "not applied" (the network reorders across connections). The
-/// provider must not apply the change twice: one DeleteNodes lowers replicas by exactly one (the
-/// removal's decrement is decided from the objects, which now show it paid), one IncreaseSize(+1)
-/// raises them by exactly one.
+/// A write the provider gave up on is delivered late. Every request shares the provider's one
+/// HTTP/2 connection, so the network holds it with the write: the proxy holds that connection's
+/// requests from the write on. The provider's ping goes unanswered, it gives the connection up,
+/// reads the group again on a new one and finishes the operation there; only then is the held write
+/// delivered, as through a load balancer that forwards a request whose client has gone. The change
+/// must not be applied twice: one DeleteNodes lowers replicas by exactly one, one IncreaseSize(+1)
+/// raises them by exactly one, and the late write is refused (409: the version it names is gone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice() {
     let _serial = SERIAL.lock().await;
     let started = Instant::now();
     let env = env().await;
     let capi = &env.capi;
+    let admin = env.cp.admin_client().await;
     let md = Owner::Deployment("md".into());
     capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(3), false)
         .await;
@@ -379,44 +381,44 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         capi.create_machine(&capi.running(&format!("m{i}"), md.clone()))
             .await;
     }
-    const WARM: [&str; 3] = ["warm-0", "warm-1", "warm-2"];
-    for warm in WARM {
-        capi.create(&Scalable::md(warm).bounds(0, 5).replicas(0))
-            .await;
-    }
     let mut history = History::start(capi, Kind::MachineDeployment).await;
-    let (proxy, provider, rpc) = proxied_provider(&env, &[]).await;
+    // A held connection is given up within about 2 s: before the provider's 4 s call timeout.
+    let (proxy, provider, rpc) = proxied_provider(
+        &env,
+        &["--api-ping-interval", "1s", "--api-ping-timeout", "1s"],
+    )
+    .await;
     let id = capi.id(Kind::MachineDeployment, "md");
-    // Concurrent writes elsewhere leave idle connections in the provider's pool: the held request
-    // and the provider's re-read go out on connections it has (not behind TLS handshakes).
-    let warm_up = || async {
-        let calls = WARM.map(|warm| {
-            let rpc = rpc.clone();
-            let id = capi.id(Kind::MachineDeployment, warm);
-            async move { increase_size(&rpc, &id, 1, Duration::from_secs(10)).await }
-        });
-        for result in futures::future::join_all(calls).await {
-            result.expect("IncreaseSize of a warm-up group");
+    // Delivers what the proxy holds once the provider has answered, and waits until the apiserver
+    // has refused it.
+    let deliver_late = |what: &'static str| {
+        let (admin, proxy, provider) = (&admin, &proxy, &provider);
+        async move {
+            assert!(
+                proxy.holding(),
+                "{what}: held until the provider answered\n{}",
+                provider.log_contents()
+            );
+            let before = refused_deployment_patches(admin).await;
+            proxy.resume();
+            poll_until(
+                &format!("{what} delivered late and refused"),
+                Duration::from_secs(30),
+                Duration::from_millis(50),
+                || async {
+                    match refused_deployment_patches(admin).await {
+                        n if n > before => Check::Done(()),
+                        n => Check::Wait(format!("{n} refused MachineDeployment patches")),
+                    }
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         }
-    };
-    let reordered = |what: &'static str| {
-        poll_until(
-            what,
-            Duration::from_secs(60),
-            Duration::from_millis(20),
-            || async {
-                if proxy.reorder_done() {
-                    Check::Done(())
-                } else {
-                    Check::Wait(format!("holding: {}", proxy.reorder_holding()))
-                }
-            },
-        )
     };
 
     // DeleteNodes: the mark is answered; the decrement that follows is held.
-    warm_up().await;
-    proxy.reorder_after_next_answer();
+    proxy.hold_after_next_answer();
     let removal = delete_nodes(
         &rpc,
         &id,
@@ -424,44 +426,39 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         Duration::from_secs(10),
     )
     .await;
-    reordered("the held decrement delivered after a newer answer")
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
+    assert_eq!(
+        code_of(&removal),
+        Code::Ok,
+        "DeleteNodes finishes on a new connection\n{}",
+        provider.log_contents()
+    );
+    deliver_late("the scale-down's decrement").await;
     drain_group(&rpc, &id).await;
     let after_removal = view(capi, Kind::MachineDeployment, "md").await;
     assert_eq!(
         (after_removal.replicas, after_removal.marked()),
         (2, ids(&["m0"])),
-        "one DeleteNodes (answered {:?}), one decrement: {}\n{}",
-        code_of(&removal),
+        "one DeleteNodes, one decrement: {}\n{}",
         after_removal.describe(),
         provider.log_contents()
     );
 
-    // IncreaseSize: its write is held until the re-read the provider makes after its call timeout
-    // has been answered.
-    warm_up().await;
-    proxy.hold_next_request_until_a_later_one_is_answered();
-    let increase = {
-        let rpc = rpc.clone();
-        let id = id.clone();
-        tokio::spawn(async move { increase_size(&rpc, &id, 1, Duration::from_secs(10)).await })
-    };
-    proxy
-        .wait_held_request(Duration::from_secs(5))
-        .await
-        .unwrap_or_else(|e| panic!("the scale-up's write is held: {e}"));
-    reordered("the held scale-up delivered after a newer answer")
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
-    let increase = increase.await.expect("the IncreaseSize task");
+    // IncreaseSize: its write is held.
+    proxy.hold_next_request();
+    let increase = increase_size(&rpc, &id, 1, Duration::from_secs(10)).await;
+    assert_eq!(
+        code_of(&increase),
+        Code::Ok,
+        "IncreaseSize finishes on a new connection\n{}",
+        provider.log_contents()
+    );
+    deliver_late("the scale-up's write").await;
     drain_group(&rpc, &id).await;
     let after_increase = view(capi, Kind::MachineDeployment, "md").await;
     assert_eq!(
         after_increase.replicas,
         3,
-        "one IncreaseSize(+1) (answered {:?}), one increment: {}\n{}",
-        code_of(&increase),
+        "one IncreaseSize(+1), one increment: {}\n{}",
         after_increase.describe(),
         provider.log_contents()
     );
@@ -469,12 +466,24 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         .check_new()
         .unwrap_or_else(|e| panic!("invariant 2: {e}"));
     announce(&format!(
-        "faults: writes delivered after the provider gave up (reordered behind its re-read): DeleteNodes answered {:?} \
-         → replicas 3 → 2, IncreaseSize(+1) answered {:?} → 2 → 3; {versions} versions within bounds; passed in {:.1}s",
-        code_of(&removal),
-        code_of(&increase),
+        "faults: writes delivered after the provider gave up on their connection: DeleteNodes → replicas 3 → 2, \
+         IncreaseSize(+1) → 2 → 3, both late writes refused (409); {versions} versions within bounds; passed in {:.1}s",
         started.elapsed().as_secs_f64()
     ));
+}
+
+/// How many MachineDeployment patches the apiserver has refused with 409 Conflict.
+async fn refused_deployment_patches(admin: &kube::Client) -> f64 {
+    request_counts(admin)
+        .await
+        .iter()
+        .filter(|(series, _)| {
+            label_of(series, "verb") == Some("PATCH")
+                && label_of(series, "resource") == Some("machinedeployments")
+                && label_of(series, "code") == Some("409")
+        })
+        .map(|(_, n)| n)
+        .sum()
 }
 
 /// The provider SIGKILLed between its two writes, at a controlled point: the proxy holds the

@@ -586,6 +586,35 @@ async fn increase_size_raises_replicas_within_bounds() {
     assert_eq!(rpc.target(&id).await.unwrap(), 5);
 }
 
+/// The watches and the writes share one HTTP/2 connection to the API server, as client-go's do:
+/// a write never waits for a new TCP and TLS connection (kube's own client speaks HTTP/1.1: a
+/// connection per watch, and a new one for a write whenever none is idle).
+#[tokio::test]
+async fn watches_and_writes_share_one_connection_to_the_api_server() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    capi.create_deployment(&Scalable::md("md").bounds(0, 5).replicas(1), false)
+        .await;
+    let (provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+    let port = socket_addr_of(&env.cp.server).port();
+
+    assert_eq!(
+        provider.connections_to(port),
+        1,
+        "every watch on one connection once the provider serves"
+    );
+    rpc.increase(&id, 1).await.expect("IncreaseSize +1");
+    rpc.increase(&id, 1).await.expect("IncreaseSize +1 again");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    assert_eq!(
+        provider.connections_to(port),
+        1,
+        "the writes rode the watches' connection"
+    );
+}
+
 #[tokio::test]
 async fn decrease_target_size_cancels_only_unregistered_capacity() {
     let _shared = API_QUIET.read().await;

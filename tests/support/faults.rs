@@ -2,8 +2,8 @@
 //!
 //! - [`StallProxy`]: a TCP forwarder between the provider and the apiserver that can stall traffic
 //!   (connections stay open, no bytes move), hold the answers to new requests, hold requests, add
-//!   latency, and reorder: hold the connections that exist and deliver their bytes only once a newer
-//!   connection has had an answer. TLS passes through untouched (only the plaintext record headers
+//!   latency, and hold one connection's requests until the test lets them go, even after the client
+//!   has closed it (a late delivery). TLS passes through untouched (only the plaintext record headers
 //!   are read, to tell requests from silence), so tests time faults by watching the API directly.
 //! - [`ApiServer`]: the test control plane's kube-apiserver process: SIGKILL and restart on the same
 //!   port and etcd, SIGSTOP / SIGCONT.
@@ -92,7 +92,7 @@ struct Connection {
     hold_requests: AtomicBool,
 }
 
-/// A reorder in progress.
+/// A hold of one connection's requests, armed or in effect.
 #[derive(Clone)]
 enum Reorder {
     Off,
@@ -101,16 +101,8 @@ enum Reorder {
     AfterAnswer(u64, u64),
     /// The connection that sends the next request is held (requests only).
     HoldNextRequest,
-    /// This connection's requests are held until another connection older than the third number,
-    /// having sent a request in this epoch or later, carries an answer: then they go first, that
-    /// answer 150 ms later.
-    Holding(Arc<Connection>, u64, u64),
-}
-
-impl Reorder {
-    fn is_off(&self) -> bool {
-        matches!(self, Reorder::Off)
-    }
+    /// This connection's requests are held until [`StallProxy::resume`].
+    Holding(Arc<Connection>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -243,7 +235,7 @@ impl StallProxy {
     /// Everything flows again (held bytes first, in order within each connection).
     pub fn resume(&self) {
         let mut reorder = lock(&self.shared.reorder);
-        if let Reorder::Holding(held, ..) = &*reorder {
+        if let Reorder::Holding(held) = &*reorder {
             held.hold_requests.store(false, Ordering::SeqCst);
         }
         *reorder = Reorder::Off;
@@ -264,37 +256,27 @@ impl StallProxy {
         self.shared.up.send_replace(Gate::Closed);
     }
 
-    /// The next request the provider sends is held, on whatever connection it goes out, until
-    /// another request it sent after it has been answered; then the held one goes first and that
-    /// answer reaches the provider 150 ms later. A request the provider gave up on (its call timeout
-    /// passed) arrives after the provider has read the object again: the network reorders across
-    /// connections (TCP keeps order only within one; a retransmission timeout can delay one by
-    /// seconds) and a load balancer may forward a request whose client has gone.
-    ///
-    /// Only answers on connections that exist when the request is held count: on a connection
-    /// opened later, the first bytes after the TLS handshake may be session tickets, not an answer.
-    /// So the provider must have idle connections in its pool (concurrent requests before).
-    pub fn hold_next_request_until_a_later_one_is_answered(&self) {
+    /// The connection that carries the provider's next request has that request and every later
+    /// one held (answers and watch events on it still pass) until [`resume`](Self::resume). When
+    /// the provider gives the connection up, what it sent is still delivered on resume: a request
+    /// it gave up on reaches the apiserver after everything it did since, as through a load
+    /// balancer that forwards a request whose client has gone.
+    pub fn hold_next_request(&self) {
         *lock(&self.shared.reorder) = Reorder::HoldNextRequest;
     }
 
-    /// Like [`hold_next_request_until_a_later_one_is_answered`], for the request the provider sends
-    /// in reaction to the answer to its next request (the decrement after the mark).
-    ///
-    /// [`hold_next_request_until_a_later_one_is_answered`]: Self::hold_next_request_until_a_later_one_is_answered
-    pub fn reorder_after_next_answer(&self) {
+    /// Like [`hold_next_request`](Self::hold_next_request), for the request the provider sends in
+    /// reaction to the answer to its next request (the decrement after the mark). Only answers on
+    /// connections that exist now count: on a connection opened later, the first bytes after the
+    /// TLS handshake are session tickets and settings, not an answer.
+    pub fn hold_after_next_answer(&self) {
         let epoch = self.shared.new_epoch();
         let existing = self.shared.next_connection.load(Ordering::SeqCst);
         *lock(&self.shared.reorder) = Reorder::AfterAnswer(epoch, existing);
     }
 
-    /// Whether an armed reorder has run its course (or none was armed).
-    pub fn reorder_done(&self) -> bool {
-        lock(&self.shared.reorder).is_off()
-    }
-
-    /// Whether a reorder holds a request now.
-    pub fn reorder_holding(&self) -> bool {
+    /// Whether a connection's requests are held now.
+    pub fn holding(&self) -> bool {
         matches!(*lock(&self.shared.reorder), Reorder::Holding(..))
     }
 
@@ -419,7 +401,6 @@ async fn pump(
                 *gate.borrow()
             ));
         }
-        let mut released = false;
         let mut goodbye = false;
         match dir {
             Dir::Up => {
@@ -429,12 +410,7 @@ async fn pump(
                 }
                 goodbye = seen.alert;
             }
-            Dir::Down => released = on_answer(&shared, &connection),
-        }
-        if released {
-            // The held request goes first: give the apiserver time to take it before this answer
-            // reaches the provider (and the provider reacts to it).
-            tokio::time::sleep(Duration::from_millis(150)).await;
+            Dir::Down => on_answer(&shared, &connection),
         }
         shared.held(dir).fetch_add(n, Ordering::SeqCst);
         let waited = gate.wait_for(open).await.map(drop);
@@ -505,40 +481,20 @@ fn on_request(shared: &ProxyShared, connection: &Arc<Connection>) {
             ));
         }
         connection.hold_requests.store(true, Ordering::SeqCst);
-        let epoch = shared.new_epoch();
-        let existing = shared.next_connection.load(Ordering::SeqCst);
-        *reorder = Reorder::Holding(Arc::clone(connection), epoch, existing);
+        *reorder = Reorder::Holding(Arc::clone(connection));
         shared.up.send_replace(Gate::Flagged);
     }
 }
 
-/// Server→client bytes arrived on `connection`: advance a reorder in progress. True when this
-/// released a held request.
-fn on_answer(shared: &ProxyShared, connection: &Connection) -> bool {
+/// Server→client bytes arrived on `connection`: arm the hold [`Reorder::AfterAnswer`] waits for.
+fn on_answer(shared: &ProxyShared, connection: &Connection) {
     let mut reorder = lock(&shared.reorder);
     let request_epoch = connection.request_epoch.load(Ordering::SeqCst);
-    match &*reorder {
-        Reorder::AfterAnswer(epoch, existing)
-            if request_epoch >= *epoch && connection.id < *existing =>
-        {
-            *reorder = Reorder::HoldNextRequest;
-            false
-        }
-        Reorder::Holding(held, epoch, existing)
-            if held.id != connection.id && request_epoch >= *epoch && connection.id < *existing =>
-        {
-            if tracing_enabled() {
-                trace(format_args!(
-                    "conn {}: released by an answer on conn {}",
-                    held.id, connection.id
-                ));
-            }
-            held.hold_requests.store(false, Ordering::SeqCst);
-            *reorder = Reorder::Off;
-            shared.up.send_replace(Gate::Open);
-            true
-        }
-        _ => false,
+    if let Reorder::AfterAnswer(epoch, existing) = &*reorder
+        && request_epoch >= *epoch
+        && connection.id < *existing
+    {
+        *reorder = Reorder::HoldNextRequest;
     }
 }
 

@@ -73,6 +73,38 @@ impl ProviderProcess {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// How many established TCP connections the provider holds to `port` on 127.0.0.1: its sockets
+    /// (`/proc/<pid>/fd`) matched by inode against the kernel's table (`/proc/<pid>/net/tcp`).
+    pub fn connections_to(&self, port: u16) -> usize {
+        let pid = self.pid();
+        let sockets: std::collections::BTreeSet<String> =
+            std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .unwrap_or_else(|e| panic!("/proc/{pid}/fd: {e}"))
+                .flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .filter_map(|target| {
+                    let target = target.to_string_lossy().into_owned();
+                    let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
+                    Some(inode.to_string())
+                })
+                .collect();
+        let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp"))
+            .unwrap_or_else(|e| panic!("/proc/{pid}/net/tcp: {e}"));
+        let remote = format!("0100007F:{port:04X}");
+        table
+            .lines()
+            .skip(1)
+            .filter(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                // rem_address, st (01: ESTABLISHED), inode
+                fields.len() > 9
+                    && fields[2] == remote
+                    && fields[3] == "01"
+                    && sockets.contains(fields[9])
+            })
+            .count()
+    }
 }
 
 impl Drop for ProviderProcess {
