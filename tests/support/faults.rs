@@ -88,19 +88,19 @@ struct Connection {
     id: u64,
     /// The proxy's epoch when the client last sent an application-data record (0: never).
     request_epoch: AtomicU64,
-    /// Its requests are held (a reorder holds this connection).
+    /// Its requests are held (a [`Hold`] holds this connection).
     hold_requests: AtomicBool,
 }
 
 /// A hold of one connection's requests, armed or in effect.
 #[derive(Clone)]
-enum Reorder {
+enum Hold {
     Off,
     /// The answer to a request sent in this epoch or later, on a connection older than the second
-    /// number, passes; then [`Reorder::HoldNextRequest`].
+    /// number, passes; then [`Hold::NextRequest`].
     AfterAnswer(u64, u64),
     /// The connection that sends the next request is held (requests only).
-    HoldNextRequest,
+    NextRequest,
     /// This connection's requests are held until [`StallProxy::resume`].
     Holding(Arc<Connection>),
 }
@@ -116,13 +116,12 @@ enum Dir {
 struct ProxyShared {
     up: watch::Sender<Gate>,
     down: watch::Sender<Gate>,
-    reorder: Mutex<Reorder>,
+    hold: Mutex<Hold>,
     /// Bumped whenever "requests sent from now on" starts.
     epoch: AtomicU64,
     next_connection: AtomicU64,
+    /// Request bytes read from the provider and not passed on yet.
     held_up: AtomicUsize,
-    held_down: AtomicUsize,
-    forwarded_up: AtomicU64,
     delay_up_ms: AtomicU64,
     linger: Duration,
 }
@@ -134,18 +133,12 @@ impl ProxyShared {
             Dir::Down => &self.down,
         }
     }
-    fn held(&self, dir: Dir) -> &AtomicUsize {
-        match dir {
-            Dir::Up => &self.held_up,
-            Dir::Down => &self.held_down,
-        }
-    }
     fn new_epoch(&self) -> u64 {
         self.epoch.fetch_add(1, Ordering::SeqCst) + 1
     }
 }
 
-/// A TCP forwarder to `target` whose traffic a test can stall, hold, reorder and delay.
+/// A TCP forwarder to `target` whose traffic a test can stall, hold and delay.
 ///
 /// Bytes are read from one side and written to the other in chunks; a held chunk waits until its
 /// direction opens for its connection (it is neither dropped nor reordered within the connection).
@@ -171,12 +164,10 @@ impl StallProxy {
         let shared = Arc::new(ProxyShared {
             up: watch::Sender::new(Gate::Open),
             down: watch::Sender::new(Gate::Open),
-            reorder: Mutex::new(Reorder::Off),
+            hold: Mutex::new(Hold::Off),
             epoch: AtomicU64::new(1),
             next_connection: AtomicU64::new(0),
             held_up: AtomicUsize::new(0),
-            held_down: AtomicUsize::new(0),
-            forwarded_up: AtomicU64::new(0),
             delay_up_ms: AtomicU64::new(0),
             linger: Duration::from_secs(2),
         });
@@ -234,11 +225,11 @@ impl StallProxy {
 
     /// Everything flows again (held bytes first, in order within each connection).
     pub fn resume(&self) {
-        let mut reorder = lock(&self.shared.reorder);
-        if let Reorder::Holding(held) = &*reorder {
+        let mut hold = lock(&self.shared.hold);
+        if let Hold::Holding(held) = &*hold {
             held.hold_requests.store(false, Ordering::SeqCst);
         }
-        *reorder = Reorder::Off;
+        *hold = Hold::Off;
         self.shared.up.send_replace(Gate::Open);
         self.shared.down.send_replace(Gate::Open);
     }
@@ -262,7 +253,7 @@ impl StallProxy {
     /// it gave up on reaches the apiserver after everything it did since, as through a load
     /// balancer that forwards a request whose client has gone.
     pub fn hold_next_request(&self) {
-        *lock(&self.shared.reorder) = Reorder::HoldNextRequest;
+        *lock(&self.shared.hold) = Hold::NextRequest;
     }
 
     /// Like [`hold_next_request`](Self::hold_next_request), for the request the provider sends in
@@ -272,12 +263,12 @@ impl StallProxy {
     pub fn hold_after_next_answer(&self) {
         let epoch = self.shared.new_epoch();
         let existing = self.shared.next_connection.load(Ordering::SeqCst);
-        *lock(&self.shared.reorder) = Reorder::AfterAnswer(epoch, existing);
+        *lock(&self.shared.hold) = Hold::AfterAnswer(epoch, existing);
     }
 
     /// Whether a connection's requests are held now.
     pub fn holding(&self) -> bool {
-        matches!(*lock(&self.shared.reorder), Reorder::Holding(..))
+        matches!(*lock(&self.shared.hold), Hold::Holding(..))
     }
 
     /// Every client→server chunk waits `delay` before it is passed on.
@@ -290,16 +281,6 @@ impl StallProxy {
     /// Request bytes read from the provider and not passed on yet.
     pub fn held_request_bytes(&self) -> usize {
         self.shared.held_up.load(Ordering::SeqCst)
-    }
-
-    /// Answer bytes read from the apiserver and not passed on yet.
-    pub fn held_answer_bytes(&self) -> usize {
-        self.shared.held_down.load(Ordering::SeqCst)
-    }
-
-    /// Request bytes passed on so far.
-    pub fn forwarded_request_bytes(&self) -> u64 {
-        self.shared.forwarded_up.load(Ordering::SeqCst)
     }
 
     /// Waits (at most `timeout`) until some request bytes are held: the provider sent a request.
@@ -412,7 +393,9 @@ async fn pump(
             }
             Dir::Down => on_answer(&shared, &connection),
         }
-        shared.held(dir).fetch_add(n, Ordering::SeqCst);
+        if dir == Dir::Up {
+            shared.held_up.fetch_add(n, Ordering::SeqCst);
+        }
         let waited = gate.wait_for(open).await.map(drop);
         if dir == Dir::Up {
             let delay = shared.delay_up_ms.load(Ordering::SeqCst);
@@ -424,12 +407,11 @@ async fn pump(
                 tokio::time::sleep(shared.linger).await;
             }
         }
-        shared.held(dir).fetch_sub(n, Ordering::SeqCst);
+        if dir == Dir::Up {
+            shared.held_up.fetch_sub(n, Ordering::SeqCst);
+        }
         if waited.is_err() || to.write_all(&buf[..n]).await.is_err() {
             return;
-        }
-        if dir == Dir::Up {
-            shared.forwarded_up.fetch_add(n as u64, Ordering::SeqCst);
         }
     }
     // The source closed: pass the close on once this direction flows, after a linger upstream so a
@@ -469,11 +451,11 @@ fn trace(what: std::fmt::Arguments<'_>) {
 /// The client of `connection` sent a request (before it is passed on: its answer cannot come back
 /// before this ran).
 fn on_request(shared: &ProxyShared, connection: &Arc<Connection>) {
-    let mut reorder = lock(&shared.reorder);
+    let mut hold = lock(&shared.hold);
     connection
         .request_epoch
         .store(shared.epoch.load(Ordering::SeqCst), Ordering::SeqCst);
-    if matches!(*reorder, Reorder::HoldNextRequest) {
+    if matches!(*hold, Hold::NextRequest) {
         if tracing_enabled() {
             trace(format_args!(
                 "conn {}: its requests are held",
@@ -481,20 +463,20 @@ fn on_request(shared: &ProxyShared, connection: &Arc<Connection>) {
             ));
         }
         connection.hold_requests.store(true, Ordering::SeqCst);
-        *reorder = Reorder::Holding(Arc::clone(connection));
+        *hold = Hold::Holding(Arc::clone(connection));
         shared.up.send_replace(Gate::Flagged);
     }
 }
 
-/// Server→client bytes arrived on `connection`: arm the hold [`Reorder::AfterAnswer`] waits for.
+/// Server→client bytes arrived on `connection`: arm the hold [`Hold::AfterAnswer`] waits for.
 fn on_answer(shared: &ProxyShared, connection: &Connection) {
-    let mut reorder = lock(&shared.reorder);
+    let mut hold = lock(&shared.hold);
     let request_epoch = connection.request_epoch.load(Ordering::SeqCst);
-    if let Reorder::AfterAnswer(epoch, existing) = &*reorder
+    if let Hold::AfterAnswer(epoch, existing) = &*hold
         && request_epoch >= *epoch
         && connection.id < *existing
     {
-        *reorder = Reorder::HoldNextRequest;
+        *hold = Hold::NextRequest;
     }
 }
 
