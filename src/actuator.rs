@@ -9,12 +9,13 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 
 use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource};
 use crate::lock;
 use crate::metrics::Metrics;
+use crate::object::ApiObject;
 use crate::removal::{
     self, Counts, LEDGER_ANNOTATION, Ledger, MachineState, Removal, our_mark, pool_node_entry,
 };
@@ -323,7 +324,7 @@ impl Actuator {
         &self,
         kind: ScalableKind,
         namespace: &str,
-    ) -> Result<Api<DynamicObject>, ActuatorError> {
+    ) -> Result<Api<ApiObject>, ActuatorError> {
         let resource = self
             .store
             .apis()
@@ -337,7 +338,7 @@ impl Actuator {
         ))
     }
 
-    fn machine_api(&self, namespace: &str) -> Api<DynamicObject> {
+    fn machine_api(&self, namespace: &str) -> Api<ApiObject> {
         Api::namespaced_with(
             self.store.client().clone(),
             namespace,
@@ -405,13 +406,11 @@ impl Actuator {
         let object = call(&what, api.get(&key.name))
             .await
             .map_err(|e| other(e, &what))?;
-        self.store.record(Some(group.kind()), object.clone());
-        let resource = ScalableResource::from_json(
-            group.kind(),
-            &self.store.settings().keys,
-            &serde_json::to_value(&object).unwrap_or_default(),
-        )
-        .map_err(|e| ActuatorError::Refused(format!("{}: {e}", group.id)))?;
+        let resource =
+            ScalableResource::from_json(group.kind(), &self.store.settings().keys, object.json())
+                .map_err(|e| ActuatorError::Refused(format!("{}: {e}", group.id)));
+        self.store.record(Some(group.kind()), object);
+        let resource = resource?;
         self.state_of(group, &resource)
     }
 

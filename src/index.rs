@@ -6,12 +6,12 @@
 use std::sync::Arc;
 
 use kube::ResourceExt;
-use kube::api::DynamicObject;
 
 use crate::capi::{
     ClusterTopology, InfraTemplate, Keys, Machine, Node, ObjectKey, ParseError, ScalableKind,
     ScalableResource,
 };
+use crate::object::ApiObject;
 use crate::problem::Problem;
 use crate::snapshot::{Index, InfraKind, InfraKindState};
 
@@ -53,10 +53,9 @@ pub(crate) enum Prepared {
 
 /// Parses an object of a watch (no lock needed: a re-list is parsed as it arrives and only the
 /// views are held until it is complete).
-pub(crate) fn prepare(keys: &Keys, what: &Watched, obj: DynamicObject) -> Prepared {
+pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) -> Prepared {
     let key = object_key(&obj);
-    let kind_name = obj.types.as_ref().map(|t| t.kind.clone());
-    let json = into_json(obj);
+    let json = obj.into_json();
     let problem =
         |kind: &str, e: ParseError| Problem::new(format!("{kind} {key}"), e.field, e.message);
     match what {
@@ -87,7 +86,7 @@ pub(crate) fn prepare(keys: &Keys, what: &Watched, obj: DynamicObject) -> Prepar
         Watched::Infra(_) => {
             let parsed = InfraTemplate::from_json(&json)
                 .map(Arc::new)
-                .map_err(|e| problem(kind_name.as_deref().unwrap_or_default(), e));
+                .map_err(|e| problem(json["kind"].as_str().unwrap_or_default(), e));
             Prepared::Infra(key, parsed)
         }
         Watched::Cluster => Prepared::Cluster(match ClusterTopology::from_json(&json) {
@@ -141,7 +140,12 @@ pub(crate) fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
 /// already recorded, or a write's answer behind a watch event, never rolls the cache back; the
 /// cached version again (the watch's echo of a write already recorded) changes nothing, so it costs
 /// no snapshot build.
-pub(crate) fn apply(index: &mut Index, keys: &Keys, what: &Watched, obj: DynamicObject) -> bool {
+pub(crate) fn apply<const S: bool>(
+    index: &mut Index,
+    keys: &Keys,
+    what: &Watched,
+    obj: ApiObject<S>,
+) -> bool {
     let key = object_key(&obj);
     let cached = match what {
         Watched::Scalable(kind) => index
@@ -188,7 +192,7 @@ pub(crate) fn machines_listed(
     keys: &Keys,
     namespace: &str,
     list_version: Option<&str>,
-    items: Vec<DynamicObject>,
+    items: Vec<ApiObject>,
 ) {
     let listed: std::collections::BTreeSet<ObjectKey> = items.iter().map(object_key).collect();
     for obj in items {
@@ -201,7 +205,7 @@ pub(crate) fn machines_listed(
     }
 }
 
-pub(crate) fn delete(index: &mut Index, what: &Watched, obj: &DynamicObject) {
+pub(crate) fn delete<const S: bool>(index: &mut Index, what: &Watched, obj: &ApiObject<S>) {
     let key = object_key(obj);
     match what {
         Watched::Scalable(kind) => index.delete_resource(*kind, &key),
@@ -223,37 +227,14 @@ fn is_older(cached: Option<&str>, incoming: Option<&str>) -> bool {
     }
 }
 
-pub(crate) fn object_key(obj: &DynamicObject) -> ObjectKey {
+pub(crate) fn object_key(obj: &impl ResourceExt) -> ObjectKey {
     ObjectKey::new(obj.namespace().unwrap_or_default(), obj.name_any())
-}
-
-/// The object's JSON, its fields moved rather than copied, and `managedFields` (often the largest
-/// part, and never read) dropped first.
-fn into_json(obj: DynamicObject) -> serde_json::Value {
-    let DynamicObject {
-        types,
-        mut metadata,
-        data,
-    } = obj;
-    metadata.managed_fields = None;
-    let mut map = match data {
-        serde_json::Value::Object(map) => map,
-        _ => serde_json::Map::new(),
-    };
-    if let Some(types) = types {
-        map.insert("apiVersion".into(), types.api_version.into());
-        map.insert("kind".into(), types.kind.into());
-    }
-    map.insert(
-        "metadata".into(),
-        serde_json::to_value(&metadata).unwrap_or(serde_json::Value::Null),
-    );
-    serde_json::Value::Object(map)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::object::NodeObject;
     use crate::snapshot::Settings;
     use serde_json::json;
 
@@ -261,11 +242,11 @@ mod tests {
         Settings::default().keys
     }
 
-    fn object(value: serde_json::Value) -> DynamicObject {
-        serde_json::from_value(value).unwrap()
+    fn object(value: serde_json::Value) -> ApiObject {
+        ApiObject::from_json(value).unwrap()
     }
 
-    fn md(name: &str, rv: &str, replicas: i64, max: &str) -> DynamicObject {
+    fn md(name: &str, rv: &str, replicas: i64, max: &str) -> ApiObject {
         object(json!({
             "apiVersion": "cluster.x-k8s.io/v1beta2",
             "kind": "MachineDeployment",
@@ -281,7 +262,7 @@ mod tests {
         }))
     }
 
-    fn machine(name: &str, rv: &str, mark: Option<&str>) -> DynamicObject {
+    fn machine(name: &str, rv: &str, mark: Option<&str>) -> ApiObject {
         let mut annotations = serde_json::Map::new();
         if let Some(mark) = mark {
             annotations.insert("cluster.x-k8s.io/delete-machine".into(), json!(mark));
@@ -298,12 +279,13 @@ mod tests {
         }))
     }
 
-    fn node(name: &str, labels: serde_json::Value) -> DynamicObject {
-        object(json!({
+    fn node(name: &str, labels: serde_json::Value) -> NodeObject {
+        NodeObject::from_json(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "resourceVersion": "5", "labels": labels},
             "spec": {"providerID": format!("e2e:///{name}")},
         }))
+        .unwrap()
     }
 
     const MD: Watched = Watched::Scalable(ScalableKind::MachineDeployment);
@@ -314,7 +296,11 @@ mod tests {
             .and_then(|r| r.replicas)
     }
 
-    fn list(keys: &Keys, what: &Watched, objects: Vec<DynamicObject>) -> Vec<Prepared> {
+    fn list<const S: bool>(
+        keys: &Keys,
+        what: &Watched,
+        objects: Vec<ApiObject<S>>,
+    ) -> Vec<Prepared> {
         objects
             .into_iter()
             .map(|o| prepare(keys, what, o))
@@ -468,9 +454,10 @@ mod tests {
             &Watched::Node,
             vec![
                 node("n2", json!({"kubernetes.io/os": "linux", "noise": "x"})),
-                object(
+                NodeObject::from_json(
                     json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n3"}, "spec": 7}),
-                ),
+                )
+                .unwrap(),
             ],
         );
         let listed: Vec<String> = objects

@@ -13,6 +13,7 @@ mod events;
 mod index;
 pub mod logging;
 mod metrics;
+mod object;
 pub mod options;
 pub mod pricing;
 pub mod problem;

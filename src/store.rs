@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use futures::StreamExt;
 use kube::Client;
-use kube::api::{Api, ApiResource, DynamicObject};
+use kube::api::{Api, ApiResource};
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::Notify;
 
@@ -21,6 +21,7 @@ use crate::events::Events;
 use crate::index::{self, Prepared, Watched};
 use crate::lock;
 use crate::metrics::Metrics;
+use crate::object::{ApiObject, NodeObject};
 use crate::problem::Problem;
 use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
 
@@ -229,7 +230,7 @@ impl Store {
             events,
             watch_settings,
         ));
-        let mut watches: Vec<(Watched, Api<DynamicObject>, String)> = Vec::new();
+        let mut watches: Vec<(Watched, Api<ApiObject>, String)> = Vec::new();
         for (kind, resource) in &store.apis.scalable {
             watches.push((
                 Watched::Scalable(*kind),
@@ -249,21 +250,24 @@ impl Store {
                 resource_name(cluster),
             ));
         }
-        if let Some(workload) = &workload {
+        let nodes = workload.as_ref().map(|workload| {
             let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
-            watches.push((
-                Watched::Node,
-                Api::all_with(workload.clone(), &nodes),
-                resource_name(&nodes),
-            ));
-        }
+            let name = resource_name(&nodes);
+            (Api::<NodeObject>::all_with(workload.clone(), &nodes), name)
+        });
         // Every watch is known before any of them runs, so readiness never counts a partial set.
         for (what, _, name) in &watches {
             // Readiness waits for every watch but the optional Cluster one.
             store.register_watch(name, !matches!(what, Watched::Cluster));
         }
+        if let Some((_, name)) = &nodes {
+            store.register_watch(name, true);
+        }
         for (what, api, name) in watches {
             tokio::spawn(Arc::clone(&store).watch(what, api, name));
+        }
+        if let Some((api, name)) = nodes {
+            tokio::spawn(Arc::clone(&store).watch(Watched::Node, api, name));
         }
         tokio::spawn(Arc::clone(&store).rebuild_loop());
         store
@@ -292,7 +296,7 @@ impl Store {
     }
 
     /// The management-cluster API of a kind, narrowed to the one namespace discovery allows, if any.
-    fn watch_api(&self, resource: &ApiResource) -> Api<DynamicObject> {
+    fn watch_api(&self, resource: &ApiResource) -> Api<ApiObject> {
         match &self.watch_namespace {
             Some(ns) => Api::namespaced_with(self.client.clone(), ns, resource),
             None => Api::all_with(self.client.clone(), resource),
@@ -513,7 +517,7 @@ impl Store {
     /// Read-your-writes: a Machine, MachineDeployment, MachineSet or MachinePool as a write of the
     /// actuator got it back goes into the index at once (unless the watch has delivered a later
     /// version meanwhile); the snapshot follows on the next build.
-    pub fn record(self: &Arc<Self>, kind: Option<ScalableKind>, object: DynamicObject) {
+    pub fn record(self: &Arc<Self>, kind: Option<ScalableKind>, object: ApiObject) {
         let what = kind.map_or(Watched::Machine, Watched::Scalable);
         if index::apply(&mut lock(&self.index), &self.settings.keys, &what, object) {
             self.wake_rebuild();
@@ -526,7 +530,7 @@ impl Store {
         self: &Arc<Self>,
         namespace: &str,
         list_version: Option<&str>,
-        items: Vec<DynamicObject>,
+        items: Vec<ApiObject>,
     ) {
         index::machines_listed(
             &mut lock(&self.index),
@@ -589,8 +593,8 @@ impl Store {
             self.snapshot.store(Arc::clone(&snapshot));
             (snapshot, index.wanted_infra_kinds())
         };
-        if ready {
-            self.complete.store(true, Ordering::Release);
+        if ready && !self.complete.swap(true, Ordering::AcqRel) {
+            tracing::info!(groups = snapshot.groups.len(), build = ?started.elapsed(), "serving: every watch has listed");
         }
         self.metrics.observe_snapshot(&snapshot, started.elapsed());
         for kind in wanted {
@@ -610,8 +614,22 @@ impl Store {
             // REBUILD_SPACING between builds so constant churn in a large cluster costs a bounded share
             // of a core. Refresh (once per CA loop) and the provider's own writes rebuild at once.
             tokio::time::sleep(REBUILD_SPACING).await;
-            self.build(true);
+            self.rebuild_changed();
         }
+    }
+
+    /// Rebuilds if the index changed. Nothing is served before every watch has listed, so until
+    /// then a build (a second each at 100,000 Machines) would be thrown away: only the
+    /// infrastructure kinds the objects reference are started, as being listed waits for them too.
+    fn rebuild_changed(self: &Arc<Self>) {
+        if !self.is_complete() && !self.is_listed() {
+            let wanted = lock(&self.index).wanted_infra_kinds();
+            for kind in wanted {
+                self.start_infra_watch(kind);
+            }
+            return;
+        }
+        self.build(true);
     }
 
     /// The object a problem is about, when it is one the provider watches.
@@ -677,7 +695,12 @@ impl Store {
     /// (WatchList: the server never builds the whole list in one response, and parsing event by
     /// event costs about half the CPU of list pages). A server that refuses it (the feature off: 422,
     /// or an older server: 400) gets paginated lists from then on.
-    async fn watch(self: Arc<Self>, what: Watched, api: Api<DynamicObject>, name: String) {
+    async fn watch<const S: bool>(
+        self: Arc<Self>,
+        what: Watched,
+        api: Api<ApiObject<S>>,
+        name: String,
+    ) {
         let timeout = u32::try_from(self.watch_settings.timeout.as_secs())
             .unwrap_or(290)
             .clamp(1, 290);
@@ -862,8 +885,8 @@ mod tests {
         )
     }
 
-    fn md(replicas: i64, rv: &str) -> DynamicObject {
-        serde_json::from_value(serde_json::json!({
+    fn md(replicas: i64, rv: &str) -> ApiObject {
+        ApiObject::from_json(serde_json::json!({
             "apiVersion": "cluster.x-k8s.io/v1beta2",
             "kind": "MachineDeployment",
             "metadata": {
@@ -876,6 +899,65 @@ mod tests {
             "spec": {"clusterName": "c1", "replicas": replicas, "template": {"spec": {"clusterName": "c1"}}},
         }))
         .unwrap()
+    }
+
+    fn machine_deployment(replicas: i64, rv: &str, infra: Option<&str>) -> ApiObject {
+        let mut json = md(replicas, rv).into_json();
+        if let Some(kind) = infra {
+            json["spec"]["template"]["spec"]["infrastructureRef"] = serde_json::json!({
+                "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": kind, "name": "t",
+            });
+        }
+        ApiObject::from_json(json).unwrap()
+    }
+
+    #[tokio::test]
+    async fn nothing_is_built_before_every_watch_has_listed_but_referenced_infrastructure_is_watched()
+     {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let store = Arc::new(Store::new(
+            Client::try_from(config).unwrap(),
+            CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
+            Settings::default(),
+            Index::default(),
+            Arc::new(Metrics::new()),
+            Events::logged(),
+            WatchSettings::default(),
+        ));
+        store.register_watch("machinedeployments", true);
+        let keys = store.settings.keys.clone();
+        let scalable = Watched::Scalable(ScalableKind::MachineDeployment);
+        let object = machine_deployment(2, "10", Some("DockerMachineTemplate"));
+        assert!(index::apply(
+            &mut lock(&store.index),
+            &keys,
+            &scalable,
+            object
+        ));
+
+        store.rebuild_changed();
+        assert_eq!(target(&store), None, "built before the watch listed");
+        assert!(!store.is_complete());
+        let started: Vec<String> = lock(&store.infra_started)
+            .iter()
+            .map(|k| k.kind.clone())
+            .collect();
+        assert_eq!(started, ["DockerMachineTemplate"]);
+
+        store.watch_synced("machinedeployments");
+        // The template's kind is still being looked up (its API is unreachable here), so the
+        // view is not complete yet; once that lookup has failed it is.
+        lock(&store.index).set_infra_kind_state(
+            started_kind(&store),
+            InfraKindState::Unavailable("unreachable".into()),
+        );
+        store.rebuild_changed();
+        assert_eq!(target(&store), Some(2));
+        assert!(store.is_complete());
+    }
+
+    fn started_kind(store: &Store) -> InfraKind {
+        lock(&store.infra_started).iter().next().cloned().unwrap()
     }
 
     fn target(store: &Store) -> Option<i32> {

@@ -25,7 +25,10 @@
 //! (3), `BENCH_CA_PODS` (5), `BENCH_CA_BUDGET` (seconds for CA with this provider, 900),
 //! `BENCH_A_BUDGET` (seconds for A: 3600 up to 1,000 Machines, 1800 above), `BENCH_WRITES` (samples
 //! per kind, 50), `BENCH_W_WRITE_BUDGET` (seconds, 300), `BENCH_SKIP` (`w`, `a`, `ca`, `ca-floor`,
-//! `writes`), `BENCH_CA_ARGS` (more flags for CA).
+//! `writes`), `BENCH_CA_ARGS` (more flags for CA), `BENCH_STARTS` (starts of this provider measured
+//! one after the other on each fleet, 3: the figure is their median), `BENCH_HOLD` (a file: after
+//! those starts, the fleet's namespace and a kubeconfig for it are written there and the run waits
+//! until the file is removed, at most an hour, for experiments by hand on the fleet).
 
 #[path = "../../tests/support/mod.rs"]
 pub mod support;
@@ -40,6 +43,7 @@ mod stats;
 mod writes;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -81,6 +85,7 @@ struct Options {
     writes: usize,
     w_write_budget: Duration,
     skip: BTreeSet<String>,
+    starts: usize,
 }
 
 impl Options {
@@ -119,6 +124,7 @@ impl Options {
                 .map(|s| s.trim().to_lowercase())
                 .filter(|s| !s.is_empty())
                 .collect(),
+            starts: env_or("BENCH_STARTS", 3usize).max(1),
         }
     }
 
@@ -144,7 +150,10 @@ pub struct ServerFigures {
     /// Non-watch apiserver requests of each replayed loop.
     pub requests: Samples,
     pub watches: f64,
+    /// Start → ready: the median of `starts`.
     pub ready_after: Option<f64>,
+    /// Each start measured (this provider): seconds to ready and the CPU seconds it used by then.
+    pub starts: Vec<(f64, Option<f64>)>,
     /// Right after ready.
     pub rss_ready: Option<(u64, u64)>,
     /// After the replay rounds.
@@ -232,7 +241,7 @@ fn main() {
 
 fn options_text(o: &Options) -> String {
     format!(
-        "sizes {:?}, rounds {}, W budget {} s per RPC kind, CA {} loops and {} pods within {} s (A: {} s up to 1,000 Machines, {} s above), {} write samples",
+        "sizes {:?}, rounds {}, W budget {} s per RPC kind, CA {} loops and {} pods within {} s (A: {} s up to 1,000 Machines, {} s above), {} write samples, {} starts of this provider",
         o.sizes,
         o.rounds,
         o.w_budget.as_secs(),
@@ -241,7 +250,8 @@ fn options_text(o: &Options) -> String {
         o.ca_budget.as_secs(),
         o.a_budget.0.as_secs(),
         o.a_budget.1.as_secs(),
-        o.writes
+        o.writes,
+        o.starts
     )
 }
 
@@ -272,6 +282,24 @@ async fn run(options: &Options) -> Vec<SizeResult> {
         results.push(result);
     }
     results
+}
+
+/// Keeps the fleet while `file` exists (at most an hour), after writing into it how to reach it.
+async fn hold_fleet(file: &Path, fleet: &Fleet, identity: &Identity) {
+    let text = format!(
+        "namespace={}\nkubeconfig={}\n",
+        fleet.ns,
+        identity.kubeconfig().display()
+    );
+    std::fs::write(file, text).unwrap_or_else(|e| panic!("write {}: {e}", file.display()));
+    say(&format!(
+        "holding the fleet until {} is removed",
+        file.display()
+    ));
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    while file.exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 async fn size(
@@ -310,17 +338,38 @@ async fn size(
     let with_w = options.runs("w", machines);
     let with_ca = options.runs("ca", machines);
 
-    // Start → ready, resident memory after sync.
-    let (mut ours, spawned) = servers::spawn_ours(&fleet, &ids.ours);
-    ours.wait_ready(&fleet, spawned, Duration::from_secs(900))
-        .await;
+    // Start → ready, several starts one after the other (the last one stays for what follows), and
+    // resident memory after sync.
+    let mut starts = Vec::new();
+    let ours = loop {
+        let (mut target, spawned) = servers::spawn_ours(&fleet, &ids.ours);
+        target
+            .wait_ready(&fleet, spawned, Duration::from_secs(900))
+            .await;
+        let ready = target.ready_after.map_or(f64::NAN, |d| d.as_secs_f64());
+        let cpu = target.cpu();
+        say(&format!(
+            "ours start {}: ready after {ready:.2}s, {:.2} CPU seconds",
+            starts.len() + 1,
+            cpu.unwrap_or(f64::NAN)
+        ));
+        starts.push((ready, cpu));
+        if starts.len() >= options.starts {
+            break target;
+        }
+    };
+    let mut ours = ours;
+    if let Ok(hold) = std::env::var("BENCH_HOLD") {
+        hold_fleet(Path::new(&hold), &fleet, &ids.ours).await;
+    }
     let mut ours_figures = ServerFigures {
-        ready_after: ours.ready_after.map(|d| d.as_secs_f64()),
+        ready_after: Samples(starts.iter().map(|s| s.0).collect()).p50(),
+        starts,
         rss_ready: ours.rss(),
         ..Default::default()
     };
     say(&format!(
-        "ours ready after {:.2}s, RSS {}",
+        "ours ready after {:.2}s (median), RSS {}",
         ours_figures.ready_after.unwrap_or(f64::NAN),
         report::mib(ours_figures.rss_ready.map(|r| r.0))
     ));

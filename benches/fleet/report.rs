@@ -177,6 +177,13 @@ fn rows(r: &SizeResult) -> Vec<Row> {
         None,
         "non-watch requests of each server's identities (APF flow schemas)".into(),
     );
+    let each = |pick: fn(&(f64, Option<f64>)) -> Option<f64>| {
+        ours.starts
+            .iter()
+            .map(|s| pick(s).map_or("—".into(), |v| format!("{v:.2}")))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     push(
         "start → first complete NodeGroups answer",
         Unit::Seconds,
@@ -184,7 +191,25 @@ fn rows(r: &SizeResult) -> Vec<Row> {
         w.and_then(|w| w.ready_after),
         None,
         floor.and_then(|f| f.ready_after),
-        String::new(),
+        if ours.starts.len() > 1 {
+            format!(
+                "ours: median of {} starts: {} s",
+                ours.starts.len(),
+                each(|s| Some(s.0))
+            )
+        } else {
+            String::new()
+        },
+    );
+    let cpu = Samples(ours.starts.iter().filter_map(|s| s.1).collect()).p50();
+    push(
+        "CPU used from start to ready (median)",
+        Unit::Seconds,
+        cpu,
+        None,
+        None,
+        None,
+        format!("each start: {} s", each(|s| s.1)),
     );
     let rss = |f: &ServerFigures| f.rss_ready.map(|r| r.0 as f64);
     push(
@@ -646,6 +671,7 @@ fn server_json(f: &ServerFigures) -> Value {
         "apiserver_requests_per_loop": f.requests.0,
         "apiserver_watches_during_replay": f.watches,
         "ready_seconds": figure_json(f.ready_after),
+        "starts": f.starts.iter().map(|(ready, cpu)| json!({"ready_seconds": figure_json(Some(*ready)), "cpu_seconds": cpu})).collect::<Vec<_>>(),
         "rss_after_sync_bytes": f.rss_ready.map(|r| r.0),
         "rss_after_replay_bytes": f.rss_steady.map(|r| r.0),
         "rss_peak_bytes": f.rss_steady.or(f.rss_ready).map(|r| r.1),

@@ -55,6 +55,11 @@ impl Target {
         self.pid().and_then(stats::rss_of)
     }
 
+    /// CPU time the server process has used so far, seconds.
+    pub fn cpu(&self) -> Option<f64> {
+        self.pid().and_then(stats::cpu_of)
+    }
+
     /// A client on a channel of its own; `timeout` per call.
     pub async fn client(&self, timeout: Duration) -> CloudProviderClient<Channel> {
         let channel = Endpoint::from_shared(format!("http://{}", self.address))

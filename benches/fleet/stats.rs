@@ -55,6 +55,18 @@ impl Samples {
     }
 }
 
+/// CPU time (user + system) a process has used so far, seconds (`/proc` counts in USER_HZ, 100 on
+/// Linux).
+pub fn cpu_of(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces: the fields after it are counted from its closing paren.
+    let (_, rest) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
+    // utime and stime are fields 14 and 15 of stat(5); `rest` starts at field 3.
+    Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
+}
+
 /// `VmRSS` and `VmHWM` (peak) of a process, in bytes.
 pub fn rss_of(pid: u32) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
