@@ -580,7 +580,7 @@ impl Store {
         let started = Instant::now();
         // Judged before the build: a snapshot is complete only if everything had listed before it.
         let ready = self.is_listed();
-        let (snapshot, wanted) = {
+        let snapshot = {
             let mut index = lock(&self.index);
             if only_if_changed && !index.changed_since_snapshot() {
                 return;
@@ -591,15 +591,13 @@ impl Store {
             let previous = self.snapshot.load();
             let snapshot = Arc::new(index.snapshot_reusing(&self.settings, &previous));
             self.snapshot.store(Arc::clone(&snapshot));
-            (snapshot, index.wanted_infra_kinds())
+            snapshot
         };
         if ready && !self.complete.swap(true, Ordering::AcqRel) {
             tracing::info!(groups = snapshot.groups.len(), build = ?started.elapsed(), "serving: every watch has listed");
         }
         self.metrics.observe_snapshot(&snapshot, started.elapsed());
-        for kind in wanted {
-            self.start_infra_watch(kind);
-        }
+        self.start_referenced_infra_watches();
         // Until everything has listed, missing objects are just not seen yet: not problems to report.
         if self.is_listed() {
             self.events
@@ -623,13 +621,18 @@ impl Store {
     /// infrastructure kinds the objects reference are started, as being listed waits for them too.
     fn rebuild_changed(self: &Arc<Self>) {
         if !self.is_complete() && !self.is_listed() {
-            let wanted = lock(&self.index).wanted_infra_kinds();
-            for kind in wanted {
-                self.start_infra_watch(kind);
-            }
+            self.start_referenced_infra_watches();
             return;
         }
         self.build(true);
+    }
+
+    /// Watches the infrastructure template kinds the objects reference and nothing watches yet.
+    fn start_referenced_infra_watches(self: &Arc<Self>) {
+        let wanted = lock(&self.index).wanted_infra_kinds();
+        for kind in wanted {
+            self.start_infra_watch(kind);
+        }
     }
 
     /// The object a problem is about, when it is one the provider watches.
@@ -874,10 +877,15 @@ mod tests {
     }
 
     /// A store with no watches, over a client that is never called.
-    fn unwatched_store() -> Arc<Store> {
+    /// A client whose calls all fail (nothing listens on port 9).
+    fn unreachable_client() -> Client {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        Client::try_from(config).unwrap()
+    }
+
+    fn unwatched_store() -> Arc<Store> {
         Store::fixed(
-            Client::try_from(config).unwrap(),
+            unreachable_client(),
             CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
             Settings::default(),
             Index::default(),
@@ -914,9 +922,8 @@ mod tests {
     #[tokio::test]
     async fn nothing_is_built_before_every_watch_has_listed_but_referenced_infrastructure_is_watched()
      {
-        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         let store = Arc::new(Store::new(
-            Client::try_from(config).unwrap(),
+            unreachable_client(),
             CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
             Settings::default(),
             Index::default(),

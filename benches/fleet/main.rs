@@ -341,7 +341,7 @@ async fn size(
     // Start → ready, several starts one after the other (the last one stays for what follows), and
     // resident memory after sync.
     let mut starts = Vec::new();
-    let ours = loop {
+    let mut ours = loop {
         let (mut target, spawned) = servers::spawn_ours(&fleet, &ids.ours);
         target
             .wait_ready(&fleet, spawned, Duration::from_secs(900))
@@ -358,7 +358,6 @@ async fn size(
             break target;
         }
     };
-    let mut ours = ours;
     if let Ok(hold) = std::env::var("BENCH_HOLD") {
         hold_fleet(Path::new(&hold), &fleet, &ids.ours).await;
     }
