@@ -279,6 +279,15 @@ fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
+/// Now in unix seconds, rounded up: a raise recorded so is protected for the whole grace period
+/// after it, never a fraction of a second less.
+fn now_unix_ceil() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() + u64::from(d.subsec_nanos() > 0))
+        .unwrap_or(0)
+}
+
 impl Actuator {
     pub fn new(store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
         Actuator {
@@ -514,7 +523,8 @@ impl Actuator {
             }
             if wanted.replicas > state.replicas {
                 // Every provider's repair reads it (see `RAISED_ANNOTATION`).
-                patch["metadata"]["annotations"][RAISED_ANNOTATION] = json!(now_unix().to_string());
+                patch["metadata"]["annotations"][RAISED_ANNOTATION] =
+                    json!(now_unix_ceil().to_string());
             }
             let started = Instant::now();
             match call(
@@ -749,46 +759,85 @@ impl Actuator {
         }
 
         for (node, machine) in &plan {
-            // Decided afresh for each node: the previous one's writes changed the counts.
-            let mut state = self.cached(&group)?;
-            let mut counts = self.counts(&group, &state);
-            let mut removal = self.removal(&state, &counts, node, machine.as_ref());
-            if needs_confirming(removal, machine.as_ref()) && !confirmed {
-                (group, state) = self.confirm(id, &group).await?;
-                counts = self.counts(&group, &state);
-                removal = self.removal(&state, &counts, node, machine.as_ref());
-                confirmed = true;
-            }
-            match (removal, machine) {
-                (Removal::Done, _) => {
-                    tracing::info!(group = id, node = %node.describe(), "already removed or being removed, not decrementing again");
+            let mut attempt = 0;
+            // Decided afresh for each node (the previous one's writes changed the counts), and
+            // again after a mark found the Machine changed.
+            while !self
+                .remove_node(id, &mut group, &mut confirmed, node, machine.as_ref())
+                .await?
+            {
+                attempt += 1;
+                let Some(key) = machine else { break };
+                if attempt >= MAX_ATTEMPTS {
+                    return Err(ActuatorError::Conflict(format!(
+                        "{id}: Machine {key} kept changing while it was being marked, {MAX_ATTEMPTS} attempts"
+                    )));
                 }
-                // A raise by another provider landed since the check above.
-                (Removal::Absorbed, _) => {
-                    return Err(absorbed_refusal(&group, &state, &counts, &[node]));
-                }
-                (Removal::MarkAndDecrement, Some(machine)) => {
-                    self.remove_machine(&group, &state, machine, true).await?;
-                }
-                (Removal::Decrement, Some(machine)) => {
-                    tracing::info!(group = id, machine = %machine, "marked earlier without its decrement: decrementing now");
-                    self.remove_machine(&group, &state, machine, false).await?;
-                }
-                (_, None) => {
-                    let entry = pool_node_entry(&node.provider_id);
-                    // Re-checked on every attempt: a removal paid meanwhile (by another writer, or
-                    // an earlier attempt that landed) is not paid twice.
-                    self.write(&group, "delete-nodes", |state| {
-                        Ok((!state.ledger.contains(&entry)).then(|| Change {
-                            replicas: state.replicas - 1,
-                            entry: Some(entry.clone()),
-                        }))
-                    })
-                    .await?;
-                    tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
-                }
+                self.read_machine(key).await?;
             }
         }
+        Ok(())
+    }
+
+    /// One node's removal, decided from the cache; `false` when its mark found the Machine changed
+    /// since the cache's version (nothing written: to be decided again from a fresh read).
+    async fn remove_node(
+        &self,
+        id: &str,
+        group: &mut NodeGroup,
+        confirmed: &mut bool,
+        node: &NodeToDelete,
+        machine: Option<&ObjectKey>,
+    ) -> Result<bool, ActuatorError> {
+        let mut state = self.cached(group)?;
+        let mut counts = self.counts(group, &state);
+        let mut removal = self.removal(&state, &counts, node, machine);
+        if needs_confirming(removal, machine) && !*confirmed {
+            let (fresh, fresh_state) = self.confirm(id, group).await?;
+            (*group, state) = (fresh, fresh_state);
+            counts = self.counts(group, &state);
+            removal = self.removal(&state, &counts, node, machine);
+            *confirmed = true;
+        }
+        match (removal, machine) {
+            (Removal::Done, _) => {
+                tracing::info!(group = id, node = %node.describe(), "already removed or being removed, not decrementing again");
+            }
+            // A raise by another provider landed since the check up front.
+            (Removal::Absorbed, _) => {
+                return Err(absorbed_refusal(group, &state, &counts, &[node]));
+            }
+            (Removal::MarkAndDecrement, Some(machine)) => {
+                return self.remove_machine(group, &state, machine, true).await;
+            }
+            (Removal::Decrement, Some(machine)) => {
+                tracing::info!(group = id, machine = %machine, "marked earlier without its decrement: decrementing now");
+                return self.remove_machine(group, &state, machine, false).await;
+            }
+            (_, None) => {
+                let entry = pool_node_entry(&node.provider_id);
+                // Re-checked on every attempt: a removal paid meanwhile (by another writer, or
+                // an earlier attempt that landed) is not paid twice.
+                self.write(group, "delete-nodes", |state| {
+                    Ok((!state.ledger.contains(&entry)).then(|| Change {
+                        replicas: state.replicas - 1,
+                        entry: Some(entry.clone()),
+                    }))
+                })
+                .await?;
+                tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads Machine `key` from the API into the cache.
+    async fn read_machine(&self, key: &ObjectKey) -> Result<(), ActuatorError> {
+        let what = format!("reading Machine {key}");
+        let object = call(&what, self.machine_api(&key.namespace).get(&key.name))
+            .await
+            .map_err(|e| other(e, &what))?;
+        self.store.record(None, object);
         Ok(())
     }
 
@@ -842,18 +891,19 @@ impl Actuator {
     /// Mark (unless `mark` is false: our mark is there already), then decrement, with the mark's
     /// ledger entry in the same write. When the decrement certainly did not happen, a mark written
     /// here is taken back (a mark someone else set is restored); when its outcome is unknown, the
-    /// mark stays and the counts decide later.
+    /// mark stays and the counts decide later. `false` when the mark found the Machine changed since
+    /// the cached version it was decided from (nothing written).
     async fn remove_machine(
         &self,
         group: &NodeGroup,
         state: &GroupState,
         key: &ObjectKey,
         mark: bool,
-    ) -> Result<(), ActuatorError> {
+    ) -> Result<bool, ActuatorError> {
         let delete_key = self.store.settings().keys.delete_machine.clone();
-        let previous = self
-            .store
-            .cached_machine(key)
+        let cached = self.store.cached_machine(key);
+        let previous = cached
+            .as_ref()
             .and_then(|m| m.annotations.get(&delete_key).cloned());
         // Our mark without a readable time cannot be named in the ledger: written afresh.
         let existing = previous.as_deref().and_then(our_mark_time);
@@ -865,8 +915,13 @@ impl Actuator {
         if mark {
             let api = self.machine_api(&key.namespace);
             let what = format!("marking Machine {key} for deletion");
-            let patch =
+            let mut patch =
                 json!({"metadata": {"annotations": {delete_key.as_str(): our_mark(mark_time)}}});
+            // Guarded by the version decided from: two providers removing one node at once would
+            // otherwise both mark it, each with its own time, and both pay.
+            if let Some(machine) = &cached {
+                patch["metadata"]["resourceVersion"] = json!(machine.resource_version);
+            }
             match call(
                 &what,
                 api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
@@ -877,11 +932,15 @@ impl Actuator {
                     self.metrics.api_write("mark-machine", "ok");
                     self.store.record(None, marked);
                 }
-                Err(e) => {
+                Err(ApiFailure::Conflict) => {
+                    self.metrics.api_write("mark-machine", "conflict");
+                    return Ok(false);
+                }
+                Err(ApiFailure::Other(e)) => {
                     // A mark that landed unseen is owed a decrement: a retry pays it, else the repair
                     // takes it back after the grace period.
                     self.metrics.api_write("mark-machine", "error");
-                    return Err(other(e, &what));
+                    return Err(e);
                 }
             }
         }
@@ -910,7 +969,7 @@ impl Actuator {
             })
             .await
         {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(true),
             Err(e) if e.is_unreachable() => {
                 tracing::warn!(group = %group.id, machine = %key, "decrement outcome unknown, the mark stays for the counts to settle: {e}");
                 Err(e)
