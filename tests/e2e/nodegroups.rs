@@ -1162,7 +1162,9 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
 /// each after a random delay. Whatever the interleaving, each node's removal is paid once:
 /// replicas end at exactly 12 - 8 + 5 = 9, the 8 Machines carry our mark, the ledger holds exactly
 /// their marks, and a call refused is FAILED_PRECONDITION for a mark paid by the node's other call
-/// and absorbed by a raise. `RETRY_ROUNDS` (20) and `RETRY_SEED` (printed) replay it.
+/// and absorbed by a raise. Odd rounds send each call to one of two providers at random (CA
+/// replicas with their sidecars, a rolling update). `RETRY_ROUNDS` (20) and `RETRY_SEED` (printed)
+/// replay it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
     const MACHINES: usize = 12;
@@ -1182,6 +1184,7 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
         .unwrap_or(0x1923_2026_u64);
     eprintln!("RETRY_SEED={seed} RETRY_ROUNDS={rounds}");
     let (provider, rpc) = provider_for(&env).await;
+    let (second, rpc_b) = provider_for(&env).await;
     let mut refusals = 0;
     let started = Instant::now();
     for round in 0..rounds {
@@ -1199,6 +1202,8 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
         }
         let id = capi.id(Kind::MachineDeployment, &name);
         wait_instances(&rpc, &id, MACHINES).await;
+        wait_instances(&rpc_b, &id, MACHINES).await;
+        let two = round % 2 == 1;
 
         let mut chosen = machines.clone();
         chosen.shuffle(&mut rng);
@@ -1211,7 +1216,12 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
         let mut tasks = tokio::task::JoinSet::new();
         for op in ops {
             let delay = Duration::from_millis(rng.random_range(0..40));
-            let (mut rpc, id, capi) = (rpc.clone(), id.clone(), capi.clone());
+            let mut rpc = if two && rng.random_bool(0.5) {
+                rpc_b.clone()
+            } else {
+                rpc.clone()
+            };
+            let (id, capi) = (id.clone(), capi.clone());
             tasks.spawn(async move {
                 tokio::time::sleep(delay).await;
                 let start = origin.elapsed();
@@ -1247,8 +1257,10 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
             .join("\n  ");
         let fail = |what: String| -> ! {
             panic!(
-                "RETRY_SEED={seed} round {round}: {what}\n  {report}\n{}",
-                provider.log_contents()
+                "RETRY_SEED={seed} round {round} ({} providers): {what}\n  {report}\n{}\n{}",
+                if two { 2 } else { 1 },
+                provider.log_contents(),
+                second.log_contents()
             )
         };
         for (op, _, end, result) in &outcomes {
