@@ -948,21 +948,14 @@ impl Actuator {
         let first = std::sync::OnceLock::new();
         match self
             .write(group, "delete-nodes", |state| {
-                // This very mark paid already: an earlier attempt landed (`write` tells that apart
-                // too), or another provider paid it.
-                if state.ledger.contains(&entry) {
-                    return Ok(None);
-                }
-                // Re-checked against each version written over: if someone lowered replicas after
-                // this removal was decided, by more than the removals paid since explain (by hand,
-                // or a writer without the ledger), Cluster API deletes the marked Machine for that
-                // (marked ones go first), and a second decrement would remove a node CA never
-                // drained.
                 let (replicas, ledger) =
                     first.get_or_init(|| (state.replicas, state.ledger.clone()));
-                let lowered = i64::from(*replicas) - i64::from(state.replicas);
-                let paid_since = state.ledger.paid_since(ledger) as i64;
-                Ok((lowered <= paid_since).then(|| Change {
+                Ok(removal::decrement_owed(
+                    &entry,
+                    (*replicas, ledger),
+                    (state.replicas, &state.ledger),
+                )
+                .then(|| Change {
                     replicas: state.replicas - 1,
                     entry: Some(entry.clone()),
                 }))

@@ -283,6 +283,21 @@ pub fn removal(machine: MachineState<'_>, ledger: &Ledger, counts: &Counts) -> R
     }
 }
 
+/// Whether a Machine removal decided over a group version of `decided_replicas` and `decided_ledger`
+/// still lowers replicas when written over a version of `replicas` and `ledger`: not when that
+/// very mark was paid meanwhile (an earlier attempt whose answer was lost, or another provider),
+/// nor when replicas dropped by more than the removals paid since explain (by hand, or a writer
+/// without the ledger): Cluster API deletes the marked Machine for that drop (marked ones go first),
+/// and a second decrement would remove a node CA never drained. A raise meanwhile does not stop it.
+pub fn decrement_owed(
+    entry: &str,
+    (decided_replicas, decided_ledger): (i32, &Ledger),
+    (replicas, ledger): (i32, &Ledger),
+) -> bool {
+    let lowered = i64::from(decided_replicas) - i64::from(replicas);
+    !ledger.contains(entry) && lowered <= ledger.paid_since(decided_ledger) as i64
+}
+
 /// What removing a MachinePool node without a Machine still needs: paid once its entry is in the
 /// pool's ledger (entries leave the ledger when their id leaves `spec.providerIDList`). A pool has
 /// no deletion priority to count with: which instance a lower replica count removes is the
@@ -584,6 +599,30 @@ mod tests {
         let now = Ledger::parse(Some("a@1,b@2,c@3"));
         assert_eq!(now.paid_since(&before), 2);
         assert_eq!(before.paid_since(&before), 0);
+    }
+
+    #[test]
+    fn a_decrement_is_written_once_and_not_over_an_unexplained_drop() {
+        let decided = Ledger::parse(Some("a@1"));
+        let paid_other = Ledger::parse(Some("a@1,b@2"));
+        let paid_this = Ledger::parse(Some("a@1,x@9"));
+        assert!(decrement_owed("x@9", (5, &decided), (5, &decided)));
+        assert!(
+            !decrement_owed("x@9", (5, &decided), (4, &paid_this)),
+            "paid meanwhile"
+        );
+        assert!(
+            decrement_owed("x@9", (5, &decided), (4, &paid_other)),
+            "another removal paid meanwhile explains the drop"
+        );
+        assert!(
+            !decrement_owed("x@9", (5, &decided), (4, &decided)),
+            "a drop no paid removal explains: CAPI deletes the marked Machine for it"
+        );
+        assert!(
+            decrement_owed("x@9", (5, &decided), (6, &decided)),
+            "a raise meanwhile"
+        );
     }
 
     #[test]
