@@ -15,10 +15,10 @@
 //!   (a watch delivers each version; after the run, every version etcd holds is checked again);
 //! - invariant 3: Machines marked by us and not being deleted exceed what replicas pay for (Machines
 //!   beyond replicas) by no more than the operations in flight, plus the marks younger than the grace
-//!   period and a repair interval, plus what the group's raises within that time absorbed (a removal
-//!   whose decrement a scale-up absorbed waits for CA's retry, or for the repair, which leaves a group
-//!   alone for the grace period after a raise); after quiescence no mark of ours is left at all once
-//!   Cluster API converged.
+//!   period and a repair interval, plus what the group's raises within that time absorbed (a paid
+//!   mark a scale-up absorbed waits for the repair, which leaves a group alone for the grace period
+//!   after any raise; CA's retry of it is refused); after quiescence no mark of ours is left at all
+//!   once Cluster API converged.
 //!
 //! Sequential groups have one client each (the model knows the order, so it is exact); the "hot"
 //! group has three concurrent clients (only the invariants are checked). `MODEL_SEED` and
