@@ -724,7 +724,7 @@ impl Actuator {
         if removals
             .iter()
             .zip(&plan)
-            .any(|(r, (_, machine))| needs_confirming(*r, machine.as_ref()))
+            .any(|(r, (_, machine))| self.needs_confirming(*r, machine.as_ref()))
         {
             (group, state) = self.confirm(id, &group).await?;
             counts = self.counts(&group, &state);
@@ -792,7 +792,7 @@ impl Actuator {
         let mut state = self.cached(group)?;
         let mut counts = self.counts(group, &state);
         let mut removal = self.removal(&state, &counts, node, machine);
-        if needs_confirming(removal, machine) && !*confirmed {
+        if self.needs_confirming(removal, machine) && !*confirmed {
             let (fresh, fresh_state) = self.confirm(id, group).await?;
             (*group, state) = (fresh, fresh_state);
             counts = self.counts(group, &state);
@@ -839,6 +839,17 @@ impl Actuator {
             .map_err(|e| other(e, &what))?;
         self.store.record(None, object);
         Ok(())
+    }
+
+    /// Whether `removal` is a decision to confirm from the API before acting on it: about a Machine
+    /// marked already, paying its mark again, answering it paid, or refusing it as absorbed (see
+    /// [`Actuator::confirm`]). A first removal needs no confirming (its writes are guarded), nor a
+    /// Machine being deleted (that cannot be undone).
+    fn needs_confirming(&self, removal: Removal, machine: Option<&ObjectKey>) -> bool {
+        machine.is_some_and(|key| {
+            removal != Removal::MarkAndDecrement
+                && !self.store.cached_machine(key).is_some_and(|m| m.deleting)
+        })
     }
 
     /// The group read from the API, then its namespace's Machines listed, into the cache; the group
@@ -1118,13 +1129,6 @@ impl Actuator {
             }
         });
     }
-}
-
-/// Whether `removal` is a decision to confirm from the API before acting on it: about a Machine
-/// marked already, paying its mark again, answering it paid, or refusing it as absorbed (see
-/// [`Actuator::confirm`]). A first removal needs no confirming: its writes are guarded.
-fn needs_confirming(removal: Removal, machine: Option<&ObjectKey>) -> bool {
-    machine.is_some() && removal != Removal::MarkAndDecrement
 }
 
 /// The refusal of a DeleteNodes naming nodes whose paid marks a raise absorbed: nothing is written,
