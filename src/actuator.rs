@@ -17,7 +17,8 @@ use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::ApiObject;
 use crate::removal::{
-    self, Counts, LEDGER_ANNOTATION, Ledger, MachineState, Removal, our_mark, pool_node_entry,
+    self, Counts, LEDGER_ANNOTATION, Ledger, MachineState, RAISED_ANNOTATION, Removal, mark_entry,
+    our_mark, our_mark_time, pool_node_entry, raised_at,
 };
 use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
@@ -171,27 +172,12 @@ impl NodeToDelete {
 pub struct Actuator {
     store: Arc<Store>,
     metrics: Arc<Metrics>,
-    /// Per group that exists (pruned as groups go): its operation lock and when it was last raised.
-    groups: Mutex<HashMap<String, Arc<GroupOps>>>,
+    /// Per group that exists (pruned as groups go): one operation of this process at a time. What
+    /// other processes must know (a raise, a paid removal) is written to the objects instead.
+    groups: Mutex<HashMap<String, GroupLock>>,
 }
 
-/// What the actuator keeps about one group.
-#[derive(Default)]
-struct GroupOps {
-    /// One operation per group at a time.
-    lock: tokio::sync::Mutex<()>,
-    /// When this process last sent a write raising the group's replicas. Cluster API's controllers
-    /// act on cached replicas: for a while after a raise they may still act on the lower count and
-    /// delete marked Machines first. A mark the raise made unpaid is left alone for the grace period
-    /// after it, or the repair's unmark would let them delete an unmarked Machine instead.
-    raised: Mutex<Option<Instant>>,
-}
-
-impl GroupOps {
-    fn raised_within(&self, period: Duration) -> bool {
-        lock(&self.raised).is_some_and(|at| at.elapsed() < period)
-    }
-}
+type GroupLock = Arc<tokio::sync::Mutex<()>>;
 
 /// The provider's backend: the store's snapshot for reads, the actuator for writes.
 #[tonic::async_trait]
@@ -233,12 +219,15 @@ impl Backend for Arc<Actuator> {
     }
 }
 
-/// The group object as a write starts from it: replicas, bounds and ledger of one resourceVersion.
+/// The group object as a write starts from it: replicas, bounds, ledger and last raise of one
+/// resourceVersion.
 struct GroupState {
     replicas: i32,
     min: i32,
     max: i32,
     ledger: Ledger,
+    /// When replicas were last raised by any provider ([`RAISED_ANNOTATION`]).
+    raised: Option<u64>,
     /// `spec.providerIDList` entries (normalised) of the same version: ledger entries of nodes no
     /// longer listed need no record.
     listed: BTreeSet<String>,
@@ -290,6 +279,15 @@ fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
+/// Now in unix seconds, rounded up: a raise recorded so is protected for the whole grace period
+/// after it, never a fraction of a second less.
+fn now_unix_ceil() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() + u64::from(d.subsec_nanos() > 0))
+        .unwrap_or(0)
+}
+
 impl Actuator {
     pub fn new(store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
         Actuator {
@@ -299,9 +297,9 @@ impl Actuator {
         }
     }
 
-    /// The operations record of a group that exists in `snapshot`; those of groups that are gone
-    /// are dropped.
-    fn group_ops(&self, snapshot: &Snapshot, id: &str) -> Arc<GroupOps> {
+    /// The operation lock of a group that exists in `snapshot`; those of groups that are gone are
+    /// dropped.
+    fn group_lock(&self, snapshot: &Snapshot, id: &str) -> GroupLock {
         let mut groups = lock(&self.groups);
         if groups.len() > snapshot.groups.len() {
             groups.retain(|g, o| snapshot.groups.contains_key(g) || Arc::strong_count(o) > 1);
@@ -378,6 +376,12 @@ impl Actuator {
                     .get(LEDGER_ANNOTATION)
                     .map(String::as_str),
             ),
+            raised: raised_at(
+                resource
+                    .annotations
+                    .get(RAISED_ANNOTATION)
+                    .map(String::as_str),
+            ),
             listed: resource
                 .provider_id_list
                 .iter()
@@ -440,20 +444,42 @@ impl Actuator {
             .collect()
     }
 
-    fn counts(&self, group: &NodeGroup, replicas: i32) -> Counts {
+    fn counts(&self, group: &NodeGroup, state: &GroupState) -> Counts {
         let delete_key = &self.store.settings().keys.delete_machine;
         let machines = self.machines(group);
         Counts::of(
-            replicas,
+            state.replicas,
+            &state.ledger,
             machines
                 .iter()
                 .map(|(k, m)| machine_state(k, m, delete_key)),
         )
     }
 
+    /// The ledger as the next write leaves it: entries that need no record any more dropped (see
+    /// [`Ledger::pruned`]; a Machine's mark as cached), `entry` added.
+    fn next_ledger(&self, group: &NodeGroup, state: &GroupState, entry: Option<&String>) -> Ledger {
+        let delete_key = &self.store.settings().keys.delete_machine;
+        let namespace = &group.resource.key.namespace;
+        let mut ledger = state.ledger.pruned(
+            &state.listed,
+            |name| {
+                self.store
+                    .cached_machine(&ObjectKey::new(namespace.as_str(), name))
+                    .and_then(|m| m.annotations.get(delete_key).and_then(|v| our_mark_time(v)))
+            },
+            now_unix(),
+        );
+        if let Some(entry) = entry {
+            ledger.insert(entry.clone());
+        }
+        ledger
+    }
+
     /// Writes `change(state)` to the group object in one guarded write: `spec.replicas` and, for a
-    /// removal, its ledger entry (`None`: nothing is owed over that version, no write). Bounds are those of the version written over; a conflict re-reads
-    /// and recomputes. An answer lost in transit is resolved by reading again, never by assuming; a
+    /// removal, its ledger entry, for a raise the time of it (`None`: nothing is owed over that
+    /// version, no write). Bounds are those of the version written over; a conflict re-reads and
+    /// recomputes. An answer lost in transit is resolved by reading again, never by assuming; a
     /// write read back as not applied may still arrive (the network can deliver a request its client
     /// gave up on after a later one), so every later read first checks whether it has, and then
     /// takes it as this write instead of applying the change twice.
@@ -487,17 +513,18 @@ impl Actuator {
             if wanted.replicas < state.min || wanted.replicas > state.max {
                 return Err(state.out_of_bounds(group, operation, wanted.replicas));
             }
-            let mut ledger = state.ledger.clone();
-            ledger.retain(|entry| state.listed.contains(entry));
-            if let Some(entry) = &wanted.entry {
-                ledger.insert(entry.clone());
-            }
+            let ledger = self.next_ledger(group, &state, wanted.entry.as_ref());
             let mut patch = json!({
                 "metadata": {"resourceVersion": state.resource_version},
                 "spec": {"replicas": wanted.replicas},
             });
             if ledger != state.ledger {
-                patch["metadata"]["annotations"] = json!({ LEDGER_ANNOTATION: ledger.render() });
+                patch["metadata"]["annotations"][LEDGER_ANNOTATION] = json!(ledger.render());
+            }
+            if wanted.replicas > state.replicas {
+                // Every provider's repair reads it (see `RAISED_ANNOTATION`).
+                patch["metadata"]["annotations"][RAISED_ANNOTATION] =
+                    json!(now_unix_ceil().to_string());
             }
             let started = Instant::now();
             match call(
@@ -617,17 +644,13 @@ impl Actuator {
             )));
         }
         let (snapshot, _) = self.group(id)?;
-        let ops = self.group_ops(&snapshot, id);
-        let _guard = ops.lock.lock().await;
+        let group_lock = self.group_lock(&snapshot, id);
+        let _guard = group_lock.lock().await;
         let (_, group) = self.group(id)?;
         self.write(&group, "increase-size", |state| {
             let desired = state.replicas.saturating_add(delta);
             if desired > state.max {
                 return Err(state.out_of_bounds(&group, "size increase", desired));
-            }
-            if desired >= state.min {
-                // About to be sent (see `GroupOps::raised`); below min, `write` refuses it.
-                *lock(&ops.raised) = Some(Instant::now());
             }
             Ok(Some(Change {
                 replicas: desired,
@@ -645,8 +668,8 @@ impl Actuator {
             )));
         }
         let (snapshot, _) = self.group(id)?;
-        let ops = self.group_ops(&snapshot, id);
-        let _guard = ops.lock.lock().await;
+        let group_lock = self.group_lock(&snapshot, id);
+        let _guard = group_lock.lock().await;
         let (_, group) = self.group(id)?;
         let registered = group.registered;
         self.write(&group, "decrease-target-size", |state| {
@@ -671,8 +694,8 @@ impl Actuator {
 
     async fn delete(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError> {
         let (snapshot, _) = self.group(id)?;
-        let ops = self.group_ops(&snapshot, id);
-        let _guard = ops.lock.lock().await;
+        let group_lock = self.group_lock(&snapshot, id);
+        let _guard = group_lock.lock().await;
         let (snapshot, group) = self.group(id)?;
         // CA only gets here if it ignored the raised min: during a rollout the MachineDeployment
         // controller picks the MachineSet that shrinks, so a lower replica count may take another
@@ -687,16 +710,43 @@ impl Actuator {
         // Every node resolved before anything is touched.
         let plan = removal_plan(&snapshot, &self.store.settings().keys, &group, nodes)?;
 
-        // Up front, so a call that would cross min changes nothing.
-        let state = self.cached(&group)?;
-        let counts = self.counts(&group, state.replicas);
+        // Up front, so a call that would cross min, or names an absorbed mark, changes nothing.
+        let mut group = group;
+        let mut state = self.cached(&group)?;
+        let mut counts = self.counts(&group, &state);
+        let mut confirmed = false;
+        let decide = |state: &GroupState, counts: &Counts| -> Vec<Removal> {
+            plan.iter()
+                .map(|(node, machine)| self.removal(state, counts, node, machine.as_ref()))
+                .collect()
+        };
+        let mut removals = decide(&state, &counts);
+        if removals
+            .iter()
+            .zip(&plan)
+            .any(|(r, (_, machine))| self.needs_confirming(*r, machine.as_ref()))
+        {
+            (group, state) = self.confirm(id, &group).await?;
+            counts = self.counts(&group, &state);
+            removals = decide(&state, &counts);
+            confirmed = true;
+        }
+        let absorbed: Vec<&NodeToDelete> = plan
+            .iter()
+            .zip(&removals)
+            .filter(|(_, r)| **r == Removal::Absorbed)
+            .map(|((node, _), _)| node)
+            .collect();
+        if !absorbed.is_empty() {
+            return Err(absorbed_refusal(&group, &state, &counts, &absorbed));
+        }
         let (mut fresh, mut unpaid) = (0usize, 0usize);
-        for (node, machine) in &plan {
-            match self.removal(&state, &counts, node, machine.as_ref()) {
+        for ((_, machine), removal) in plan.iter().zip(&removals) {
+            match removal {
                 Removal::MarkAndDecrement => fresh += 1,
                 Removal::Decrement if machine.is_none() => fresh += 1,
                 Removal::Decrement => unpaid += 1,
-                Removal::Done => {}
+                Removal::Done | Removal::Absorbed => {}
             }
         }
         let owed = (fresh + unpaid.min(counts.owed())) as i32;
@@ -708,51 +758,114 @@ impl Actuator {
             ));
         }
 
-        let mut group = group;
-        let mut listed = false;
         for (node, machine) in &plan {
-            // Decided afresh for each node: the previous one's writes changed the counts.
-            let state = self.cached(&group)?;
-            let counts = self.counts(&group, state.replicas);
-            let mut removal = self.removal(&state, &counts, node, machine.as_ref());
-            if removal == Removal::Decrement && machine.is_some() && !listed {
-                // Paying a mark again is the decision a lagging cache can get wrong: a Machine CAPI
-                // has just created, not yet seen, makes a paid mark look unpaid. Confirmed from a
-                // fresh list of the namespace's Machines first.
-                self.sync_machines(&group.resource.key.namespace).await?;
-                listed = true;
-                group = self.group(id)?.1;
-                let state = self.cached(&group)?;
-                let counts = self.counts(&group, state.replicas);
-                removal = self.removal(&state, &counts, node, machine.as_ref());
-            }
-            match (removal, machine) {
-                (Removal::Done, _) => {
-                    tracing::info!(group = id, node = %node.describe(), "already removed or being removed, not decrementing again");
+            let mut attempt = 0;
+            // Decided afresh for each node (the previous one's writes changed the counts), and
+            // again after a mark found the Machine changed.
+            while !self
+                .remove_node(id, &mut group, &mut confirmed, node, machine.as_ref())
+                .await?
+            {
+                attempt += 1;
+                let Some(key) = machine else { break };
+                if attempt >= MAX_ATTEMPTS {
+                    return Err(ActuatorError::Conflict(format!(
+                        "{id}: Machine {key} kept changing while it was being marked, {MAX_ATTEMPTS} attempts"
+                    )));
                 }
-                (Removal::MarkAndDecrement, Some(machine)) => {
-                    self.remove_machine(&group, machine, true).await?;
-                }
-                (Removal::Decrement, Some(machine)) => {
-                    tracing::info!(group = id, machine = %machine, "marked earlier without its decrement: decrementing now");
-                    self.remove_machine(&group, machine, false).await?;
-                }
-                (_, None) => {
-                    let entry = pool_node_entry(&node.provider_id);
-                    // Re-checked on every attempt: a removal paid meanwhile (by another writer, or
-                    // an earlier attempt that landed) is not paid twice.
-                    self.write(&group, "delete-nodes", |state| {
-                        Ok((!state.ledger.contains(&entry)).then(|| Change {
-                            replicas: state.replicas - 1,
-                            entry: Some(entry.clone()),
-                        }))
-                    })
-                    .await?;
-                    tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
-                }
+                self.read_machine(key).await?;
             }
         }
         Ok(())
+    }
+
+    /// One node's removal, decided from the cache; `false` when its mark found the Machine changed
+    /// since the cache's version (nothing written: to be decided again from a fresh read).
+    async fn remove_node(
+        &self,
+        id: &str,
+        group: &mut NodeGroup,
+        confirmed: &mut bool,
+        node: &NodeToDelete,
+        machine: Option<&ObjectKey>,
+    ) -> Result<bool, ActuatorError> {
+        let mut state = self.cached(group)?;
+        let mut counts = self.counts(group, &state);
+        let mut removal = self.removal(&state, &counts, node, machine);
+        if self.needs_confirming(removal, machine) && !*confirmed {
+            let (fresh, fresh_state) = self.confirm(id, group).await?;
+            (*group, state) = (fresh, fresh_state);
+            counts = self.counts(group, &state);
+            removal = self.removal(&state, &counts, node, machine);
+            *confirmed = true;
+        }
+        match (removal, machine) {
+            (Removal::Done, _) => {
+                tracing::info!(group = id, node = %node.describe(), "already removed or being removed, not decrementing again");
+            }
+            // A raise by another provider landed since the check up front.
+            (Removal::Absorbed, _) => {
+                return Err(absorbed_refusal(group, &state, &counts, &[node]));
+            }
+            (Removal::MarkAndDecrement, Some(machine)) => {
+                return self.remove_machine(group, &state, machine, true).await;
+            }
+            (Removal::Decrement, Some(machine)) => {
+                tracing::info!(group = id, machine = %machine, "marked earlier without its decrement: decrementing now");
+                return self.remove_machine(group, &state, machine, false).await;
+            }
+            (_, None) => {
+                let entry = pool_node_entry(&node.provider_id);
+                // Re-checked on every attempt: a removal paid meanwhile (by another writer, or
+                // an earlier attempt that landed) is not paid twice.
+                self.write(group, "delete-nodes", |state| {
+                    Ok((!state.ledger.contains(&entry)).then(|| Change {
+                        replicas: state.replicas - 1,
+                        entry: Some(entry.clone()),
+                    }))
+                })
+                .await?;
+                tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads Machine `key` from the API into the cache.
+    async fn read_machine(&self, key: &ObjectKey) -> Result<(), ActuatorError> {
+        let what = format!("reading Machine {key}");
+        let object = call(&what, self.machine_api(&key.namespace).get(&key.name))
+            .await
+            .map_err(|e| other(e, &what))?;
+        self.store.record(None, object);
+        Ok(())
+    }
+
+    /// Whether `removal` is a decision to confirm from the API before acting on it: about a Machine
+    /// marked already, paying its mark again, answering it paid, or refusing it as absorbed (see
+    /// [`Actuator::confirm`]). A first removal needs no confirming (its writes are guarded), nor a
+    /// Machine being deleted (that cannot be undone).
+    fn needs_confirming(&self, removal: Removal, machine: Option<&ObjectKey>) -> bool {
+        machine.is_some_and(|key| {
+            removal != Removal::MarkAndDecrement
+                && !self.store.cached_machine(key).is_some_and(|m| m.deleting)
+        })
+    }
+
+    /// The group read from the API, then its namespace's Machines listed, into the cache; the group
+    /// and its state as cached after that. Paying a mark again, or refusing one as absorbed, are the
+    /// decisions a lagging cache can get wrong (a Machine CAPI has just created or deleted, another
+    /// provider's raise or payment not seen yet).
+    async fn confirm(
+        &self,
+        id: &str,
+        group: &NodeGroup,
+    ) -> Result<(NodeGroup, GroupState), ActuatorError> {
+        self.live(group).await?;
+        self.sync_machines(&group.resource.key.namespace).await?;
+        let (_, group) = self.group(id)?;
+        let state = self.cached(&group)?;
+        Ok((group, state))
     }
 
     /// What removing this node still needs, from the cached objects.
@@ -767,15 +880,18 @@ impl Actuator {
         match machine {
             Some(key) => {
                 let cached = self.store.cached_machine(key);
+                let deleting = cached.as_ref().is_some_and(|m| m.deleting);
+                let mark = cached
+                    .as_ref()
+                    .and_then(|m| m.annotations.get(delete_key))
+                    .map(String::as_str);
                 removal::removal(
                     MachineState {
                         name: &key.name,
-                        deleting: cached.as_ref().is_some_and(|m| m.deleting),
-                        mark: cached
-                            .as_ref()
-                            .and_then(|m| m.annotations.get(delete_key))
-                            .map(String::as_str),
+                        deleting,
+                        mark,
                     },
+                    &state.ledger,
                     counts,
                 )
             }
@@ -783,25 +899,40 @@ impl Actuator {
         }
     }
 
-    /// Mark (unless `mark` is false: our mark is there already), then decrement. When the decrement
-    /// certainly did not happen, a mark written here is taken back (a mark someone else set is
-    /// restored); when its outcome is unknown, the mark stays and the counts decide later.
+    /// Mark (unless `mark` is false: our mark is there already), then decrement, with the mark's
+    /// ledger entry in the same write. When the decrement certainly did not happen, a mark written
+    /// here is taken back (a mark someone else set is restored); when its outcome is unknown, the
+    /// mark stays and the counts decide later. `false` when the mark found the Machine changed since
+    /// the cached version it was decided from (nothing written).
     async fn remove_machine(
         &self,
         group: &NodeGroup,
+        state: &GroupState,
         key: &ObjectKey,
         mark: bool,
-    ) -> Result<(), ActuatorError> {
+    ) -> Result<bool, ActuatorError> {
         let delete_key = self.store.settings().keys.delete_machine.clone();
-        let previous = self
-            .store
-            .cached_machine(key)
+        let cached = self.store.cached_machine(key);
+        let previous = cached
+            .as_ref()
             .and_then(|m| m.annotations.get(&delete_key).cloned());
+        // Our mark without a readable time cannot be named in the ledger: written afresh.
+        let existing = previous.as_deref().and_then(our_mark_time);
+        let mark = mark || existing.is_none();
+        let mark_time = match existing {
+            Some(time) if !mark => time,
+            _ => state.ledger.fresh_mark_time(&key.name, now_unix()),
+        };
         if mark {
             let api = self.machine_api(&key.namespace);
             let what = format!("marking Machine {key} for deletion");
-            let patch =
-                json!({"metadata": {"annotations": {delete_key.as_str(): our_mark(now_unix())}}});
+            let mut patch =
+                json!({"metadata": {"annotations": {delete_key.as_str(): our_mark(mark_time)}}});
+            // Guarded by the version decided from: two providers removing one node at once would
+            // otherwise both mark it, each with its own time, and both pay.
+            if let Some(machine) = &cached {
+                patch["metadata"]["resourceVersion"] = json!(machine.resource_version);
+            }
             match call(
                 &what,
                 api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
@@ -812,30 +943,37 @@ impl Actuator {
                     self.metrics.api_write("mark-machine", "ok");
                     self.store.record(None, marked);
                 }
-                Err(e) => {
+                Err(ApiFailure::Conflict) => {
+                    self.metrics.api_write("mark-machine", "conflict");
+                    return Ok(false);
+                }
+                Err(ApiFailure::Other(e)) => {
                     // A mark that landed unseen is owed a decrement: a retry pays it, else the repair
                     // takes it back after the grace period.
                     self.metrics.api_write("mark-machine", "error");
-                    return Err(other(e, &what));
+                    return Err(e);
                 }
             }
         }
+        let entry = mark_entry(&key.name, mark_time);
         let first = std::sync::OnceLock::new();
         match self
             .write(group, "delete-nodes", |state| {
-                // Re-checked against each version written over: if someone else lowered replicas
-                // after this removal was decided, Cluster API deletes the marked Machine for that
-                // (marked ones go first), and a second decrement would remove a node CA never
-                // drained. (An earlier attempt of ours that landed is told apart by `write`.)
-                let decided = *first.get_or_init(|| state.replicas);
-                Ok((state.replicas >= decided).then(|| Change {
+                let (replicas, ledger) =
+                    first.get_or_init(|| (state.replicas, state.ledger.clone()));
+                Ok(removal::decrement_owed(
+                    &entry,
+                    (*replicas, ledger),
+                    (state.replicas, &state.ledger),
+                )
+                .then(|| Change {
                     replicas: state.replicas - 1,
-                    entry: None,
+                    entry: Some(entry.clone()),
                 }))
             })
             .await
         {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(true),
             Err(e) if e.is_unreachable() => {
                 tracing::warn!(group = %group.id, machine = %key, "decrement outcome unknown, the mark stays for the counts to settle: {e}");
                 Err(e)
@@ -885,47 +1023,39 @@ impl Actuator {
         }
     }
 
-    /// Takes back every mark of ours that no decrement paid for and that is older than `grace` (as
-    /// the cache shows it, confirmed from the API), in groups this process has not raised within
-    /// `grace` either: what a crash, a lost answer or a dropped call left between the two writes of
-    /// a removal, or a scale-up absorbed. The node stays; CA got no OK for it and asks again if it
-    /// still wants it gone. Each repair is logged, counted
-    /// (`api_writes_total{operation="repair-unmark"}`) and recorded as an Event on the Machine.
+    /// Takes back the marks of ours that replicas do not pay for and that are older than `grace` (as
+    /// the cache shows it, confirmed from the API), in groups no provider raised within `grace`
+    /// (the group's [`RAISED_ANNOTATION`]): what a crash, a lost answer or a dropped call left
+    /// between the two writes of a removal, or a raise absorbed (see [`removal::orphans`]). The node
+    /// stays; CA asks again if it still wants it gone, a fresh removal. Each repair is logged,
+    /// counted (`api_writes_total{operation="repair-unmark"}`) and recorded as an Event on the
+    /// Machine.
     pub async fn repair(&self, grace: Duration) -> usize {
         let snapshot = self.store.snapshot();
         let delete_key = self.store.settings().keys.delete_machine.clone();
         let mut repaired = 0;
         for (id, _) in snapshot.groups.iter() {
-            let ops = self.group_ops(&snapshot, id);
-            let _guard = ops.lock.lock().await;
-            if ops.raised_within(grace) {
-                continue;
-            }
+            let group_lock = self.group_lock(&snapshot, id);
+            let _guard = group_lock.lock().await;
             // Fresh after taking the lock: an operation that just finished has recorded its writes.
             self.store.refresh();
             let current = self.store.snapshot();
             let Some(group) = current.group(id) else {
                 continue;
             };
-            let Some(resource) = self
-                .store
-                .cached_resource(group.kind(), &group.resource.key)
-            else {
-                continue;
-            };
-            let Some(replicas) = resource.replicas else {
+            let Ok(cached) = self.cached(group) else {
                 continue;
             };
             // Taking back a mark whose decrement did land would let CAPI remove an unmarked Machine,
-            // and the caches lag the API (for seconds after an outage, while Machines come and go).
-            // So what the cache shows unpaid is confirmed from the group and its Machines as the
-            // API has them before anything is taken back.
-            if self.unpaid_marks(group, replicas, grace).is_empty() {
+            // and the caches lag the API (for seconds after an outage, while Machines come and go;
+            // another provider's raise or payment). So what the cache shows unpaid is confirmed
+            // from the group and its Machines as the API has them before anything is taken back.
+            if self.unpaid_marks(group, &cached, grace).is_empty() {
                 continue;
             }
-            // The group read, then its Machines listed: replicas change only by our operations
-            // (this group's lock is held) or by hand, and a Machine created or deleted after the
-            // read only makes fewer marks look unpaid.
+            // The group read, then its Machines listed: a Machine created or deleted after the
+            // read only makes fewer marks look unpaid. Another provider's removal between the two
+            // is marked before its decrement, so it looks paid, or owed and too young to take.
             let live = match self.live(group).await {
                 Ok(live) => live,
                 Err(e) => {
@@ -940,13 +1070,13 @@ impl Actuator {
             let Ok((_, group)) = self.group(id) else {
                 continue;
             };
-            let confirmed = self.unpaid_marks(&group, live.replicas, grace);
+            let confirmed = self.unpaid_marks(&group, &live, grace);
             for (key, version) in confirmed {
                 if self.unmark(&key, &delete_key, None, Some(&version)).await {
                     repaired += 1;
                     self.metrics.api_write("repair-unmark", "ok");
                     let note = format!(
-                        "{}: delete mark taken back: {} has no replica decrement for it (a removal interrupted part-way, or replicas raised again since); the node stays",
+                        "{}: delete mark taken back: the replicas of {} do not pay for it (a removal interrupted part-way, or a raise absorbed its decrement); the node stays",
                         group.id, group.resource.key
                     );
                     tracing::warn!(group = %group.id, machine = %key, "{note}");
@@ -957,12 +1087,13 @@ impl Actuator {
         repaired
     }
 
-    /// Our marks on `group`'s Machines, older than `grace`, that the index shows no decrement paying
-    /// for (see [`removal::orphans`]), with the version of each Machine (for a guarded unmark).
+    /// Our marks on `group`'s Machines that `state` (replicas, ledger, last raise) does not pay for
+    /// and that are older than `grace`, as the index shows them (see [`removal::orphans`]), with
+    /// the version of each Machine (for a guarded unmark).
     fn unpaid_marks(
         &self,
         group: &NodeGroup,
-        replicas: i32,
+        state: &GroupState,
         grace: Duration,
     ) -> Vec<(ObjectKey, String)> {
         let delete_key = &self.store.settings().keys.delete_machine;
@@ -971,12 +1102,19 @@ impl Actuator {
             .iter()
             .map(|(k, m)| machine_state(k, m, delete_key))
             .collect();
-        let counts = Counts::of(replicas, states.iter().copied());
-        removal::orphans(&states, &counts, now_unix(), grace.as_secs())
-            .into_iter()
-            .filter_map(|name| machines.iter().find(|(k, _)| k.name == name))
-            .map(|(k, m)| (k.clone(), m.resource_version.clone()))
-            .collect()
+        let counts = Counts::of(state.replicas, &state.ledger, states.iter().copied());
+        removal::orphans(
+            &states,
+            &state.ledger,
+            &counts,
+            state.raised,
+            now_unix(),
+            grace.as_secs(),
+        )
+        .into_iter()
+        .filter_map(|name| machines.iter().find(|(k, _)| k.name == name))
+        .map(|(k, m)| (k.clone(), m.resource_version.clone()))
+        .collect()
     }
 
     /// Runs [`Actuator::repair`] now and then every `interval`.
@@ -991,6 +1129,29 @@ impl Actuator {
             }
         });
     }
+}
+
+/// The refusal of a DeleteNodes naming nodes whose paid marks a raise absorbed: nothing is written,
+/// CA cleans its taint off the nodes and may ask again, a fresh removal once the repair has taken
+/// the marks back.
+fn absorbed_refusal(
+    group: &NodeGroup,
+    state: &GroupState,
+    counts: &Counts,
+    nodes: &[&NodeToDelete],
+) -> ActuatorError {
+    let nodes: Vec<String> = nodes.iter().map(|n| n.describe()).collect();
+    ActuatorError::Refused(format!(
+        "{}: {}: removal paid already (the mark is in the {LEDGER_ANNOTATION} annotation of {} {}), but replicas were raised since: {} replicas make Cluster API remove {} of the group's {} Machines with a paid mark, so the raise absorbed {}: which marked Machine stays as its capacity is Cluster API's choice; refused until the repair takes the absorbed marks back (the mark grace period after the last raise), after which this is a fresh removal",
+        group.id,
+        nodes.join(", "),
+        group.kind(),
+        group.resource.key,
+        state.replicas,
+        counts.surplus(),
+        counts.paid,
+        counts.absorbed(),
+    ))
 }
 
 /// What the removal rules need of a cached Machine.

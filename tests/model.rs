@@ -6,17 +6,19 @@
 //! checked:
 //!
 //! - the model: the provider's answer is one the model allows, and replicas are exactly what that
-//!   answer implies (a removal lowers them by one per node not removed before, a retry of a removed
-//!   node by nothing unless a scale-up absorbed its decrement since; a MachinePool removal is in the
-//!   pool's ledger for as long as the instance is listed);
+//!   answer implies (a removal lowers them by one per node not removed before; a retry of a removed
+//!   node by nothing: a removal is paid at most once per mark, and a retry of a node of a group
+//!   whose paid marks a scale-up absorbed is refused, unless the repair took that node's mark back,
+//!   which makes it a fresh removal; a MachinePool removal is in the pool's ledger for as long as the instance is
+//!   listed);
 //! - invariant 2: replicas within [min, max], now and in every version written since the last check
 //!   (a watch delivers each version; after the run, every version etcd holds is checked again);
 //! - invariant 3: Machines marked by us and not being deleted exceed what replicas pay for (Machines
 //!   beyond replicas) by no more than the operations in flight, plus the marks younger than the grace
-//!   period and a repair interval, plus what the group's raises within that time absorbed (a removal
-//!   whose decrement a scale-up absorbed waits for CA's retry, or for the repair, which leaves a group
-//!   alone for the grace period after a raise); after quiescence no mark of ours is left at all once
-//!   Cluster API converged.
+//!   period and a repair interval, plus what the group's raises within that time absorbed (a paid
+//!   mark a scale-up absorbed waits for the repair, which leaves a group alone for the grace period
+//!   after any raise; CA's retry of it is refused); after quiescence no mark of ours is left at all
+//!   once Cluster API converged.
 //!
 //! Sequential groups have one client each (the model knows the order, so it is exact); the "hot"
 //! group has three concurrent clients (only the invariants are checked). `MODEL_SEED` and
@@ -394,8 +396,9 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
                 .iter()
                 .filter(|id| !m.removed.contains_key(&m.key(id)))
                 .count() as i64;
-            // Marks are counted, not told apart: a retry of any removed node pays one decrement a
-            // scale-up absorbed, whichever node's that was.
+            // Paid at most once per mark: a retried node is paid again only once the repair has
+            // taken its mark back (a fresh removal), and the repair takes back as many paid marks
+            // as scale-ups absorbed, of whichever Machines Cluster API kept: counted, not told apart.
             let repeats = ids.len() as i64 - fresh;
             let absorbed = m.removed.values().filter(|a| **a).count() as i64;
             let absorbable = repeats.min(absorbed);

@@ -18,6 +18,9 @@ use capi_autoscaler_provider::proto::{
     NodeGroupAutoscalingOptions, NodeGroupAutoscalingOptionsRequest,
     NodeGroupTemplateNodeInfoRequest, RefreshRequest,
 };
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom as _;
+use rand::{Rng as _, SeedableRng as _};
 use support::capi::{
     Capi, Kind, Owner, Rpc, SHIPPED_ROLE, Scalable, TcpProxy, apply_shipped_cluster_role,
     expect_code, growth, grpc_node, kubeconfig_with_server, label_of, request_counts,
@@ -845,10 +848,11 @@ async fn delete_nodes_of_a_machine_marked_by_someone_else_decrements_once() {
 
 /// CA retries DeleteNodes for a node whose first call succeeded, but a scale-up raised replicas
 /// before Cluster API removed the marked Machine: replicas now cover all three Machines, so CAPI
-/// would keep the marked one (it deletes marked Machines first only when there are more Machines
-/// than replicas). The scale-up absorbed the decrement; the retry pays it again, once.
+/// keeps the marked one (it deletes marked Machines first only when there are more Machines than
+/// replicas). The raise absorbed the paid mark: the retry is refused, FAILED_PRECONDITION, and
+/// writes nothing (invariant 3: a removal is paid at most once per mark).
 #[tokio::test]
-async fn delete_nodes_retry_after_an_increase_pays_the_absorbed_decrement_once() {
+async fn delete_nodes_retry_after_an_increase_is_refused_and_pays_nothing_twice() {
     let _shared = API_QUIET.read().await;
     let env = env().await;
     let capi = &env.capi;
@@ -865,19 +869,51 @@ async fn delete_nodes_retry_after_an_increase_pays_the_absorbed_decrement_once()
         .await
         .expect("DeleteNodes m0");
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    let paid = ledger_marks(capi, "md").await;
+    assert_eq!(
+        paid,
+        current_marks(capi).await,
+        "the decrement recorded the mark it paid for"
+    );
     rpc.increase(&id, 1).await.expect("IncreaseSize +1");
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    assert!(
+        group_annotation(capi, "md", RAISED).await.is_some(),
+        "the raise is recorded on the object"
+    );
     for attempt in ["retried", "retried again"] {
-        rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        let refused = rpc
+            .delete_nodes(&id, vec![capi.grpc_node("m0")])
             .await
-            .unwrap_or_else(|e| panic!("DeleteNodes m0, {attempt}: {e}"));
+            .expect_err("a DeleteNodes of an absorbed mark is refused");
+        assert_eq!(
+            refused.code(),
+            Code::FailedPrecondition,
+            "{attempt}: {refused:?}"
+        );
+        assert!(
+            refused.message().contains("absorbed"),
+            "{attempt}: {}",
+            refused.message()
+        );
         assert_eq!(capi.marked_machines().await, ids(&["m0"]));
         assert_eq!(
             capi.replicas(Kind::MachineDeployment, "md").await,
-            2,
-            "{attempt}: 3 Machines, m0 marked: replicas 2 make CAPI remove m0, and only once"
+            3,
+            "{attempt}: the paid mark is not paid again"
+        );
+        assert_eq!(
+            ledger_marks(capi, "md").await,
+            paid,
+            "{attempt}: nothing written"
         );
     }
+    // A fresh node is removed as ever, and the absorbed mark keeps its entry.
+    rpc.delete_nodes(&id, vec![capi.grpc_node("m1")])
+        .await
+        .expect("DeleteNodes m1");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    assert_eq!(ledger_marks(capi, "md").await, current_marks(capi).await);
 }
 
 /// A mark of ours without its decrement (a crash between the two writes): DeleteNodes of that node
@@ -1014,6 +1050,297 @@ async fn a_mark_a_scale_up_absorbed_is_left_for_the_grace_period_after_the_raise
     wait_event(capi, "absorbed", "DeleteMarkRepaired").await;
 }
 
+/// Two providers on one management cluster (CA replicas each with a sidecar, a rolling update): a
+/// raise made through provider A protects the mark it absorbed from provider B's repair for the
+/// grace period after the raise, because the raise is recorded on the object, not in A's memory.
+/// Meanwhile B refuses a DeleteNodes of the node; after the grace period B takes the mark back (an
+/// Event on the Machine) and the node is a fresh removal again.
+#[tokio::test]
+async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_providers_repair() {
+    const GRACE: Duration = Duration::from_secs(3);
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(3), false)
+        .await;
+    for name in ["m0", "m1", "m2"] {
+        capi.create_machine(&capi.running(name, md.clone())).await;
+    }
+    // A never repairs within the test; B repairs every 100 ms with a 3 s grace period.
+    let (provider_a, mut a) = provider_for_args(
+        &env,
+        &["--repair-interval", "1h", "--mark-grace-period", "1h"],
+    )
+    .await;
+    let (provider_b, mut b) = provider_for_args(
+        &env,
+        &["--repair-interval", "100ms", "--mark-grace-period", "3s"],
+    )
+    .await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+    let logs = || {
+        format!(
+            "provider A:\n{}\nprovider B:\n{}",
+            provider_a.log_contents(),
+            provider_b.log_contents()
+        )
+    };
+
+    a.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes m0 through A");
+    let paid = current_marks(capi).await;
+    assert_eq!(
+        ledger_marks(capi, "md").await,
+        paid,
+        "A's decrement recorded the mark"
+    );
+    let raised = Instant::now();
+    a.increase(&id, 1).await.expect("IncreaseSize +1 through A");
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+
+    let refused = b
+        .delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect_err("B refuses a DeleteNodes of the absorbed mark");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    assert!(
+        refused.message().contains("absorbed"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+
+    let taken_back = poll_until(
+        "B takes the absorbed mark back",
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            let marked = capi.marked_machines().await;
+            if marked.is_empty() {
+                Check::Done(raised.elapsed())
+            } else {
+                Check::Wait(format!("marked {marked:?}"))
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", logs()));
+    assert!(
+        taken_back >= GRACE,
+        "taken back {:.2}s after A's raise, within the grace period",
+        taken_back.as_secs_f64()
+    );
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
+    wait_event(capi, "m0", "DeleteMarkRepaired").await;
+
+    // Taken back, it is a fresh removal: a new mark, dated after the paid one, paid once.
+    b.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .unwrap_or_else(|e| panic!("DeleteNodes m0 through B after the repair: {e}\n{}", logs()));
+    assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    let remarked = current_marks(capi).await;
+    assert_eq!(remarked.len(), 1);
+    assert!(
+        remarked.is_disjoint(&paid),
+        "a new mark: {remarked:?} after {paid:?}"
+    );
+    assert!(ledger_marks(capi, "md").await.is_superset(&remarked));
+    a.delete_nodes(&id, vec![capi.grpc_node("m0")])
+        .await
+        .expect("DeleteNodes m0 retried through A");
+    assert_eq!(
+        capi.replicas(Kind::MachineDeployment, "md").await,
+        2,
+        "A does not pay B's mark again"
+    );
+}
+
+/// The retry across a raise, many times over: 12 Machines; at once, DeleteNodes for 8 of them (4
+/// of those asked for twice, as CA retries a call whose answer it lost) and 5 IncreaseSize(+1),
+/// each after a random delay. Whatever the interleaving, each node's removal is paid once:
+/// replicas end at exactly 12 - 8 + 5 = 9, the 8 Machines carry our mark, the ledger holds exactly
+/// their marks, and a call refused is FAILED_PRECONDITION for a mark paid by the node's other call
+/// and absorbed by a raise. Odd rounds send each call to one of two providers at random (CA
+/// replicas with their sidecars, a rolling update). `RETRY_ROUNDS` (20) and `RETRY_SEED` (printed)
+/// replay it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
+    const MACHINES: usize = 12;
+    const REMOVED: usize = 8;
+    const RETRIED: usize = 4;
+    const RAISES: usize = 5;
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let rounds = std::env::var("RETRY_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20u64);
+    let seed = std::env::var("RETRY_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x1923_2026_u64);
+    eprintln!("RETRY_SEED={seed} RETRY_ROUNDS={rounds}");
+    let (provider, rpc) = provider_for(&env).await;
+    let (second, rpc_b) = provider_for(&env).await;
+    let mut refusals = 0;
+    let started = Instant::now();
+    for round in 0..rounds {
+        let mut rng = StdRng::seed_from_u64(seed.wrapping_add(round));
+        let name = format!("md-{round}");
+        let owner = Owner::Deployment(name.clone());
+        capi.create_deployment(
+            &Scalable::md(&name).bounds(1, 40).replicas(MACHINES as i64),
+            false,
+        )
+        .await;
+        let machines: Vec<String> = (0..MACHINES).map(|i| format!("r{round}-m{i}")).collect();
+        for m in &machines {
+            capi.create_machine(&capi.running(m, owner.clone())).await;
+        }
+        let id = capi.id(Kind::MachineDeployment, &name);
+        wait_instances(&rpc, &id, MACHINES).await;
+        wait_instances(&rpc_b, &id, MACHINES).await;
+        let two = round % 2 == 1;
+
+        let mut chosen = machines.clone();
+        chosen.shuffle(&mut rng);
+        chosen.truncate(REMOVED);
+        let mut ops: Vec<Option<String>> = chosen.iter().cloned().map(Some).collect();
+        ops.extend(chosen.iter().take(RETRIED).cloned().map(Some));
+        ops.extend(std::iter::repeat_n(None, RAISES));
+        ops.shuffle(&mut rng);
+        let origin = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for op in ops {
+            let delay = Duration::from_millis(rng.random_range(0..40));
+            let mut rpc = if two && rng.random_bool(0.5) {
+                rpc_b.clone()
+            } else {
+                rpc.clone()
+            };
+            let (id, capi) = (id.clone(), capi.clone());
+            tasks.spawn(async move {
+                tokio::time::sleep(delay).await;
+                let start = origin.elapsed();
+                let result = match &op {
+                    Some(m) => rpc.delete_nodes(&id, vec![capi.grpc_node(m)]).await,
+                    None => rpc.increase(&id, 1).await,
+                };
+                (op, start, origin.elapsed(), result)
+            });
+        }
+        let mut outcomes = Vec::new();
+        while let Some(joined) = tasks.join_next().await {
+            outcomes.push(joined.expect("an RPC task"));
+        }
+        outcomes.sort_by_key(|(_, start, _, _)| *start);
+        let report = outcomes
+            .iter()
+            .map(|(op, start, end, result)| {
+                format!(
+                    "{:>4}..{:>4} ms {}: {:?}",
+                    start.as_millis(),
+                    end.as_millis(),
+                    op.as_ref()
+                        .map_or("IncreaseSize(1)".to_string(), |m| format!(
+                            "DeleteNodes({m})"
+                        )),
+                    result
+                        .as_ref()
+                        .map_err(|s| (s.code(), s.message().to_string()))
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n  ");
+        let fail = |what: String| -> ! {
+            panic!(
+                "RETRY_SEED={seed} round {round} ({} providers): {what}\n  {report}\n{}\n{}",
+                if two { 2 } else { 1 },
+                provider.log_contents(),
+                second.log_contents()
+            )
+        };
+        for (op, _, end, result) in &outcomes {
+            let Err(status) = result else { continue };
+            let Some(machine) = op else {
+                fail(format!("IncreaseSize refused: {status:?}"));
+            };
+            let other_ok = outcomes
+                .iter()
+                .any(|(o, _, _, r)| o.as_ref() == Some(machine) && r.is_ok());
+            let raise_before = outcomes
+                .iter()
+                .any(|(o, start, _, r)| o.is_none() && r.is_ok() && start < end);
+            if status.code() != Code::FailedPrecondition
+                || !status.message().contains("absorbed")
+                || !other_ok
+                || !raise_before
+            {
+                fail(format!(
+                    "DeleteNodes({machine}) refused, not for an absorbed mark: {status:?}"
+                ));
+            }
+            refusals += 1;
+        }
+        let replicas = capi.replicas(Kind::MachineDeployment, &name).await;
+        if replicas != (MACHINES - REMOVED + RAISES) as i64 {
+            fail(format!(
+                "replicas {replicas}, not {}",
+                MACHINES - REMOVED + RAISES
+            ));
+        }
+        let marks = current_marks_of(capi, &name).await;
+        let marked: BTreeSet<String> = marks
+            .iter()
+            .filter_map(|e| e.split('@').next().map(str::to_string))
+            .collect();
+        let want: BTreeSet<String> = chosen.iter().cloned().collect();
+        if marked != want || marks.len() != REMOVED {
+            fail(format!(
+                "marked {marks:?}, not one mark of ours on each of {want:?}"
+            ));
+        }
+        let all_marked = capi.marked_machines().await;
+        if !all_marked.is_superset(&want) {
+            fail(format!("marks of others: {all_marked:?}"));
+        }
+        let ledger = ledger_marks(capi, &name).await;
+        if ledger != marks {
+            fail(format!(
+                "ledger {ledger:?}, not exactly the marks {marks:?}"
+            ));
+        }
+    }
+    eprintln!(
+        "{rounds} rounds in {:.1}s; {refusals} DeleteNodes refused for an absorbed mark",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(
+        refusals > 0,
+        "no round retried a node after a raise absorbed its mark"
+    );
+}
+
+/// Waits until the provider serves group `id` with `count` instances.
+async fn wait_instances(rpc: &Rpc, id: &str, count: usize) {
+    poll_until(
+        &format!("{id} served with {count} instances"),
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            match rpc.clone().nodes(id).await {
+                Ok(instances) if instances.len() == count => Check::Done(()),
+                other => Check::Wait(format!("{:?}", other.map(|i| i.len()))),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// A running Machine of `owner` carrying this provider's delete mark, written `age_secs` ago.
 async fn machine_marked_by_us(capi: &Capi, name: &str, owner: Owner, age_secs: u64) {
     let mark = format!("unix {} by capi-autoscaler-provider", now_unix() - age_secs);
@@ -1023,6 +1350,61 @@ async fn machine_marked_by_us(capi: &Capi, name: &str, owner: Owner, age_secs: u
             .annotation(&capi.delete_key(), &mark),
     )
     .await;
+}
+
+const LEDGER: &str = "capi-autoscaler-provider/removed";
+const RAISED: &str = "capi-autoscaler-provider/raised";
+
+/// An annotation of MachineDeployment `name`.
+async fn group_annotation(capi: &Capi, name: &str, key: &str) -> Option<String> {
+    capi.api(Kind::MachineDeployment)
+        .get(name)
+        .await
+        .expect("get the MachineDeployment")
+        .metadata
+        .annotations
+        .and_then(|a| a.get(key).cloned())
+}
+
+/// The Machine entries of MachineDeployment `name`'s ledger (`<machine>@<mark time>`).
+async fn ledger_marks(capi: &Capi, name: &str) -> BTreeSet<String> {
+    group_annotation(capi, name, LEDGER)
+        .await
+        .unwrap_or_default()
+        .split(',')
+        .filter(|e| !e.is_empty() && !e.starts_with("id:"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every Machine of the namespace carrying our mark, as the ledger names a mark.
+async fn current_marks(capi: &Capi) -> BTreeSet<String> {
+    marks_of(capi, &Default::default()).await
+}
+
+/// Every Machine of MachineDeployment `name` carrying our mark, as the ledger names a mark.
+async fn current_marks_of(capi: &Capi, name: &str) -> BTreeSet<String> {
+    let selector = format!("{}={name}", capi.key("deployment-name"));
+    marks_of(capi, &kube::api::ListParams::default().labels(&selector)).await
+}
+
+async fn marks_of(capi: &Capi, params: &kube::api::ListParams) -> BTreeSet<String> {
+    let key = capi.delete_key();
+    capi.api(Kind::Machine)
+        .list(params)
+        .await
+        .expect("list Machines")
+        .items
+        .into_iter()
+        .filter_map(|m| {
+            let mark = m.metadata.annotations?.get(&key)?.clone();
+            let time = mark
+                .strip_prefix("unix ")?
+                .strip_suffix(" by capi-autoscaler-provider")?
+                .to_string();
+            Some(format!("{}@{time}", m.metadata.name?))
+        })
+        .collect()
 }
 
 fn now_unix() -> u64 {
@@ -1466,10 +1848,25 @@ async fn concurrent_scale_operations_keep_replicas_and_marks_consistent() {
         deleted.is_subset(&marked),
         "every node of a successful DeleteNodes is marked: {report}"
     );
-    // No CAPI runs here, so no Machine is created or deleted: scale-ups that came after a removal
-    // absorbed its decrement (CAPI would keep a marked Machine that replicas cover). CA retries the
-    // DeleteNodes it still wants: after one retry of each marked node, every mark is paid exactly
-    // (CAPI would remove exactly the marked Machines), and a second retry changes nothing.
+    // No CAPI runs here, so no Machine is created or deleted. Each node's removal is paid once,
+    // whatever the interleaving (invariant 3): replicas are the Machines, less the nodes removed,
+    // plus the raises; a raise after a removal absorbed its mark, it did not make it unpaid.
+    assert_eq!(
+        marked, deleted,
+        "exactly the nodes of successful calls are marked: {report}"
+    );
+    assert_eq!(
+        replicas,
+        MACHINES as i64 - deleted.len() as i64 + increased,
+        "replicas: {report}"
+    );
+    assert_eq!(
+        ledger_marks(capi, "md").await,
+        current_marks(capi).await,
+        "the ledger names exactly the marks: {report}"
+    );
+    // CA's retries of every marked node change nothing: done, or refused while a raise absorbed
+    // the group's paid marks.
     for round in ["retry", "second retry"] {
         for machine in &marked {
             let result = rpc
@@ -1482,17 +1879,18 @@ async fn concurrent_scale_operations_keep_replicas_and_marks_consistent() {
                     Code::FailedPrecondition,
                     "{round} of {machine}: {s:?}"
                 );
+                assert!(
+                    s.message().contains("absorbed"),
+                    "{round} of {machine}: {s:?}"
+                );
             }
         }
-        let now = capi.replicas(Kind::MachineDeployment, "md").await;
-        let marked_now = capi.marked_machines().await;
-        assert!(now >= MIN, "{round}: replicas {now} below min: {report}");
-        // Unpaid marks remain only where paying would cross min (the repair takes those back).
-        let unpaid = marked_now.len() as i64 - (MACHINES as i64 - now);
-        assert!(
-            unpaid == 0 || (unpaid > 0 && now == MIN),
-            "{round}: marks and replicas disagree (replicas {now}, marked {marked_now:?}): {report}"
+        assert_eq!(
+            capi.replicas(Kind::MachineDeployment, "md").await,
+            replicas,
+            "{round}: {report}"
         );
+        assert_eq!(capi.marked_machines().await, marked, "{round}: {report}");
     }
     let final_replicas = capi.replicas(Kind::MachineDeployment, "md").await;
     assert_eq!(
