@@ -377,6 +377,14 @@ impl Store {
                 "infrastructure templates referenced by node groups are still being listed".into(),
             );
         }
+        // Serving nothing because of which Cluster is served is a configuration to fix, said where
+        // the operator looks first (the pod's readiness).
+        if reasons.is_empty()
+            && self.is_complete()
+            && let Some(why) = &self.snapshot().scope_reason
+        {
+            reasons.push(why.clone());
+        }
         reasons
     }
 
