@@ -140,9 +140,14 @@ pub fn cluster_name(cluster: &ObjectKey) -> String {
     }
 }
 
+/// Clusters for a message: the first few, and how many more (a management cluster may hold hundreds).
 fn list<'a>(clusters: impl Iterator<Item = &'a ObjectKey>) -> String {
+    const SHOWN: usize = 5;
     let names: Vec<String> = clusters.map(cluster_name).collect();
-    names.join(", ")
+    match names.len().checked_sub(SHOWN) {
+        Some(more) if more > 0 => format!("{} and {more} more", names[..SHOWN].join(", ")),
+        _ => names.join(", "),
+    }
 }
 
 /// Decides which Cluster is served (see the module documentation).

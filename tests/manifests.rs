@@ -257,9 +257,16 @@ fn require_root() {
     );
 }
 
-async fn run(variant: Variant) {
+async fn run(mut variant: Variant) {
     require_root();
     let started = Instant::now();
+    // The operator names their Cluster where the packaging has the placeholder (the kind + CAPD values
+    // name the quickstart's own); each single-cluster variant's group is of a Cluster of its own.
+    let cluster = match variant.topology {
+        Topology::Single => variant.name,
+        Topology::Management { cluster } => cluster,
+    };
+    render::name_cluster(&mut variant.objects, cluster);
     let cp = support::control_plane(Setup::shipped());
     let admin = cp.admin_client().await;
     assert_images(&variant.objects);
@@ -316,7 +323,7 @@ async fn run(variant: Variant) {
                 admin.clone(),
                 cp.admin_kubeconfig().to_path_buf(),
                 ns.clone(),
-                None,
+                cluster,
                 ns,
             )
         }
@@ -357,7 +364,7 @@ async fn run(variant: Variant) {
                 client,
                 w.admin_kubeconfig.clone(),
                 install_ns.clone(),
-                Some(cluster),
+                cluster,
                 pod_ns,
             )
         }
@@ -400,9 +407,7 @@ async fn run(variant: Variant) {
             &format!("{CAPACITY}/labels"),
             &workload::scenario_labels(&pod_ns, &[]),
         );
-    if let Some(cluster) = cluster_name {
-        md = md.cluster(cluster);
-    }
+    md = md.cluster(cluster_name);
     capi.create_deployment(&md, false).await;
     applied.cleanup(
         cp.admin_kubeconfig(),

@@ -896,12 +896,16 @@ async fn well_known_labels_come_from_an_existing_node_of_the_group_with_a_worklo
 
     let discovery = format!("clusterapi:namespace={}", capi.ns);
     let kubeconfig = env.cp.admin_kubeconfig().display().to_string();
+    // The shared apiserver's Nodes belong to many tests' Clusters: this one is named.
+    let cluster = format!("{}/{}", capi.ns, support::capi::DEFAULT_CLUSTER);
     let provider = start_provider(
         &[
             "--node-group-auto-discovery",
             &discovery,
             "--kubeconfig",
             &kubeconfig,
+            "--cluster",
+            &cluster,
         ],
         env.cp.admin_kubeconfig(),
     )
