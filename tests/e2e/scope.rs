@@ -12,14 +12,17 @@ use crate::support;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
+use kube::Api;
 use kube::api::{DeleteParams, PostParams};
-use kube::{Api, Client};
 use serde_json::{Value, json};
 use support::capi::{Capi, Kind, Owner, Rpc, Scalable, expect_code, fresh_capi, spawn_provider};
 use support::infra::run_cli;
 use support::procs::{self, Check, poll_until};
 use support::{CAPI_GROUP, Setup, start_provider};
 use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+const CLOUD_PROVIDER: &str = "clusterautoscaler.cloudprovider.v1.externalgrpc.CloudProvider";
 
 const SETUP: Setup = Setup::shipped();
 const VERSION: &str = "v1beta2";
@@ -51,12 +54,17 @@ async fn two_clusters() -> (&'static support::ControlPlane, Capi) {
 /// A Node of the workload cluster as Cluster API annotates it: it belongs to `namespace/cluster`.
 /// Unschedulable, so no test's pod lands on it. Deleted when the guard drops.
 struct ClusterNode {
-    client: Client,
+    kubeconfig: std::path::PathBuf,
     name: String,
 }
 
 impl ClusterNode {
-    async fn create(client: &Client, name: &str, namespace: &str, cluster: &str) -> ClusterNode {
+    async fn create(
+        cp: &support::ControlPlane,
+        name: &str,
+        namespace: &str,
+        cluster: &str,
+    ) -> ClusterNode {
         let node: Node = serde_json::from_value(json!({
             "metadata": {
                 "name": name,
@@ -68,12 +76,12 @@ impl ClusterNode {
             "spec": {"unschedulable": true},
         }))
         .expect("a Node");
-        Api::<Node>::all(client.clone())
+        Api::<Node>::all(cp.admin_client().await)
             .create(&PostParams::default(), &node)
             .await
             .unwrap_or_else(|e| panic!("create Node {name}: {e}"));
         ClusterNode {
-            client: client.clone(),
+            kubeconfig: cp.admin_kubeconfig().to_path_buf(),
             name: name.to_string(),
         }
     }
@@ -81,16 +89,20 @@ impl ClusterNode {
 
 impl Drop for ClusterNode {
     fn drop(&mut self) {
-        let (client, name) = (self.client.clone(), self.name.clone());
-        // The test's runtime may be ending: delete from a runtime of our own.
+        let (kubeconfig, name) = (self.kubeconfig.clone(), self.name.clone());
+        // On a runtime and client of its own: the test's runtime is blocked in this drop.
         let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .ok()?;
-            runtime
-                .block_on(Api::<Node>::all(client).delete(&name, &DeleteParams::default()))
-                .ok()
+            runtime.block_on(async {
+                let client = support::client_from_kubeconfig(&kubeconfig).await;
+                Api::<Node>::all(client)
+                    .delete(&name, &DeleteParams::default())
+                    .await
+                    .ok()
+            })
         })
         .join();
     }
@@ -197,8 +209,7 @@ async fn check(capi: &Capi, extra: &[&str]) -> Value {
 #[tokio::test]
 async fn a_cluster_the_workload_nodes_contradict_serves_nothing_and_readyz_says_why() {
     let (cp, capi) = two_clusters().await;
-    let admin = cp.admin_client().await;
-    let _node = ClusterNode::create(&admin, &format!("{}-node", capi.ns), &capi.ns, "c1").await;
+    let _node = ClusterNode::create(cp, &format!("{}-node", capi.ns), &capi.ns, "c1").await;
     let kubeconfig = cp.admin_kubeconfig().display().to_string();
     let wrong = format!("{}/c2", capi.ns);
     let discovery = only(&capi);
@@ -238,8 +249,12 @@ async fn a_cluster_the_workload_nodes_contradict_serves_nothing_and_readyz_says_
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
     assert!(reason.contains("no node group is served"), "{reason}");
 
-    // Nothing served, nothing written: every group answers NOT_FOUND.
-    let mut rpc = Rpc::connect(&provider).await;
+    // Not ready for gRPC health either; nothing served, nothing written: every group answers NOT_FOUND.
+    assert_eq!(
+        provider.health(CLOUD_PROVIDER).await,
+        Ok(ServingStatus::NotServing)
+    );
+    let mut rpc = Rpc::connect_unready(&provider).await;
     assert!(rpc.ids_in(&capi.ns).await.is_empty());
     for name in ["mine", "theirs"] {
         let id = capi.id(Kind::MachineDeployment, name);
@@ -302,7 +317,7 @@ async fn without_cluster_groups_of_two_clusters_and_no_nodes_serve_nothing_and_a
         let named = format!("{}/{cluster}", capi.ns);
         assert!(body.contains(&named), "{named}: {body}");
     }
-    let mut rpc = Rpc::connect(&provider).await;
+    let mut rpc = Rpc::connect_unready(&provider).await;
     assert!(rpc.ids_in(&capi.ns).await.is_empty());
     // Both groups reported, each with its own Cluster.
     for (name, cluster) in [("mine", "c1"), ("theirs", "c2")] {
