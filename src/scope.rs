@@ -129,7 +129,7 @@ impl Scope {
 }
 
 /// A Cluster as people read it; a group with no cluster name says so.
-pub fn cluster_name(cluster: &ObjectKey) -> String {
+fn cluster_name(cluster: &ObjectKey) -> String {
     if cluster.name.is_empty() {
         format!(
             "(none: spec.clusterName is empty, namespace {})",
