@@ -1,6 +1,6 @@
 //! Which Cluster is served (invariant 8, kubernetes/autoscaler#5510), against the real apiserver: two
 //! Clusters' groups in one namespace, a provider for the first: the second's groups answer NOT_FOUND to
-//! every RPC, are never written and are reported naming their Cluster (Event, `check`); `--cluster`
+//! every RPC, are never written and are reported naming their Cluster (Event, metric, `check`); `--cluster`
 //! that the workload cluster's Nodes contradict serves nothing and `/readyz` says why; a discovery spec
 //! naming another Cluster is reported naming the spec and the served Cluster.
 //!
@@ -164,6 +164,13 @@ async fn groups_of_a_second_cluster_are_not_served_never_written_and_reported_wi
     let theirs_cluster = format!("Cluster {}/c2", capi.ns);
     let mine_cluster = format!("Cluster {cluster}");
     support::infra::wait_problem_event(&capi, "theirs", &[&theirs_cluster, &mine_cluster]).await;
+    // Counted with the problems.
+    let metrics = support::autoscaler::http_get(&provider.metrics_address, "/metrics")
+        .await
+        .unwrap_or_else(|e| panic!("GET /metrics: {e}"));
+    let problems =
+        support::autoscaler::metric_sum(&metrics, "capi_autoscaler_provider_problems", &[]);
+    assert!(problems >= 1.0, "problems {problems}");
     // And by `check`, which also names the served Cluster.
     let report = check(&capi, &["--cluster", &cluster]).await;
     assert!(
