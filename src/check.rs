@@ -17,6 +17,7 @@ use crate::metrics::Metrics;
 use crate::options::GroupOptions;
 use crate::pricing::{PriceSource, ReferencePrices};
 use crate::problem::Problem;
+use crate::scope::Scope;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
 use crate::startup::start_store;
 use crate::store::WatchSettings;
@@ -26,6 +27,8 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Serialize)]
 pub struct Report {
+    /// The Cluster whose groups are served and how that was decided, or why none is.
+    pub cluster: String,
     pub groups: Vec<GroupReport>,
     /// Candidates that are not served, and why.
     pub skipped: BTreeMap<String, String>,
@@ -108,6 +111,11 @@ fn group_report(group: &NodeGroup) -> GroupReport {
 
 pub fn report(snapshot: &Snapshot) -> Report {
     Report {
+        cluster: match &snapshot.scope {
+            Scope::Cluster { cluster, how } => format!("{cluster} ({how})"),
+            Scope::Unknown => "(none yet: no node group, no --cluster)".into(),
+            Scope::Nothing(why) => format!("(none: {why})"),
+        },
         groups: snapshot.groups.values().map(group_report).collect(),
         skipped: snapshot.skipped.clone(),
         problems: snapshot.problems.clone(),
@@ -149,6 +157,7 @@ fn options_text(o: &GroupOptions) -> String {
 /// The human-readable report.
 pub fn render_table(report: &Report) -> String {
     let mut out = String::new();
+    let _ = writeln!(out, "CLUSTER {}\n", report.cluster);
     let rows: Vec<[String; 6]> = report
         .groups
         .iter()

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::capi::names::is_dns1123_subdomain;
 use crate::capi::{DEFAULT_GROUP, Keys};
 use crate::discovery::DiscoverySpec;
+use crate::scope::ClusterRef;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -67,6 +68,15 @@ pub struct ConnectionArgs {
         value_delimiter = ';'
     )]
     pub node_group_auto_discovery: Vec<String>,
+    /// The Cluster whose Nodes cluster-autoscaler watches, `NAME` or `NAMESPACE/NAME`: only its node
+    /// groups are served. Unset: the Cluster the workload cluster's Nodes name, else the one Cluster
+    /// of every node group; when that is ambiguous nothing is served.
+    #[arg(
+        long,
+        env = "CAPI_AUTOSCALER_PROVIDER_CLUSTER",
+        value_name = "[NAMESPACE/]NAME"
+    )]
+    pub cluster: Option<String>,
     /// API group of the Cluster API objects; also the prefix of the group-dependent annotation keys.
     #[arg(long = "capi-group", env = "CAPI_GROUP", default_value = DEFAULT_GROUP, hide_env_values = true)]
     pub capi_group: String,
@@ -342,6 +352,7 @@ pub struct Config {
     pub management: KubeconfigSource,
     pub workload: Option<PathBuf>,
     pub discovery: Vec<DiscoverySpec>,
+    pub cluster: Option<ClusterRef>,
     pub keys: Keys,
     pub capi_version: Option<String>,
     pub default_arch: Option<String>,
@@ -373,6 +384,8 @@ impl Default for ApiPing {
 pub enum ConfigError {
     #[error("--node-group-auto-discovery {spec:?}: {reason}")]
     Discovery { spec: String, reason: String },
+    #[error("--cluster (CAPI_AUTOSCALER_PROVIDER_CLUSTER): {0}")]
+    Cluster(String),
     #[error("CAPI_GROUP {0:?} is not a DNS subdomain")]
     Group(String),
     #[error("{flag} {value}: must be a finite, non-negative number")]
@@ -392,6 +405,13 @@ impl ConnectionArgs {
                     })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let cluster = self
+            .cluster
+            .as_deref()
+            .filter(|c| !c.is_empty())
+            .map(str::parse::<ClusterRef>)
+            .transpose()
+            .map_err(ConfigError::Cluster)?;
         let group = if self.capi_group.is_empty() {
             DEFAULT_GROUP.to_string()
         } else {
@@ -423,6 +443,7 @@ impl ConnectionArgs {
             management,
             workload: self.kubeconfig.clone(),
             discovery,
+            cluster,
             keys: Keys::new(&group),
             capi_version: self.capi_version.clone().filter(|v| !v.is_empty()),
             default_arch: self
@@ -511,6 +532,50 @@ mod tests {
         let err = serve_config(&["serve", "--node-group-auto-discovery", "asg:tag=x"]).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("\"asg:tag=x\""), "{text}");
+    }
+
+    #[test]
+    fn cluster_takes_a_name_or_namespace_and_name() {
+        let c = serve_config(&["serve", "--cluster", "prod"]).unwrap();
+        assert_eq!(
+            c.cluster,
+            Some(ClusterRef {
+                namespace: None,
+                name: "prod".into()
+            })
+        );
+        let c = serve_config(&["serve", "--cluster", "fleet/prod"]).unwrap();
+        assert_eq!(
+            c.cluster.map(|c| c.to_string()).as_deref(),
+            Some("fleet/prod")
+        );
+        assert_eq!(serve_config(&["serve"]).unwrap().cluster, None);
+        assert_eq!(
+            serve_config(&["serve", "--cluster", ""]).unwrap().cluster,
+            None
+        );
+        for bad in ["Prod", "a/b/c", "/prod", "fleet/", "under_score"] {
+            let err = serve_config(&["serve", "--cluster", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with("--cluster"), "{bad:?}: {err}");
+        }
+    }
+
+    /// The shipped manifests carry a placeholder: left as is, the provider refuses to start and says
+    /// what to set.
+    #[test]
+    fn the_placeholder_cluster_is_a_startup_error_that_says_what_to_set() {
+        let err = serve_config(&["serve", "--cluster", crate::scope::PLACEHOLDER])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("CAPI_AUTOSCALER_PROVIDER_CLUSTER"), "{err}");
+        assert!(err.contains("placeholder"), "{err}");
+        assert!(err.contains("NAMESPACE/NAME"), "{err}");
+        let err = serve_config(&["serve", "--cluster", "default/REPLACE-WITH-CLUSTER-NAME"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("placeholder"), "{err}");
     }
 
     #[test]

@@ -71,7 +71,7 @@ pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject
                 .map_err(|e| problem("Machine", e));
             Prepared::Machine(key, parsed)
         }
-        Watched::Node => Prepared::Node(match Node::from_json(&json) {
+        Watched::Node => Prepared::Node(match Node::from_json(keys, &json) {
             Ok(mut node) => {
                 // Templates copy only these (a Node's other labels would be cached for nothing).
                 node.labels

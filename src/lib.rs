@@ -19,6 +19,7 @@ pub mod pricing;
 pub mod problem;
 pub mod proto;
 mod removal;
+pub mod scope;
 pub mod server;
 pub mod service;
 pub mod snapshot;

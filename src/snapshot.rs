@@ -15,6 +15,7 @@ use crate::discovery::{self, DiscoverySpec};
 use crate::options::{self, GroupOptions};
 use crate::pricing::{self, PriceSource, PricedNode, ReferencePrices};
 use crate::problem::Problem;
+use crate::scope::{self, ClusterRef, Scope};
 use crate::template::{self, InfraSource, TemplateInputs, TemplateNode};
 
 /// Prefixes of the instance ids made up for Machines that have no providerID (kept from upstream).
@@ -27,6 +28,8 @@ pub const DELETING_PREFIX: &str = "deleting-machine-";
 pub struct Settings {
     pub keys: Keys,
     pub discovery: Vec<DiscoverySpec>,
+    /// `--cluster`: the Cluster whose Nodes CA watches (see `scope`).
+    pub cluster: Option<ClusterRef>,
     pub default_arch: Option<String>,
     pub cpu_hour_price: Option<f64>,
     pub gib_hour_price: Option<f64>,
@@ -67,6 +70,8 @@ pub struct Index {
     resources: BTreeMap<(ScalableKind, ObjectKey), Parsed<ScalableResource>>,
     machines: BTreeMap<ObjectKey, Parsed<Machine>>,
     nodes: HashMap<String, Arc<Node>>,
+    /// How many Nodes name each Cluster: the observed Clusters `scope` decides by.
+    node_clusters: BTreeMap<ObjectKey, usize>,
     infra_kinds: BTreeMap<InfraKind, InfraKindState>,
     /// How many resources reference each infrastructure kind: kept as resources come and go, so
     /// readiness and every build ask it without a walk over every resource.
@@ -201,12 +206,15 @@ impl Index {
 
     pub fn apply_node(&mut self, node: Node) {
         self.journal.other = true;
-        self.nodes.insert(node.name.clone(), Arc::new(node));
+        self.count_node_cluster(Some(&node), 1);
+        let old = self.nodes.insert(node.name.clone(), Arc::new(node));
+        self.count_node_cluster(old.as_deref(), -1);
     }
 
     pub fn delete_node(&mut self, name: &str) {
         self.journal.other = true;
-        self.nodes.remove(name);
+        let old = self.nodes.remove(name);
+        self.count_node_cluster(old.as_deref(), -1);
     }
 
     pub fn reset_nodes(&mut self, nodes: impl IntoIterator<Item = Node>) {
@@ -215,6 +223,26 @@ impl Index {
             .into_iter()
             .map(|n| (n.name.clone(), Arc::new(n)))
             .collect();
+        self.node_clusters.clear();
+        for cluster in self.nodes.values().filter_map(|n| n.cluster.clone()) {
+            *self.node_clusters.entry(cluster).or_default() += 1;
+        }
+    }
+
+    fn count_node_cluster(&mut self, node: Option<&Node>, by: isize) {
+        let Some(cluster) = node.and_then(|n| n.cluster.as_ref()) else {
+            return;
+        };
+        let count = self.node_clusters.entry(cluster.clone()).or_default();
+        *count = count.saturating_add_signed(by);
+        if *count == 0 {
+            self.node_clusters.remove(cluster);
+        }
+    }
+
+    /// The Clusters the workload cluster's Nodes belong to.
+    pub fn observed_clusters(&self) -> BTreeSet<ObjectKey> {
+        self.node_clusters.keys().cloned().collect()
     }
 
     pub fn set_infra_kind_state(&mut self, kind: InfraKind, state: InfraKindState) {
@@ -425,6 +453,11 @@ pub struct Snapshot {
     group_problems: HashMap<Arc<str>, Arc<[Problem]>>,
     /// … and all the others (objects that cannot be read, resources not served, claimed ids).
     base_problems: Vec<Problem>,
+    /// Which Cluster's groups are served.
+    pub scope: Scope,
+    /// Set when no group is served because of `scope` (groups of other Clusters only, or no Cluster
+    /// can be decided): `/readyz` and gRPC health say it.
+    pub scope_reason: Option<String>,
     /// Which state of the index this was built from ([`Index::snapshot_reusing`]); 0: none known.
     basis: u64,
     /// Resources that are candidates but not served (paused, bad bounds, …) by id, for `check`.
@@ -645,6 +678,10 @@ struct Builder<'a> {
     /// Problems not of a served group (see `Snapshot::base_problems`); a group's are collected apart.
     problems: Vec<Problem>,
     skipped: BTreeMap<String, String>,
+    /// Which Cluster's groups this build serves.
+    scope: Scope,
+    /// Candidate groups left out because they belong to another Cluster.
+    out_of_scope: usize,
 }
 
 /// What a group's template was built from, and what came of it.
@@ -799,6 +836,21 @@ pub fn group_id(kind: ScalableKind, key: &ObjectKey) -> String {
     format!("{}/{}/{}", kind.as_str(), key.namespace, key.name)
 }
 
+/// A MachineSet of a MachineDeployment: part of that group, never a group of its own.
+fn owned_by_deployment(kind: ScalableKind, resource: &ScalableResource) -> bool {
+    kind == ScalableKind::MachineSet
+        && resource
+            .owners
+            .iter()
+            .any(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
+}
+
+/// Whether a resource carries a bound annotation, valid or not: it is meant to be a node group.
+fn has_bounds(keys: &Keys, resource: &ScalableResource) -> bool {
+    resource.annotations.contains_key(&keys.min_size)
+        || resource.annotations.contains_key(&keys.max_size)
+}
+
 /// min/max from the annotations. `Ok(None)`: neither annotation, not a candidate.
 pub fn scaling_bounds(
     keys: &Keys,
@@ -861,7 +913,31 @@ impl<'a> Builder<'a> {
             journal,
             problems: Vec::new(),
             skipped: BTreeMap::new(),
+            scope: Scope::Unknown,
+            out_of_scope: 0,
         }
+    }
+
+    /// The Clusters of the resources that would be node groups but for their Cluster: discovery
+    /// selects them and they carry a bound annotation.
+    fn candidate_clusters(&self) -> BTreeSet<ObjectKey> {
+        let settings = self.settings;
+        self.index
+            .resources
+            .iter()
+            .filter_map(|((kind, key), parsed)| {
+                let resource = parsed.as_ref().ok()?;
+                (!owned_by_deployment(*kind, resource)
+                    && discovery::allowed(
+                        &settings.discovery,
+                        &key.namespace,
+                        &resource.cluster_name,
+                        &resource.labels,
+                    )
+                    && has_bounds(&settings.keys, resource))
+                .then(|| ObjectKey::new(key.namespace.as_str(), resource.cluster_name.as_str()))
+            })
+            .collect()
     }
 
     fn skip(&mut self, id: String, why: impl Into<String>) {
@@ -1068,15 +1144,11 @@ impl<'a> Builder<'a> {
         resource: &Arc<ScalableResource>,
         sets_by_deployment: &HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>>,
     ) -> Option<(NodeGroup, Vec<Problem>)> {
-        let keys = &self.settings.keys;
+        let settings: &'a Settings = self.settings;
+        let keys = &settings.keys;
         let id = group_id(kind, key);
         let object = object_name(kind, key);
-        if kind == ScalableKind::MachineSet
-            && resource
-                .owners
-                .iter()
-                .any(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
-        {
+        if owned_by_deployment(kind, resource) {
             return None;
         }
         if !discovery::allowed(
@@ -1085,6 +1157,16 @@ impl<'a> Builder<'a> {
             &resource.cluster_name,
             &resource.labels,
         ) {
+            return None;
+        }
+        let cluster = ObjectKey::new(key.namespace.as_str(), resource.cluster_name.as_str());
+        if has_bounds(keys, resource)
+            && let Some(why) = self.scope.refusal(&cluster)
+        {
+            self.problems
+                .push(Problem::new(&object, "spec.clusterName", why.clone()));
+            self.skip(id, why);
+            self.out_of_scope += 1;
             return None;
         }
         let (min, max) = match scaling_bounds(keys, &object, &resource.annotations) {
@@ -1202,7 +1284,27 @@ impl<'a> Builder<'a> {
                 })
                 .collect(),
         );
+        self.scope = scope::decide(
+            self.settings.cluster.as_ref(),
+            &self.index.observed_clusters(),
+            &self.candidate_clusters(),
+        );
         let (mut groups, mut group_problems) = self.candidate_groups(&sets_by_deployment);
+        self.problems.extend(scope::discovery_problems(
+            &self.settings.discovery,
+            &self.scope,
+        ));
+        let scope_reason = match &self.scope {
+            Scope::Nothing(why) => Some(format!("no node group is served: {why}")),
+            Scope::Cluster { cluster, how } if groups.is_empty() && self.out_of_scope > 0 => {
+                Some(format!(
+                    "no node group is served: none belongs to Cluster {cluster} ({how}); {} of \
+                     other Clusters left out",
+                    self.out_of_scope
+                ))
+            }
+            _ => None,
+        };
         let mut lookup = Lookup::default();
         let found = self.machines_by_group(&groups, &owner_labels, &mut lookup);
         self.attach_instances(&mut groups, found, &mut lookup);
@@ -1228,7 +1330,7 @@ impl<'a> Builder<'a> {
         base_problems.sort();
         base_problems.dedup();
         let skipped = std::mem::take(&mut self.skipped);
-        self.finish(
+        let mut snapshot = self.finish(
             basis,
             groups,
             Arc::new(lookup),
@@ -1237,7 +1339,10 @@ impl<'a> Builder<'a> {
             group_problems,
             base_problems,
             skipped,
-        )
+        );
+        snapshot.scope = std::mem::take(&mut self.scope);
+        snapshot.scope_reason = scope_reason;
+        snapshot
     }
 
     /// The served groups (by id) and each one's own problems; a resource that could not be read is
@@ -1471,6 +1576,8 @@ impl<'a> Builder<'a> {
             machine_sets,
             group_problems,
             base_problems,
+            scope: Scope::Unknown,
+            scope_reason: None,
             basis,
             skipped,
             problems,
@@ -1489,6 +1596,7 @@ impl<'a> Builder<'a> {
             return None;
         }
         let index: &'a Index = self.index;
+        self.scope = previous.scope.clone();
         let owner_labels = OwnerLabels::new(&self.settings.keys);
         // By the id the previous snapshot shares, which the rebuilt group keeps.
         let mut affected: BTreeSet<&Arc<str>> = BTreeSet::new();
@@ -1599,7 +1707,7 @@ impl<'a> Builder<'a> {
             }
             groups.0.insert(Arc::clone(id), Arc::new(group));
         }
-        Some(self.finish(
+        let mut snapshot = self.finish(
             basis,
             groups,
             Arc::clone(&previous.lookup),
@@ -1608,7 +1716,10 @@ impl<'a> Builder<'a> {
             group_problems,
             previous.base_problems.clone(),
             previous.skipped.clone(),
-        ))
+        );
+        snapshot.scope = previous.scope.clone();
+        snapshot.scope_reason = previous.scope_reason.clone();
+        Some(snapshot)
     }
 
     /// Marked Machines that the replica count no longer covers are on their way out: CAPI deletes

@@ -114,6 +114,7 @@ pub fn settings(config: &Config) -> Settings {
     Settings {
         keys: config.keys.clone(),
         discovery: config.discovery.clone(),
+        cluster: config.cluster.clone(),
         default_arch: config.default_arch.clone(),
         cpu_hour_price: config.cpu_hour_price,
         gib_hour_price: config.gib_hour_price,

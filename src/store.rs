@@ -23,6 +23,7 @@ use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::{ApiObject, NodeObject};
 use crate::problem::Problem;
+use crate::scope::Scope;
 use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
 
 /// Longest wait between two looks for an infrastructure template kind that is not served.
@@ -377,6 +378,14 @@ impl Store {
                 "infrastructure templates referenced by node groups are still being listed".into(),
             );
         }
+        // Serving nothing because of which Cluster is served is a configuration to fix, said where
+        // the operator looks first (the pod's readiness).
+        if reasons.is_empty()
+            && self.is_complete()
+            && let Some(why) = &self.snapshot().scope_reason
+        {
+            reasons.push(why.clone());
+        }
         reasons
     }
 
@@ -591,6 +600,13 @@ impl Store {
             let previous = self.snapshot.load();
             let snapshot = Arc::new(index.snapshot_reusing(&self.settings, &previous));
             self.snapshot.store(Arc::clone(&snapshot));
+            if ready
+                && (previous.scope != snapshot.scope
+                    || previous.scope_reason != snapshot.scope_reason
+                    || !self.is_complete())
+            {
+                log_scope(&snapshot);
+            }
             snapshot
         };
         if ready && !self.complete.swap(true, Ordering::AcqRel) {
@@ -797,6 +813,18 @@ impl Store {
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(RESTART_MAX);
         }
+    }
+}
+
+/// Says which Cluster is served when that is decided or changes, and why nothing is when nothing is
+/// (the reason `/readyz` gives, in the log too).
+fn log_scope(snapshot: &Snapshot) {
+    match (&snapshot.scope, &snapshot.scope_reason) {
+        (_, Some(why)) => tracing::error!("{why}"),
+        (Scope::Cluster { cluster, how }, None) => {
+            tracing::info!(%cluster, "serving the node groups of Cluster {cluster} ({how})");
+        }
+        _ => {}
     }
 }
 

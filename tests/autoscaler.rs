@@ -339,6 +339,94 @@ async fn unprovisioned_machine_is_given_up_and_another_group_scales() {
     s.passed();
 }
 
+/// Two Clusters in one management cluster (kubernetes/autoscaler#5510), CA watching the first. The
+/// second Cluster's MachineDeployment has two Machines whose Nodes are not in CA's cluster (they never
+/// become Nodes here): served to CA, they would be instances that never registered, deleted after
+/// `--max-node-provision-time`. The provider serves only `--cluster`'s groups, so past that time (15 s)
+/// and more loops, none of the second Cluster's Machines is marked or deleted and its replicas stay,
+/// while the first Cluster scales up from zero for a pod and back down as usual.
+#[tokio::test]
+async fn a_second_clusters_groups_are_never_touched_while_the_first_scales() {
+    const PROVISION: Duration = Duration::from_secs(15);
+    let config = ReconcilerConfig::default().never_provision("md-other");
+    let mut s = Scenario::with_reconciler("two-clusters", Setup::shipped(), config).await;
+    let other = Scenario::capacity(s.md("md-other", 0, 5, 2), "2", "4Gi").cluster("other");
+    s.capi.create_deployment(&other, false).await;
+    let theirs = poll_until(
+        "the other Cluster's two Machines",
+        UP,
+        Duration::from_millis(100),
+        || {
+            let s = &s;
+            async move {
+                let names: Vec<String> = machine_names(s)
+                    .await
+                    .into_iter()
+                    .filter(|m| m.starts_with("md-other"))
+                    .collect();
+                if names.len() == 2 {
+                    Check::Done(names)
+                } else {
+                    Check::Wait(format!("{names:?}"))
+                }
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| s.fail(&e));
+    let md = Scenario::capacity(s.md("md-a", 0, 3, 0), "2", "4Gi");
+    s.capi.create_deployment(&md, false).await;
+    let cluster = format!("{}/{}", s.ns, support::capi::DEFAULT_CLUSTER);
+    s.start_provider(&["--cluster", &cluster]).await;
+    let provision = format!("--max-node-provision-time={}s", PROVISION.as_secs());
+    s.start_ca(s.autoscaler().flag(&provision)).await;
+    let ca_started = std::time::Instant::now();
+
+    // The first Cluster: up from zero for a pod that fits either group, and back down.
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    s.wait_replicas(Kind::MachineDeployment, "md-a", 1, UP)
+        .await;
+    let node = workload::wait_bound(&s.client, &s.ns, "web", UP).await;
+    s.check(
+        node.starts_with("md-a"),
+        &format!("the pod runs on the first Cluster's node: {node}"),
+    );
+    workload::delete_pod(&s.client, &s.ns, "web").await;
+    s.wait_replicas(Kind::MachineDeployment, "md-a", 0, DOWN)
+        .await;
+    s.wait_nodes(&[]).await;
+    // Past CA's provision timeout by a margin, then five more loops.
+    while ca_started.elapsed() < PROVISION * 2 {
+        s.wait_loops(1).await;
+    }
+    s.wait_loops(5).await;
+
+    s.check(
+        s.capi.replicas(Kind::MachineDeployment, "md-other").await == 2,
+        "the other Cluster's replicas unchanged",
+    );
+    let left: Vec<String> = machine_names(&s)
+        .await
+        .into_iter()
+        .filter(|m| m.starts_with("md-other"))
+        .collect();
+    s.check(
+        left == theirs,
+        &format!("the other Cluster's Machines all stay: {left:?}, were {theirs:?}"),
+    );
+    let marked = s.capi.marked_machines().await;
+    s.check(
+        marked.is_empty(),
+        &format!("no Machine left marked: {marked:?}"),
+    );
+    let deleted = s.reconciler.deleted_marked();
+    s.check(
+        deleted == vec![node.clone()],
+        &format!("only the first Cluster's node was removed, for its mark: {deleted:?}"),
+    );
+    s.passed();
+}
+
 /// CA's `price` expander picks the cheaper of two groups that both fit, from the provider's prices
 /// (the expensive one is the tighter fit, so least-waste would have picked it).
 #[tokio::test]

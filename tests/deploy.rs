@@ -348,3 +348,148 @@ fn the_shipped_cluster_role_grants_reads_scale_and_machine_patches_only() {
         );
     }
 }
+
+/// The provider's `CAPI_AUTOSCALER_PROVIDER_CLUSTER` as the pod would get it: a value, or the key of the
+/// rendered ConfigMap it refers to.
+fn provider_cluster(objects: &[Value], c: &Value) -> Option<String> {
+    let var = c["env"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == "CAPI_AUTOSCALER_PROVIDER_CLUSTER")?;
+    if let Some(value) = var["value"].as_str() {
+        return Some(value.to_string());
+    }
+    let from = &var["valueFrom"]["configMapKeyRef"];
+    let map = find(objects, "ConfigMap", from["name"].as_str()?);
+    map["data"][from["key"].as_str()?]
+        .as_str()
+        .map(String::from)
+}
+
+fn provider_containers(objects: &[Value]) -> Vec<&Value> {
+    pod_specs(objects)
+        .into_iter()
+        .flat_map(containers)
+        .filter(|c| is_provider(c))
+        .collect()
+}
+
+/// The general-purpose packagings name the Cluster once, as the placeholder, and every provider
+/// container gets it; the kind + CAPD values name the quickstart's Cluster `default/demo`.
+#[test]
+fn the_cluster_is_named_once_and_reaches_every_provider() {
+    for v in variants() {
+        let mut copy = v.objects.clone();
+        let placeholders = render::name_cluster(&mut copy, render::CLUSTER_PLACEHOLDER);
+        let want = if v.name == "helm kind+CAPD" {
+            assert_eq!(placeholders, 0, "{}", v.name);
+            "default/demo"
+        } else {
+            assert_eq!(placeholders, 1, "{}: the Cluster is named once", v.name);
+            render::CLUSTER_PLACEHOLDER
+        };
+        let providers = provider_containers(&v.objects);
+        assert!(!providers.is_empty(), "{}", v.name);
+        for c in providers {
+            assert_eq!(
+                provider_cluster(&v.objects, c).as_deref(),
+                Some(want),
+                "{}",
+                v.name
+            );
+        }
+    }
+    for values in [
+        "deploy/helm/values-sidecar.yaml",
+        "deploy/helm/values-kind-capd.yaml",
+    ] {
+        let text = std::fs::read_to_string(render::repo(values)).expect("values file");
+        let parsed: Value = serde_norway::from_str(&text).expect("values YAML");
+        assert!(
+            parsed["autoDiscovery"]["clusterName"].is_string(),
+            "{values}: the chart value names the Cluster"
+        );
+        assert!(
+            !text.contains("NODE_GROUP_AUTO_DISCOVERY"),
+            "{values}: no second name of the Cluster in a discovery spec"
+        );
+    }
+}
+
+/// The chart's one value is what the provider gets: `autoDiscovery.clusterName` (and `.namespace`)
+/// set at install time reach the provider's environment.
+#[test]
+fn the_helm_cluster_value_feeds_the_provider() {
+    for (values, ns) in [
+        ("deploy/helm/values-sidecar.yaml", "kube-system"),
+        ("deploy/helm/values-kind-capd.yaml", "default"),
+    ] {
+        let objects = render::helm_template_set(
+            values,
+            "cluster-autoscaler",
+            ns,
+            &[
+                ("autoDiscovery.clusterName", "prod"),
+                ("autoDiscovery.namespace", "fleet"),
+            ],
+        );
+        for c in provider_containers(&objects) {
+            assert_eq!(
+                provider_cluster(&objects, c).as_deref(),
+                Some("fleet/prod"),
+                "{values}"
+            );
+        }
+        let objects = render::helm_template_set(
+            values,
+            "cluster-autoscaler",
+            ns,
+            &[
+                ("autoDiscovery.clusterName", "prod"),
+                ("autoDiscovery.namespace", ""),
+            ],
+        );
+        for c in provider_containers(&objects) {
+            assert_eq!(
+                provider_cluster(&objects, c).as_deref(),
+                Some("prod"),
+                "{values}"
+            );
+        }
+    }
+}
+
+/// Left as shipped, the placeholder stops the provider at start with an error saying what to set: the
+/// real binary, with the environment each rendered provider container gets.
+#[test]
+fn the_placeholder_left_as_is_stops_the_provider_at_start() {
+    for v in variants()
+        .into_iter()
+        .filter(|v| v.name != "helm kind+CAPD")
+    {
+        for c in provider_containers(&v.objects) {
+            let cluster = provider_cluster(&v.objects, c).expect("the provider's Cluster");
+            let out = std::process::Command::new(support::provider::PROVIDER_BIN)
+                .args(["serve", "--address", "127.0.0.1:0", "--metrics-address", ""])
+                .env("CAPI_AUTOSCALER_PROVIDER_CLUSTER", &cluster)
+                .env("CAPI_AUTOSCALER_PROVIDER_CLOUD_CONFIG", "/nonexistent")
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("run the provider");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(!out.status.success(), "{}: {stdout}{stderr}", v.name);
+            let log = format!("{stdout}{stderr}");
+            for needle in [
+                "CAPI_AUTOSCALER_PROVIDER_CLUSTER",
+                "placeholder",
+                "NAMESPACE/NAME",
+                "autoDiscovery.clusterName",
+            ] {
+                assert!(log.contains(needle), "{}: {needle} not in: {log}", v.name);
+            }
+            // It stopped on the placeholder, before reaching for a cluster.
+            assert!(!log.contains("/nonexistent"), "{}: {log}", v.name);
+        }
+    }
+}

@@ -10,7 +10,9 @@
 //! token, no other binding); the real CA reads its cloud-config from the ConfigMap, completes its loop through
 //! the provider (its `last_activity{activity="main"}` moves, its status ConfigMap appears) and scales a
 //! MachineDeployment up from zero for a pending pod; nothing is refused by RBAC; TLS/mTLS between them is as
-//! configured. Variants share cluster-scoped names and kube-system, so they run one at a time.
+//! configured. Each variant names its Cluster where the packaging has the placeholder (as an operator
+//! must); left as is, the provider stops at start saying what to set. Variants share cluster-scoped names
+//! and kube-system, so they run one at a time.
 
 pub mod support;
 
@@ -257,9 +259,16 @@ fn require_root() {
     );
 }
 
-async fn run(variant: Variant) {
+async fn run(mut variant: Variant) {
     require_root();
     let started = Instant::now();
+    // The operator names their Cluster where the packaging has the placeholder (the kind + CAPD values
+    // name the quickstart's own); each single-cluster variant's group is of a Cluster of its own.
+    let cluster = match variant.topology {
+        Topology::Single => variant.name,
+        Topology::Management { cluster } => cluster,
+    };
+    render::name_cluster(&mut variant.objects, cluster);
     let cp = support::control_plane(Setup::shipped());
     let admin = cp.admin_client().await;
     assert_images(&variant.objects);
@@ -316,7 +325,7 @@ async fn run(variant: Variant) {
                 admin.clone(),
                 cp.admin_kubeconfig().to_path_buf(),
                 ns.clone(),
-                None,
+                cluster,
                 ns,
             )
         }
@@ -357,7 +366,7 @@ async fn run(variant: Variant) {
                 client,
                 w.admin_kubeconfig.clone(),
                 install_ns.clone(),
-                Some(cluster),
+                cluster,
                 pod_ns,
             )
         }
@@ -404,9 +413,7 @@ async fn run(variant: Variant) {
             &format!("{CAPACITY}/labels"),
             &workload::scenario_labels(&pod_ns, &[]),
         );
-    if let Some(cluster) = cluster_name {
-        md = md.cluster(cluster);
-    }
+    md = md.cluster(cluster_name);
     capi.create_deployment(&md, false).await;
     applied.cleanup(
         cp.admin_kubeconfig(),
@@ -842,6 +849,8 @@ async fn a_key_mounted_0400_without_fs_group_is_unreadable_for_the_provider() {
     let cp = support::control_plane(Setup::shipped());
     let admin = cp.admin_client().await;
     let mut objects = render::kustomize("deploy/overlays/standalone");
+    // Named, so that what stops the provider is its key.
+    render::name_cluster(&mut objects, "old-standalone");
     for o in objects.iter_mut().filter(|o| {
         o["kind"] == "Deployment" && o["metadata"]["name"] == "capi-autoscaler-provider"
     }) {
@@ -892,6 +901,60 @@ async fn a_key_mounted_0400_without_fs_group_is_unreadable_for_the_provider() {
         log.lines()
             .rev()
             .find(|l| l.contains("ermission denied"))
+            .unwrap_or_default()
+    ));
+    drop(pod);
+    drop(applied);
+}
+
+/// The overlays as shipped, the Cluster not named: the provider, run as the pod runs it, stops at start
+/// with an error that says what to set (and CA would never get a provider serving every Cluster).
+#[tokio::test]
+async fn the_placeholder_left_in_the_overlay_stops_the_provider_saying_what_to_set() {
+    require_root();
+    let _serial = SERIAL.lock().await;
+    let cp = support::control_plane(Setup::shipped());
+    let admin = cp.admin_client().await;
+    let objects = render::kustomize("deploy/overlays/standalone");
+    support::crds::install(
+        &admin,
+        &[render::repo("tests/fixtures/cert-manager-crds.yaml")],
+    )
+    .await
+    .expect("install the cert-manager stand-in CRDs");
+    let applied = Applied::apply(cp, "placeholder-standalone", &objects);
+    let certificates: Vec<Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Certificate" || o["kind"] == "Issuer")
+        .cloned()
+        .collect();
+    support::cert_manager::issue(&admin, "kube-system", &certificates).await;
+    let kubelet = Kubelet {
+        client: admin.clone(),
+        server: cp.server.clone(),
+        ca_pem: std::fs::read_to_string(cp.dir.join("ca.crt")).expect("the control plane's CA"),
+        ports: PortMap::fresh(&PORTS),
+        hosts: service_names(&objects),
+    };
+    let spec = stored_pod_spec(&admin, "kube-system", "capi-autoscaler-provider").await;
+    let mut pod = kubelet
+        .start_pod("kube-system", "placeholder-provider-e2e", &spec)
+        .await;
+    let provider = &mut pod.containers[0];
+    let exited = provider.wait_exit(Duration::from_secs(30)).await;
+    let log = provider.log_tail();
+    assert!(
+        exited.as_ref().is_ok_and(|s| !s.success())
+            && log.contains(render::CLUSTER_PLACEHOLDER)
+            && log.contains("CAPI_AUTOSCALER_PROVIDER_CLUSTER")
+            && log.contains("NAMESPACE/NAME"),
+        "the provider should have stopped on the placeholder ({exited:?}):\n{log}"
+    );
+    procs::announce(&format!(
+        "e2e: manifests standalone with the placeholder: the provider exits: {}",
+        log.lines()
+            .rev()
+            .find(|l| l.contains("placeholder"))
             .unwrap_or_default()
     ));
     drop(pod);

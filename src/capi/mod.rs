@@ -46,8 +46,10 @@ pub struct Keys {
     pub delete_machine: String,
     /// Node annotation naming the Machine behind the Node.
     pub node_machine: String,
-    /// Node annotation naming the namespace of that Machine.
+    /// Node annotation naming the namespace of that Machine (and of its Cluster).
     pub node_cluster_namespace: String,
+    /// Node annotation naming the Cluster the Node belongs to (the same key as the label on objects).
+    pub node_cluster_name: String,
     pub cluster_name_label: String,
 }
 
@@ -61,6 +63,7 @@ impl Keys {
             delete_machine: format!("{group}/delete-machine"),
             node_machine: format!("{group}/machine"),
             node_cluster_namespace: format!("{group}/cluster-namespace"),
+            node_cluster_name: format!("{group}/cluster-name"),
             cluster_name_label: format!("{group}/cluster-name"),
         }
     }
@@ -241,12 +244,15 @@ pub struct InfraTemplate {
     pub operating_system: Option<String>,
 }
 
-/// A workload-cluster Node: only what templates copy and what maps Machines without providerIDs.
+/// A workload-cluster Node: only what templates copy, what maps Machines without providerIDs, and
+/// the Cluster it belongs to (which Cluster the provider serves, `scope`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Node {
     pub name: String,
     pub provider_id: Option<String>,
     pub labels: BTreeMap<String, String>,
+    /// The `cluster-namespace` and `cluster-name` annotations Cluster API syncs onto its Nodes.
+    pub cluster: Option<ObjectKey>,
 }
 
 /// A worker entry of a Cluster's managed topology (`spec.topology.workers`).

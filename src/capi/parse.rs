@@ -488,16 +488,30 @@ impl InfraTemplate {
 // Nodes
 
 impl Node {
-    /// Name, `spec.providerID` (empty → `None`) and labels of a workload-cluster Node, from its JSON:
+    /// Name, `spec.providerID` (empty → `None`), labels and Cluster of a workload-cluster Node, from its JSON:
     /// only these fields are read, the rest of the Node (its status above all) is never decoded.
-    pub fn from_json(obj: &Value) -> Result<Self, ParseError> {
+    pub fn from_json(keys: &Keys, obj: &Value) -> Result<Self, ParseError> {
         root(obj)?;
+        let annotation = |key: &str| {
+            opt_str(obj, &["metadata", "annotations", key])
+                .ok()
+                .flatten()
+                .filter(|v| !v.is_empty())
+        };
+        let cluster = match (
+            annotation(&keys.node_cluster_namespace),
+            annotation(&keys.node_cluster_name),
+        ) {
+            (Some(namespace), Some(name)) => Some(ObjectKey::new(namespace, name)),
+            _ => None,
+        };
         Ok(Node {
             name: opt_str(obj, &["metadata", "name"])?
                 .unwrap_or_default()
                 .to_string(),
             provider_id: non_empty(opt_str(obj, &["spec", "providerID"])?),
             labels: string_map(obj, &["metadata", "labels"])?,
+            cluster,
         })
     }
 }

@@ -449,6 +449,7 @@ fn a_registered_machine_without_a_known_provider_id_is_no_instance_but_counts_an
         name: "no-id".into(),
         provider_id: Some("p://no-id".into()),
         labels: BTreeMap::new(),
+        cluster: None,
     });
     let s = index.snapshot(&settings());
     let ids: Vec<_> = s
@@ -1136,4 +1137,165 @@ fn wanted_infrastructure_kinds_follow_the_resources_that_reference_them() {
         [(relisted.key.clone(), Ok(Arc::new(relisted)))],
     );
     assert_eq!(wanted(&index), ["AzureMachineTemplate"]);
+}
+
+/// Two Clusters in one namespace: `c1` with a running Machine, `c2` with one that has no Node in the
+/// workload cluster.
+fn two_clusters_index() -> Index {
+    let mut index = deployment_index();
+    let mut other = resource(ScalableKind::MachineSet, "other", Some("0"), Some("5"), 1);
+    other.cluster_name = "c2".into();
+    add(&mut index, other);
+    let mut m = machine("o1", "MachineSet", "other", Some("e2e:///ns/o1"), false);
+    m.cluster_name = "c2".into();
+    add_machine(&mut index, m);
+    index
+}
+
+fn workload_node(name: &str, cluster: Option<(&str, &str)>) -> Node {
+    Node {
+        name: name.into(),
+        provider_id: Some(format!("e2e:///ns/{name}")),
+        labels: BTreeMap::new(),
+        cluster: cluster.map(|(ns, n)| ObjectKey::new(ns, n)),
+    }
+}
+
+#[test]
+fn groups_of_another_cluster_are_absent_and_reported_naming_their_cluster() {
+    let mut index = two_clusters_index();
+    index.apply_node(workload_node("m1", Some(("ns", "c1"))));
+    let s = index.snapshot(&settings());
+    assert_eq!(
+        s.groups.keys().collect::<Vec<_>>(),
+        ["MachineDeployment/ns/md"]
+    );
+    assert!(matches!(&s.scope, Scope::Cluster { cluster, .. } if cluster.to_string() == "ns/c1"));
+    // Its Machine is nobody's: CA asking about its node gets no group.
+    assert!(
+        s.group_for_node(&node("e2e:///ns/o1", "o1"), &keys())
+            .is_none()
+    );
+    let problem = s
+        .problems
+        .iter()
+        .find(|p| p.object == "MachineSet ns/other")
+        .expect("the group of the other Cluster is reported");
+    assert_eq!(problem.field, "spec.clusterName");
+    assert!(
+        problem.message.contains("Cluster ns/c2"),
+        "{}",
+        problem.message
+    );
+    assert!(
+        problem.message.contains("Cluster ns/c1"),
+        "{}",
+        problem.message
+    );
+    assert!(s.skipped.contains_key("MachineSet/ns/other"));
+    assert_eq!(s.scope_reason, None);
+}
+
+#[test]
+fn configured_cluster_picks_the_groups_and_a_mismatch_with_the_nodes_serves_nothing_with_a_reason()
+{
+    let index = two_clusters_index();
+    let with = |cluster: &str| Settings {
+        cluster: Some(cluster.parse().unwrap()),
+        ..settings()
+    };
+    // No Node names a Cluster: the configured one.
+    let s = index.snapshot(&with("c2"));
+    assert_eq!(s.groups.keys().collect::<Vec<_>>(), ["MachineSet/ns/other"]);
+    assert_eq!(s.scope_reason, None);
+    // The Nodes name c1: --cluster c2 is wrong, nothing is served, and readiness says why.
+    let mut index = index;
+    index.apply_node(workload_node("m1", Some(("ns", "c1"))));
+    let s = index.snapshot(&with("ns/c2"));
+    assert!(s.groups.is_empty());
+    let why = s.scope_reason.clone().expect("a readiness reason");
+    assert!(
+        why.contains("--cluster ns/c2") && why.contains("ns/c1"),
+        "{why}"
+    );
+    // The Node goes: the configured Cluster is served again.
+    index.delete_node("m1");
+    let s = index.snapshot(&with("ns/c2"));
+    assert_eq!(s.groups.keys().collect::<Vec<_>>(), ["MachineSet/ns/other"]);
+}
+
+#[test]
+fn only_groups_of_other_clusters_is_a_readiness_reason() {
+    let index = two_clusters_index();
+    let s = index.snapshot(&Settings {
+        cluster: Some("ns/c3".parse().unwrap()),
+        ..settings()
+    });
+    assert!(s.groups.is_empty());
+    let why = s.scope_reason.expect("a readiness reason");
+    assert!(
+        why.contains("Cluster ns/c3") && why.contains("2 of other Clusters"),
+        "{why}"
+    );
+}
+
+#[test]
+fn unconfigured_groups_of_two_clusters_and_no_nodes_serve_nothing() {
+    let s = two_clusters_index().snapshot(&settings());
+    assert!(s.groups.is_empty());
+    assert!(
+        s.scope_reason
+            .is_some_and(|why| why.contains("set --cluster"))
+    );
+    assert!(
+        s.problems
+            .iter()
+            .any(|p| p.object == "MachineDeployment ns/md" && p.message.contains("ns/c1"))
+    );
+}
+
+/// Nodes come and go one by one: the count of Nodes per Cluster follows, so the Cluster stays
+/// observed while any of its Nodes is there.
+#[test]
+fn observed_clusters_follow_node_events() {
+    let mut index = Index::default();
+    index.apply_node(workload_node("a", Some(("ns", "c1"))));
+    index.apply_node(workload_node("b", Some(("ns", "c1"))));
+    index.apply_node(workload_node("c", None));
+    let c1: BTreeSet<ObjectKey> = [ObjectKey::new("ns", "c1")].into();
+    assert_eq!(index.observed_clusters(), c1);
+    index.delete_node("a");
+    assert_eq!(index.observed_clusters(), c1);
+    // A Node moved to another Cluster (re-annotated) no longer counts for the first.
+    index.apply_node(workload_node("b", Some(("ns", "c2"))));
+    assert_eq!(
+        index.observed_clusters(),
+        [ObjectKey::new("ns", "c2")].into()
+    );
+    index.reset_nodes([workload_node("x", None)]);
+    assert!(index.observed_clusters().is_empty());
+}
+
+#[test]
+fn a_rebuild_after_our_own_write_keeps_the_scope() {
+    let mut index = two_clusters_index();
+    index.apply_node(workload_node("m1", Some(("ns", "c1"))));
+    let s = settings();
+    let first = index.snapshot_reusing(&s, &Snapshot::default());
+    let mut md = (**index
+        .resource(ScalableKind::MachineDeployment, &ObjectKey::new("ns", "md"))
+        .unwrap())
+    .clone();
+    md.replicas = Some(3);
+    md.resource_version = "2".into();
+    add(&mut index, md);
+    let second = index.snapshot_reusing(&s, &first);
+    assert_eq!(second.scope, first.scope);
+    assert_eq!(second.group("MachineDeployment/ns/md").unwrap().target, 3);
+    assert!(second.group("MachineSet/ns/other").is_none());
+    assert_eq!(second.problems, {
+        let mut p = first.problems.clone();
+        p.sort();
+        p
+    });
 }

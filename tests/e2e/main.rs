@@ -12,6 +12,7 @@ mod operator;
 mod pricing;
 mod reconciler;
 mod rollout;
+mod scope;
 mod startup;
 mod templates;
 mod tls;

@@ -1589,12 +1589,16 @@ async fn discovery_filters_select_groups_per_provider() {
     )
     .await;
     let blue_c2 = format!("clusterapi:namespace={},clusterName=c2,pool=blue", b.ns);
+    // A provider serves one Cluster (invariant 8): the spec for c3 selects nothing of it.
+    let c2 = format!("{}/c2", b.ns);
     let second = start_provider(
         &[
             "--node-group-auto-discovery",
             &blue_c2,
             "--node-group-auto-discovery",
             "clusterapi:clusterName=c3",
+            "--cluster",
+            &c2,
         ],
         one.cp.admin_kubeconfig(),
     )
@@ -1617,11 +1621,12 @@ async fn discovery_filters_select_groups_per_provider() {
     assert_eq!(all(&mut rpc1).await, ids(&[&a_id]));
     assert_eq!(
         all(&mut rpc2).await,
-        ids(&[
-            &b_id,
-            &b.id(Kind::MachineDeployment, "d"),
-            &b.id(Kind::MachinePool, "e")
-        ])
+        ids(&[&b_id, &b.id(Kind::MachinePool, "e")])
+    );
+    expect_code(
+        "TargetSize of the other Cluster's group",
+        rpc2.target(&b.id(Kind::MachineDeployment, "d")).await,
+        Code::NotFound,
     );
     assert_eq!(rpc1.for_node(a.grpc_node("a-0")).await.id, a_id);
     assert_eq!(rpc1.for_node(b.grpc_node("b-0")).await.id, "");
@@ -1672,8 +1677,9 @@ async fn every_rpc_works_with_exactly_the_shipped_cluster_role() {
     capi.create(&Scalable::md("bad").raw_bounds(Some("0"), Some("x")))
         .await;
 
-    // No discovery filter: cluster-wide watches, as deployed.
-    let provider = start_provider(&[], &kubeconfig).await;
+    // No discovery filter: cluster-wide watches, as deployed; the Cluster named, as deployed.
+    let cluster = format!("{ns}/{}", support::capi::DEFAULT_CLUSTER);
+    let provider = start_provider(&["--cluster", &cluster], &kubeconfig).await;
     let mut rpc = Rpc::connect(&provider).await;
     let md_id = capi.id(Kind::MachineDeployment, "md");
     let ms_id = capi.id(Kind::MachineSet, "ms");

@@ -80,10 +80,22 @@ fn files(response: v1::MessageResponse) -> Vec<FileDescriptorProto> {
     }
 }
 
+/// A provider limited to a namespace of its own, without groups: the other tests' groups belong to
+/// Clusters of their own, and a provider serves one Cluster (invariant 8).
+async fn provider_of_an_empty_namespace(cp: &support::ControlPlane) -> support::ProviderProcess {
+    let ns = cp.fresh_namespace().await;
+    let only = format!("clusterapi:namespace={ns}");
+    start_provider(
+        &["--node-group-auto-discovery", &only],
+        cp.admin_kubeconfig(),
+    )
+    .await
+}
+
 #[tokio::test]
 async fn reflection_lets_a_client_list_and_describe_every_service_without_the_proto() {
     let cp = support::control_plane(SETUP);
-    let provider = start_provider(&[], cp.admin_kubeconfig()).await;
+    let provider = provider_of_an_empty_namespace(cp).await;
     let channel = provider.channel().await;
 
     // `grpcurl list`.
@@ -196,7 +208,7 @@ async fn reflection_lets_a_client_list_and_describe_every_service_without_the_pr
 #[tokio::test]
 async fn version_and_commit_are_logged_at_start_and_exported_as_build_info() {
     let cp = support::control_plane(SETUP);
-    let provider = start_provider(&[], cp.admin_kubeconfig()).await;
+    let provider = provider_of_an_empty_namespace(cp).await;
     let metrics = support::autoscaler::http_get(&provider.metrics_address, "/metrics")
         .await
         .unwrap_or_else(|e| panic!("GET /metrics: {e}"));

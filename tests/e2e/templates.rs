@@ -885,6 +885,10 @@ async fn well_known_labels_come_from_an_existing_node_of_the_group_with_a_worklo
             "topology.kubernetes.io/zone": "eu-west-1b",
             "kubernetes.io/arch": "arm64",
             "unrelated": "not-copied",
+        }, "annotations": {
+            // As Cluster API annotates its Nodes: the Cluster served is checked against them.
+            capi.key("cluster-namespace"): capi.ns,
+            capi.key("cluster-name"): support::capi::DEFAULT_CLUSTER,
         }},
         "spec": {"providerID": capi.provider_id("wl-0")}
     }))
@@ -896,12 +900,16 @@ async fn well_known_labels_come_from_an_existing_node_of_the_group_with_a_worklo
 
     let discovery = format!("clusterapi:namespace={}", capi.ns);
     let kubeconfig = env.cp.admin_kubeconfig().display().to_string();
+    // The shared apiserver's Nodes belong to many tests' Clusters: this test's is named.
+    let cluster = format!("{}/{}", capi.ns, support::capi::DEFAULT_CLUSTER);
     let provider = start_provider(
         &[
             "--node-group-auto-discovery",
             &discovery,
             "--kubeconfig",
             &kubeconfig,
+            "--cluster",
+            &cluster,
         ],
         env.cp.admin_kubeconfig(),
     )

@@ -269,7 +269,15 @@ async fn restricted_identity_is_refused_outside_its_role() {
 #[tokio::test]
 async fn serve_answers_grpc_health() {
     let cp = support::control_plane(SETUP);
-    let mut provider = support::start_provider(&[], cp.admin_kubeconfig()).await;
+    // Limited to a namespace of its own: the other tests' groups belong to Clusters of their own, and
+    // a provider serves one Cluster (invariant 8).
+    let ns = cp.fresh_namespace().await;
+    let only = format!("clusterapi:namespace={ns}");
+    let mut provider = support::start_provider(
+        &["--node-group-auto-discovery", &only],
+        cp.admin_kubeconfig(),
+    )
+    .await;
     let endpoint = tonic::transport::Endpoint::from_shared(provider.endpoint()).expect("endpoint");
     let status = support::provider::health_status(endpoint, "")
         .await

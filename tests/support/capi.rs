@@ -632,6 +632,21 @@ impl Rpc {
         }
     }
 
+    /// Connects at once, without waiting for SERVING: for a provider that is not ready on purpose
+    /// (its RPCs answer once every watch has listed all the same).
+    pub async fn connect_unready(provider: &impl HasEndpoint) -> Rpc {
+        let channel = tonic::transport::Endpoint::from_shared(provider.endpoint())
+            .expect("provider endpoint URI")
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(10))
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("connect to the provider at {}: {e}", provider.endpoint()));
+        Rpc {
+            client: CloudProviderClient::new(channel),
+        }
+    }
+
     pub async fn groups(&mut self) -> Vec<NodeGroup> {
         self.client
             .node_groups(NodeGroupsRequest {})

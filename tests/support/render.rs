@@ -104,23 +104,54 @@ pub fn kube_version() -> &'static str {
 
 /// `helm template RELEASE <chart> --namespace NAMESPACE -f VALUES` (a file of this repository).
 pub fn helm_template(values: &str, release: &str, namespace: &str) -> Vec<Value> {
+    helm_template_set(values, release, namespace, &[])
+}
+
+/// [`helm_template`] with `--set KEY=VALUE` for each of `set`, as an operator overrides a value.
+pub fn helm_template_set(
+    values: &str,
+    release: &str,
+    namespace: &str,
+    set: &[(&str, &str)],
+) -> Vec<Value> {
     let chart = chart().display().to_string();
     let values = repo(values).display().to_string();
-    let yaml = run(
-        &helm(),
-        &[
-            "template",
-            release,
-            &chart,
-            "--namespace",
-            namespace,
-            "--kube-version",
-            kube_version(),
-            "-f",
-            &values,
-        ],
-    );
-    parse_stream(&yaml)
+    let sets: Vec<String> = set.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut args = vec![
+        "template",
+        release,
+        &chart,
+        "--namespace",
+        namespace,
+        "--kube-version",
+        kube_version(),
+        "-f",
+        &values,
+    ];
+    for s in &sets {
+        args.extend(["--set", s.as_str()]);
+    }
+    parse_stream(&run(&helm(), &args))
+}
+
+/// The placeholder the shipped manifests carry where the operator names their Cluster.
+pub const CLUSTER_PLACEHOLDER: &str = "REPLACE-WITH-CLUSTER-NAME";
+
+/// `objects` with every string that is the placeholder replaced by `cluster`: what an operator does to
+/// the kustomize overlays.
+pub fn name_cluster(objects: &mut [Value], cluster: &str) -> usize {
+    fn walk(v: &mut Value, cluster: &str) -> usize {
+        match v {
+            Value::String(s) if s == CLUSTER_PLACEHOLDER => {
+                *s = cluster.to_string();
+                1
+            }
+            Value::Array(items) => items.iter_mut().map(|i| walk(i, cluster)).sum(),
+            Value::Object(map) => map.values_mut().map(|i| walk(i, cluster)).sum(),
+            _ => 0,
+        }
+    }
+    objects.iter_mut().map(|o| walk(o, cluster)).sum()
 }
 
 /// `helm template RELEASE <chart> --namespace NAMESPACE -f FILE…` with values files anywhere (later

@@ -1665,6 +1665,7 @@ fn node_from_json_of_a_typed_node() {
                 name: "n1".into(),
                 provider_id: Some("aws:///a/i-1".into()),
                 labels: map(&[("kubernetes.io/arch", "amd64")]),
+                cluster: None,
             },
         ),
         (
@@ -1673,6 +1674,7 @@ fn node_from_json_of_a_typed_node() {
                 name: "n2".into(),
                 provider_id: None,
                 labels: BTreeMap::new(),
+                cluster: None,
             },
         ),
         (
@@ -1686,7 +1688,7 @@ fn node_from_json_of_a_typed_node() {
     ];
     for (input, want) in cases {
         let json = serde_json::to_value(&input).unwrap();
-        assert_eq!(Node::from_json(&json).unwrap(), want);
+        assert_eq!(Node::from_json(&Keys::default(), &json).unwrap(), want);
     }
 }
 
@@ -1701,14 +1703,42 @@ fn node_from_json_reads_only_what_it_keeps() {
         name: "n1".into(),
         provider_id: Some("aws:///a/i-1".into()),
         labels: map(&[("a", "b")]),
+        cluster: None,
     };
-    assert_eq!(Node::from_json(&node).unwrap(), want);
+    let keys = Keys::default();
+    assert_eq!(Node::from_json(&keys, &node).unwrap(), want);
     let bad = json!({"metadata": {"name": "n1", "labels": {"a": 1}}});
     assert_eq!(
-        Node::from_json(&bad).unwrap_err().field,
+        Node::from_json(&keys, &bad).unwrap_err().field,
         "metadata.labels[a]"
     );
-    assert!(Node::from_json(&json!([])).is_err());
+    assert!(Node::from_json(&keys, &json!([])).is_err());
+}
+
+/// The Cluster a Node belongs to: both annotations Cluster API syncs, under the group in use; one
+/// alone, or an empty one, names none.
+#[test]
+fn node_cluster_comes_from_both_cluster_annotations() {
+    let keys = Keys::new("test.k8s.io");
+    let node = |annotations: serde_json::Value| {
+        let json = json!({"metadata": {"name": "n", "annotations": annotations}});
+        Node::from_json(&keys, &json).unwrap().cluster
+    };
+    assert_eq!(
+        node(json!({"test.k8s.io/cluster-namespace": "ns", "test.k8s.io/cluster-name": "c"})),
+        Some(ObjectKey::new("ns", "c"))
+    );
+    assert_eq!(node(json!({"test.k8s.io/cluster-name": "c"})), None);
+    assert_eq!(
+        node(json!({"test.k8s.io/cluster-namespace": "ns", "test.k8s.io/cluster-name": ""})),
+        None
+    );
+    assert_eq!(
+        node(
+            json!({"cluster.x-k8s.io/cluster-namespace": "ns", "cluster.x-k8s.io/cluster-name": "c"})
+        ),
+        None
+    );
 }
 
 // -----------------------------------------------------------------------------------------------
