@@ -16,6 +16,7 @@ pub mod support;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use support::Setup;
@@ -45,8 +46,9 @@ struct Sidecar {
 }
 
 /// Two CA pods, each CA with its own provider, leader election on. The leader is SIGKILLed (CA and
-/// its provider) the moment the first Machine of its scale-down is marked, with the rest of the
-/// removals in flight. The standby takes the Lease and finishes the scale-down: the four empty
+/// its provider) in the middle of its scale-down: once the first Machine is marked, at a moment when
+/// a write of its provider is in flight (its apiserver traffic is slowed to 300 ms a request so that
+/// the removals take a while; what it had sent still reaches the apiserver). The standby takes the Lease and finishes the scale-down: the four empty
 /// nodes go, the two busy ones stay. Asserted: the Lease went from the leader to the standby and to
 /// no one else (every version of it watched), and the standby neither looped nor called its
 /// provider's writes before; every Machine deleted carried a mark (none deleted for a replica
@@ -66,12 +68,18 @@ async fn sidecar_standby_autoscaler_takes_over_a_scale_down_and_loses_nothing() 
     let mut history = History::start(&s.capi, Kind::MachineDeployment).await;
     let lease = LeaseHistory::start(&s.client, &s.ns, LEASE).await;
 
-    let mut first = sidecar(&mut s, "cluster-autoscaler-a").await;
+    // The leader's provider reaches the apiserver through a proxy that slows every request by 300 ms,
+    // so that its removals take a while and the kill lands in the middle of them.
+    let slow = StallProxy::start(socket_addr_of(&s.cp.server)).await;
+    slow.delay_requests(Duration::from_millis(300));
+    let kubeconfig = kubeconfig_with_server(s.cp.admin_kubeconfig(), &s.cp.server, &slow.server());
+    let mut first = sidecar(&mut s, "cluster-autoscaler-a", &kubeconfig).await;
     let leader = lease
         .wait_holder_other_than(None, UP)
         .await
         .unwrap_or_else(|e| s.fail(&e));
-    let second = sidecar(&mut s, "cluster-autoscaler-b").await;
+    let admin = s.cp.admin_kubeconfig().to_path_buf();
+    let second = sidecar(&mut s, "cluster-autoscaler-b", &admin).await;
     let fail = |s: &Scenario, sidecars: &[&Sidecar], message: &str| -> ! {
         s.fail(&format!("{message}\n{}", sidecar_logs(sidecars)))
     };
@@ -93,6 +101,8 @@ async fn sidecar_standby_autoscaler_takes_over_a_scale_down_and_loses_nothing() 
     )
     .await;
     let marked = marked.unwrap_or_else(|e| fail(&s, &[&first, &second], &e));
+    // With a write of it in flight, when one comes within 5 s.
+    let in_flight = slow.wait_held_request(Duration::from_secs(5)).await.is_ok();
     let standby_loops = main_activity(&second.ca).await;
     let standby_writes = writes(&second.provider).await;
     let leader_writes = writes(&first.provider).await;
@@ -101,9 +111,9 @@ async fn sidecar_standby_autoscaler_takes_over_a_scale_down_and_loses_nothing() 
     let killed = Instant::now();
     procs::announce(&format!(
         "e2e: killed the leading CA and its provider after it marked {marked:?} \
-         ({leader_writes} write calls answered)"
+         ({leader_writes} write calls answered, a write in flight: {in_flight})"
     ));
-    if standby_loops != 0.0 || standby_writes != 0.0 {
+    if standby_loops != 0.0 || standby_writes != 0 {
         fail(
             &s,
             &[&first, &second],
@@ -258,15 +268,34 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
         gone.provider.terminate();
         terminated.push((gone, Instant::now(), carries_ca, in_flight));
     }
-    let mut exits = Vec::new();
-    for (gone, at, carries_ca, in_flight) in &mut terminated {
-        let status = gone.provider.wait_exit(TERMINATION_GRACE).await;
-        let took = at.elapsed();
-        if status.is_err() {
-            gone.provider.kill();
+    // Each exits on its own, or the kubelet kills it when its grace period is over.
+    let mut exits: Vec<Option<(Result<std::process::ExitStatus, String>, Duration)>> =
+        vec![None; terminated.len()];
+    while exits.iter().any(Option::is_none) {
+        for (i, (gone, at, ..)) in terminated.iter_mut().enumerate() {
+            if exits[i].is_some() {
+                continue;
+            }
+            if let Some(status) = gone.provider.exited() {
+                exits[i] = Some((Ok(status), at.elapsed()));
+            } else if at.elapsed() >= TERMINATION_GRACE {
+                gone.provider.kill();
+                exits[i] = Some((
+                    Err("killed at the end of the grace period".into()),
+                    at.elapsed(),
+                ));
+            }
         }
-        exits.push((status, took, *carries_ca, *in_flight));
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let exits: Vec<_> = exits
+        .into_iter()
+        .flatten()
+        .zip(&terminated)
+        .map(|((status, took), (_, _, carries_ca, in_flight))| {
+            (status, took, *carries_ca, *in_flight)
+        })
+        .collect();
     let terminated: Vec<Replica> = terminated.into_iter().map(|(r, ..)| r).collect();
 
     s.wait_replicas(Kind::MachineDeployment, "md-down", 2, DOWN)
@@ -300,7 +329,7 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
     }
     let connections = service.connections();
     let new_addrs: Vec<SocketAddr> = new.iter().map(Replica::addr).collect();
-    let mut new_calls = 0.0;
+    let mut new_calls = 0;
     for r in &new {
         new_calls += writes(&r.provider).await;
     }
@@ -361,8 +390,8 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
 
 /// Starts a provider (limited to the scenario's namespace, short repair) and its CA, leader
 /// election on.
-async fn sidecar(s: &mut Scenario, pod: &str) -> Sidecar {
-    s.start_provider(&REPAIR).await;
+async fn sidecar(s: &mut Scenario, pod: &str, kubeconfig: &Path) -> Sidecar {
+    s.start_provider_as(kubeconfig, &REPAIR).await;
     let provider = s.provider.take().expect("the provider just started");
     let ca = Autoscaler::new(&s.ns, &provider.address)
         .leader_elect(LEASE, pod)
@@ -441,7 +470,7 @@ async fn main_activity(ca: &AutoscalerProcess) -> f64 {
 }
 
 /// The write calls (IncreaseSize, DeleteNodes, DecreaseTargetSize) a provider has answered.
-async fn writes(provider: &ProviderProcess) -> f64 {
+async fn writes(provider: &ProviderProcess) -> u64 {
     let text = autoscaler::http_get(&provider.metrics_address, "/metrics")
         .await
         .unwrap_or_default();
@@ -458,7 +487,7 @@ async fn writes(provider: &ProviderProcess) -> f64 {
             &[("method", m)],
         )
     })
-    .sum()
+    .sum::<f64>() as u64
 }
 
 /// Waits (30 s at most: the grace period and a repair interval with room) until no Machine of

@@ -90,6 +90,11 @@ impl ProviderProcess {
         procs::wait_exit(&mut self.child, "the provider exits", timeout).await
     }
 
+    /// The exit status once the provider has exited, without waiting.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// Kills (SIGKILL) and reaps it, as the kubelet does when the grace period is over.
     pub fn kill(&mut self) {
         procs::kill_and_reap(&mut self.child);
