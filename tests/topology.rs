@@ -203,12 +203,14 @@ async fn sidecar_standby_autoscaler_takes_over_a_scale_down_and_loses_nothing() 
 /// with `replicas: 2`. While CA removes four empty nodes of one group and raises another by three
 /// for pending pods, the Deployment is rolled the way its default strategy does it (maxSurge 1,
 /// maxUnavailable 0): a new replica starts, and once it is ready an old one leaves the endpoints and
-/// gets SIGTERM, at a moment when a write call of CA is in flight in it (its apiserver traffic is
-/// slowed to 300 ms a request so that calls take a while); then the second. CA reconnects through the
-/// Service to what is left. Asserted: the old replicas exit on SIGTERM within the grace period; CA
-/// reached a new replica; every Machine deleted carried a mark; the scaled-down group ends at 6 − 4 = 2
-/// and the scaled-up one at 0 + 3 with exactly their Machines, no mark left; every replica write
-/// stayed within bounds, one group's replicas only fell, the other's only rose.
+/// gets SIGTERM; then the second. The Service sends each new connection to the oldest endpoint, so
+/// CA is on an old replica at each step, and each old one goes once a call of CA's is in flight in
+/// it (its apiserver traffic is slowed to 300 ms a request so that calls take a while): CA is moved
+/// twice, in the middle of its calls. Asserted: a SIGTERM came with a call in flight; the old
+/// replicas exit 0 within the grace period; CA reached a new replica; every Machine deleted carried
+/// a mark; the scaled-down group ends at 6 − 4 = 2 and the scaled-up one at 0 + 3 with exactly their
+/// Machines, no mark left; every replica write stayed within bounds, one group's replicas only fell,
+/// the other's only rose.
 #[tokio::test]
 async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
     let mut s = Scenario::new("ha-standalone-rollout", Setup::shipped()).await;
@@ -264,18 +266,29 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
         let fresh = replica(&mut s).await;
         service.add(fresh.addr());
         new.push(fresh);
-        // The replica CA is connected to is taken down while a write of CA is in flight in it,
-        // when one comes within 10 s; another replica at once.
+        // The old replica goes once CA is connected to it and a call of CA's has a request of it
+        // to the apiserver in flight (nothing else of it sends requests now), or after 10 s.
+        let (service_ref, target) = (&service, gone.addr());
+        let api = &gone.api;
+        let caught = poll_until(
+            "CA connected to the old replica, a call in flight in it",
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            || async move {
+                let on_it = service_ref.connections().last() == Some(&target);
+                if on_it && api.held_request_bytes() > 0 {
+                    Check::Done(())
+                } else {
+                    Check::Wait(format!("CA connected to it: {on_it}"))
+                }
+            },
+        )
+        .await
+        .is_ok();
         let carries_ca = service.connections().last() == Some(&gone.addr());
-        let in_flight = carries_ca
-            && gone
-                .api
-                .wait_held_request(Duration::from_secs(10))
-                .await
-                .is_ok();
         service.remove(gone.addr());
         gone.provider.terminate();
-        terminated.push((gone, Instant::now(), carries_ca, in_flight));
+        terminated.push((gone, Instant::now(), carries_ca, caught));
     }
     // Each exits on its own, or the kubelet kills it when its grace period is over.
     let mut exits: Vec<Option<(Result<std::process::ExitStatus, String>, Duration)>> =
@@ -348,6 +361,10 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
             "CA reconnected to a new replica through the Service: connections to {connections:?}"
         ),
     );
+    s.check(
+        exits.iter().any(|(_, _, _, in_flight)| *in_flight),
+        "an old replica got SIGTERM with a call of CA's in flight in it",
+    );
     let unmarked = s.reconciler.deleted_unmarked();
     s.check(
         unmarked.is_empty(),
@@ -379,7 +396,7 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
         .iter()
         .map(|(status, took, carries_ca, in_flight)| {
             format!(
-                "exit {} {:.1}s after SIGTERM (carried CA: {carries_ca}, a write in flight: {in_flight})",
+                "exit {} {:.1}s after SIGTERM (carried CA: {carries_ca}, a call in flight: {in_flight})",
                 status.as_ref().map_or_else(|e| e.clone(), |s| s.to_string()),
                 took.as_secs_f64()
             )

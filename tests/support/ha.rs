@@ -21,17 +21,18 @@ use super::procs::{Check, poll_until};
 
 #[derive(Default)]
 struct ServiceShared {
-    /// The ready endpoints, as the EndpointSlice lists them.
+    /// The ready endpoints, oldest first.
     endpoints: Mutex<Vec<SocketAddr>>,
-    next: AtomicUsize,
     /// The endpoint of each connection accepted so far, in order.
     connections: Mutex<Vec<SocketAddr>>,
 }
 
 /// A ClusterIP Service as kube-proxy makes it: each new connection goes to one of the ready
-/// endpoints (in turn), and stays with it until either side closes it, also after the endpoint has
-/// left the list (conntrack keeps established flows). A connection that arrives while no endpoint
-/// is ready is closed at once.
+/// endpoints and stays with it until either side closes it, also after the endpoint has left the
+/// list (conntrack keeps established flows). A connection that arrives while no endpoint is ready is
+/// closed at once. Where kube-proxy picks an endpoint at random, this one picks the oldest: during a
+/// rolling update a client stays on an old replica as long as there is one, and so is moved at every
+/// step, the worst case.
 pub struct Service {
     pub addr: SocketAddr,
     shared: Arc<ServiceShared>,
@@ -66,8 +67,7 @@ impl Service {
                         if endpoints.is_empty() {
                             continue;
                         }
-                        let i = shared.next.fetch_add(1, Ordering::SeqCst) % endpoints.len();
-                        endpoints[i]
+                        endpoints[0]
                     };
                     lock(&shared.connections).push(target);
                     flows.spawn(async move {
