@@ -48,22 +48,41 @@ struct Sidecar {
 /// Two CA pods, each CA with its own provider, leader election on. The leader is SIGKILLed (CA and
 /// its provider) in the middle of its scale-down: once the first Machine is marked, at a moment when
 /// a write of its provider is in flight (its apiserver traffic is slowed to 300 ms a request so that
-/// the removals take a while; what it had sent still reaches the apiserver). The standby takes the Lease and finishes the scale-down: the four empty
-/// nodes go, the two busy ones stay. Asserted: the Lease went from the leader to the standby and to
-/// no one else (every version of it watched), and the standby neither looped nor called its
-/// provider's writes before; every Machine deleted carried a mark (none deleted for a replica
-/// count that dropped without one, which a double decrement would cause); replicas end at 6 − 4 =
-/// 2 with exactly those Machines and no mark left; every replica write stayed in bounds and replicas
-/// never went up or below 2.
+/// the removals take a while). What it had sent still reaches the apiserver, late. The standby takes
+/// the Lease and finishes the scale-down: the four empty nodes go, the two busy ones stay. Asserted:
+/// the Lease went from the leader's pod to the standby's and to no one else (every version of it
+/// watched), and the standby neither looped nor called its provider's writes before; every Machine
+/// deleted carried a mark (none deleted for a replica count that dropped without one, which a double
+/// decrement would cause); replicas end at 6 − 4 = 2 with exactly those Machines and no mark left;
+/// every replica write stayed in bounds and replicas never went up or below 2.
 #[tokio::test]
 async fn sidecar_standby_autoscaler_takes_over_a_scale_down_and_loses_nothing() {
+    sidecar_takeover("ha-sidecar-takeover", InFlight::DeliveredLate).await;
+}
+
+/// As [`sidecar_standby_autoscaler_takes_over_a_scale_down_and_loses_nothing`], but the leader's
+/// write in flight is lost with it (as when its node goes): the mark it wrote has no decrement, and
+/// only the objects tell the standby's provider so.
+#[tokio::test]
+async fn sidecar_standby_takes_over_when_the_leaders_last_write_is_lost() {
+    sidecar_takeover("ha-sidecar-takeover-lost-write", InFlight::Lost).await;
+}
+
+/// What becomes of the dead leader's request in flight.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum InFlight {
+    DeliveredLate,
+    Lost,
+}
+
+async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     assert!(
         root,
         "each CA runs under its own pod's hostname (its Lease identity) in a UTS namespace: run as root"
     );
-    let mut s = Scenario::new("ha-sidecar-takeover", Setup::shipped()).await;
+    let mut s = Scenario::new(name, Setup::shipped()).await;
     let md = Scenario::capacity(s.md("md-a", 1, 6, 6), "2", "4Gi");
     s.capi.create_deployment(&md, false).await;
     let nodes = s.wait_node_count(6).await;
@@ -115,9 +134,17 @@ async fn sidecar_standby_autoscaler_takes_over_a_scale_down_and_loses_nothing() 
     first.ca.kill();
     first.provider.kill();
     let killed = Instant::now();
+    if in_flight_write == InFlight::Lost {
+        // Every byte the proxy still holds for the dead provider goes with it.
+        drop(slow);
+    }
+    let after_kill = GroupView::read(&s.capi, Kind::MachineDeployment, "md-a")
+        .await
+        .map_or_else(|e| e, |v| v.describe());
     procs::announce(&format!(
         "e2e: killed the leading CA and its provider after it marked {marked:?} \
-         ({leader_writes} write calls answered, a write in flight: {in_flight})"
+         ({leader_writes} write calls answered, a write in flight: {in_flight}, \
+         {in_flight_write:?}); md-a then: {after_kill}"
     ));
     if standby_loops != 0.0 || standby_writes != 0 {
         fail(
