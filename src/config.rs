@@ -151,6 +151,15 @@ pub struct ServeArgs {
         requires = "tls_cert"
     )]
     pub tls_client_ca: Option<PathBuf>,
+    /// Serve the scale RPCs (which change replicas and mark Machines for deletion) on an address other
+    /// than loopback without TLS client authentication. Off: such a start is refused, since anyone who
+    /// reaches the address could then delete the cluster's Machines.
+    #[arg(
+        long = "allow-unauthenticated-writes",
+        env = "CAPI_AUTOSCALER_PROVIDER_ALLOW_UNAUTHENTICATED_WRITES",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub allow_unauthenticated_writes: bool,
     /// How often delete marks left without their replica decrement are looked for and taken back.
     #[arg(
         long = "repair-interval",
@@ -216,6 +225,28 @@ pub struct ServeArgs {
         value_parser = parse_watch_timeout
     )]
     pub watch_timeout: std::time::Duration,
+}
+
+impl ServeArgs {
+    /// Who can reach the scale RPCs: loopback (the sidecar), clients with a certificate the
+    /// `--tls-client-ca` bundle signed, or anyone only when `--allow-unauthenticated-writes` says so.
+    pub fn check_write_exposure(&self) -> Result<(), String> {
+        if self.address.ip().is_loopback()
+            || self.tls_client_ca.is_some()
+            || self.allow_unauthenticated_writes
+        {
+            return Ok(());
+        }
+        let transport = if self.tls_cert.is_some() {
+            "TLS without client certificates"
+        } else {
+            "plaintext"
+        };
+        Err(format!(
+            "--address {}: refusing to serve the scale RPCs (IncreaseSize, DeleteNodes, DecreaseTargetSize) on a non-loopback address over {transport}: anyone who reaches it could change replicas and delete Machines. Listen on 127.0.0.1 (the sidecar), require client certificates with --tls-client-ca (mTLS), or pass --allow-unauthenticated-writes if something else guards the address",
+            self.address
+        ))
+    }
 }
 
 /// A Go-style duration (`30s`, `1m30s`), not negative.
@@ -497,6 +528,62 @@ mod tests {
     fn tls_key_requires_a_certificate() {
         let r = Cli::try_parse_from(["x", "serve", "--tls-key", "/k"]);
         assert!(r.is_err());
+    }
+
+    fn serve_args(args: &[&str]) -> ServeArgs {
+        let cli = Cli::try_parse_from(std::iter::once("x").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        match cli.command {
+            Some(Command::Serve(serve)) => serve,
+            _ => cli.serve,
+        }
+    }
+
+    #[test]
+    fn scale_rpcs_off_loopback_need_client_certificates_or_an_explicit_flag() {
+        let tls = ["--tls-cert", "/c", "--tls-key", "/k"];
+        for ok in [
+            vec!["serve"],
+            vec!["serve", "--address", "127.0.0.1:8086"],
+            vec!["serve", "--address", "[::1]:8086"],
+            [
+                &[
+                    "serve",
+                    "--address",
+                    "0.0.0.0:8086",
+                    "--tls-client-ca",
+                    "/ca",
+                ][..],
+                &tls,
+            ]
+            .concat(),
+            vec![
+                "serve",
+                "--address",
+                "0.0.0.0:8086",
+                "--allow-unauthenticated-writes",
+            ],
+            vec![
+                "serve",
+                "--address",
+                "10.1.2.3:8086",
+                "--allow-unauthenticated-writes",
+            ],
+        ] {
+            assert_eq!(serve_args(&ok).check_write_exposure(), Ok(()), "{ok:?}");
+        }
+        let plain = serve_args(&["serve", "--address", "0.0.0.0:8086"]).check_write_exposure();
+        let e = plain.expect_err("plaintext on every address");
+        assert!(e.contains("0.0.0.0:8086") && e.contains("plaintext"), "{e}");
+        assert!(
+            e.contains("--tls-client-ca") && e.contains("--allow-unauthenticated-writes"),
+            "{e}"
+        );
+        let server_tls_only = [&["serve", "--address", "[::]:8086"][..], &tls].concat();
+        let e = serve_args(&server_tls_only)
+            .check_write_exposure()
+            .expect_err("TLS alone authenticates nobody");
+        assert!(e.contains("TLS without client certificates"), "{e}");
     }
 
     /// Every flag of every command, with its env name.

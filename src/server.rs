@@ -38,6 +38,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         commit = version::COMMIT,
         "capi-autoscaler-provider starting"
     );
+    args.check_write_exposure().map_err(anyhow::Error::msg)?;
     let config = args.connection.config()?;
     let metrics = Arc::new(Metrics::new());
     // TLS files are read before anything else: a wrong path fails the start at once.

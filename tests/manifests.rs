@@ -362,18 +362,22 @@ async fn run(variant: Variant) {
             )
         }
     };
-    applied.cleanup(
-        &pods_kubeconfig,
-        &[
-            "-n",
-            &install_ns,
-            "delete",
-            "lease,configmap",
-            "cluster-autoscaler",
-            "cluster-autoscaler-status",
-            "--ignore-not-found",
-        ],
-    );
+    // CA's Lease and status: in the install namespace, or kube-system where the values keep them there
+    // (values-kind-capd.yaml, as the in-tree chart's kubeconfig-incluster mode does).
+    for ns in [install_ns.as_str(), "kube-system"] {
+        applied.cleanup(
+            &pods_kubeconfig,
+            &[
+                "-n",
+                ns,
+                "delete",
+                "lease,configmap",
+                "cluster-autoscaler",
+                "cluster-autoscaler-status",
+                "--ignore-not-found",
+            ],
+        );
+    }
     applied.cleanup(
         &pods_kubeconfig,
         &[
@@ -473,6 +477,8 @@ async fn run(variant: Variant) {
     let ca = pods[ca_pod].by_image(CA_REPOSITORY);
     let ca_started = ca.started;
     let ca_address = render::flag(&ca.argv, "--address").expect("CA's --address");
+    // Where CA keeps its status ConfigMap (and Lease) in the cluster it watches: its last --namespace.
+    let ca_ns = render::flag(&ca.argv, "--namespace").unwrap_or_else(|| install_ns.clone());
     let first = poll_until(
         "CA's first main loop (cluster_autoscaler_last_activity{activity=\"main\"})",
         LOOP,
@@ -608,7 +614,7 @@ async fn run(variant: Variant) {
     if let Err(e) = moved {
         fail(variant.name, &pods, &e);
     }
-    let status = Api::<ConfigMap>::namespaced(pods_client.clone(), &install_ns)
+    let status = Api::<ConfigMap>::namespaced(pods_client.clone(), &ca_ns)
         .get_opt(support::autoscaler::STATUS_CONFIGMAP)
         .await
         .ok()
@@ -617,12 +623,12 @@ async fn run(variant: Variant) {
         fail(
             variant.name,
             &pods,
-            &format!("CA's status ConfigMap in {install_ns} of the cluster it watches"),
+            &format!("CA's status ConfigMap in {ca_ns} of the cluster it watches"),
         );
     }
     if matches!(variant.topology, Topology::Management { .. }) {
         // Not in the management cluster: CA watches the workload cluster only.
-        let wrong = Api::<ConfigMap>::namespaced(admin.clone(), &install_ns)
+        let wrong = Api::<ConfigMap>::namespaced(admin.clone(), &ca_ns)
             .get_opt(support::autoscaler::STATUS_CONFIGMAP)
             .await
             .ok()
@@ -698,7 +704,7 @@ async fn run(variant: Variant) {
     procs::announce(&format!(
         "e2e: manifests {}: {}\n  CA's first main loop {:.1}s after its start; {} autoscaled node group(s); \
          pending pod → {group_ns}/{md_name} replicas 0 → 1 {:.1}s after CA's start (TriggeredScaleUp); \
-         status ConfigMap {install_ns}/{}; `check` in the provider container: {check_line}; \
+         status ConfigMap {ca_ns}/{}; `check` in the provider container: {check_line}; \
          variant done in {:.1}s",
         variant.name,
         summaries.join("\n  "),

@@ -153,3 +153,31 @@ async fn a_client_racing_the_start_gets_unavailable_or_complete_answers() {
         t0.elapsed().as_secs_f64()
     ));
 }
+
+/// The scale RPCs are refused off loopback without client certificates: the process stops at once
+/// with an error saying what to do, before it reads a kubeconfig or binds anything.
+#[test]
+fn serving_writes_off_loopback_without_client_certificates_is_refused_at_start() {
+    let output = std::process::Command::new(support::provider::PROVIDER_BIN)
+        .args([
+            "serve",
+            "--address=0.0.0.0:1",
+            "--metrics-address=",
+            "--cloud-config=/nonexistent/kubeconfig",
+        ])
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run the provider");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("refusing to serve the scale RPCs")
+            && stderr.contains("--tls-client-ca")
+            && stderr.contains("--allow-unauthenticated-writes"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("/nonexistent/kubeconfig"),
+        "refused before the kubeconfig is read: {stderr}"
+    );
+}

@@ -219,7 +219,7 @@ impl Autoscaler {
             args.extend(self.flags.iter().cloned());
             let started = Instant::now();
             let spawned = match &self.hostname {
-                Some(hostname) => spawn_as_host(&binary, &args, &log, hostname),
+                Some(hostname) => procs::spawn_logged_on_host(hostname, &binary, &args, &log),
                 None => procs::spawn_logged(&binary, &args, &log),
             };
             let mut child = spawned.unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
@@ -256,42 +256,6 @@ impl Autoscaler {
             }
         }
     }
-}
-
-/// Spawns `program args…` like [`procs::spawn_logged`], in a UTS namespace of its own whose
-/// hostname is `hostname`.
-fn spawn_as_host(
-    program: &Path,
-    args: &[String],
-    log: &Path,
-    hostname: &str,
-) -> std::io::Result<Child> {
-    use std::os::unix::process::CommandExt as _;
-    let out = std::fs::File::options()
-        .create(true)
-        .append(true)
-        .open(log)?;
-    let err = out.try_clone()?;
-    let name = hostname.as_bytes().to_vec();
-    let mut command = Command::new(program);
-    command
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(out))
-        .stderr(Stdio::from(err));
-    // SAFETY: the closure runs between fork and exec and only calls unshare(2) and sethostname(2)
-    // on memory prepared before the fork.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::unshare(libc::CLONE_NEWUTS) != 0
-                || libc::sethostname(name.as_ptr().cast(), name.len()) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    procs::spawn(command)
 }
 
 /// A running CA; killed (SIGKILL) and reaped on drop.

@@ -80,6 +80,29 @@ pub fn spawn_logged(program: &Path, args: &[String], log: &Path) -> io::Result<C
     spawn(command)
 }
 
+/// Like [`spawn_logged`], in a UTS namespace of its own whose hostname is `hostname`, as in a pod
+/// (needs root). Programs that take their identity from the hostname, as cluster-autoscaler's leader
+/// election does, are then told apart as pods are; on one host they would all be the same candidate.
+/// The returned child is the program itself (`unshare` and the shell exec into it).
+pub fn spawn_logged_on_host(
+    hostname: &str,
+    program: &Path,
+    args: &[String],
+    log: &Path,
+) -> io::Result<Child> {
+    let mut wrapped: Vec<String> = vec![
+        "--uts".into(),
+        "sh".into(),
+        "-c".into(),
+        "hostname \"$1\" && shift && exec \"$@\"".into(),
+        "sh".into(),
+        hostname.into(),
+        program.display().to_string(),
+    ];
+    wrapped.extend(args.iter().cloned());
+    spawn_logged(Path::new("unshare"), &wrapped, log)
+}
+
 /// Children that stay up until the binary exits (etcd, kube-apiserver); killed by the exit handler.
 fn registry() -> &'static Mutex<Vec<Child>> {
     static CHILDREN: OnceLock<Mutex<Vec<Child>>> = OnceLock::new();

@@ -123,6 +123,29 @@ pub fn helm_template(values: &str, release: &str, namespace: &str) -> Vec<Value>
     parse_stream(&yaml)
 }
 
+/// `helm template RELEASE <chart> --namespace NAMESPACE -f FILE…` with values files anywhere (later
+/// files override earlier ones, as with helm).
+pub fn helm_template_files(values: &[&Path], release: &str, namespace: &str) -> Vec<Value> {
+    let chart = chart().display().to_string();
+    let mut args: Vec<String> = [
+        "template",
+        release,
+        &chart,
+        "--namespace",
+        namespace,
+        "--kube-version",
+        kube_version(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for file in values {
+        args.extend(["-f".to_string(), file.display().to_string()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    parse_stream(&run(&helm(), &args))
+}
+
 /// The object of `kind` named `name`.
 pub fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
     objects
