@@ -126,11 +126,11 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
     )
     .await;
     let marked = marked.unwrap_or_else(|e| fail(&s, &[&first, &second], &e));
-    // With a write of it in flight, when one comes within 5 s.
-    let in_flight = slow.wait_held_request(Duration::from_secs(5)).await.is_ok();
     let standby_loops = main_activity(&second.ca).await;
     let standby_writes = writes(&second.provider).await;
     let leader_writes = writes(&first.provider).await;
+    // With a write of it in flight, when one comes within 5 s.
+    let in_flight = slow.wait_held_request(Duration::from_secs(5)).await.is_ok();
     first.ca.kill();
     first.provider.kill();
     let killed = Instant::now();
@@ -197,6 +197,14 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
         "the leader held the Lease until it was killed, the standby only after",
     );
     let successor_writes = writes(&second.provider).await;
+    s.check(
+        successor_writes > 0,
+        "the standby's CA finished the scale-down through its provider",
+    );
+    s.check(
+        in_flight || in_flight_write == InFlight::DeliveredLate,
+        "the leader died with a write of its provider in flight, which is lost",
+    );
     let deleted = s.reconciler.deleted_marked();
     let unmarked = s.reconciler.deleted_unmarked();
     s.check(
