@@ -51,7 +51,7 @@ struct Sidecar {
 /// the removals take a while). What it had sent still reaches the apiserver, late. The standby takes
 /// the Lease and finishes the scale-down: the four empty nodes go, the two busy ones stay. Asserted:
 /// the Lease went from the leader's pod to the standby's and to no one else (every version of it
-/// watched), and the standby neither looped nor called its provider's writes before; every Machine
+/// watched; leaseTransitions one up), and the standby neither looped nor called its provider's writes before; every Machine
 /// deleted carried a mark (none deleted for a replica count that dropped without one, which a double
 /// decrement would cause); replicas end at 6 − 4 = 2 with exactly those Machines and no mark left;
 /// every replica write stayed in bounds and replicas never went up or below 2.
@@ -171,15 +171,13 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
 
     let holders = lease.holders();
     let versions = lease.versions();
-    let successor_since = versions
-        .iter()
-        .find(|v| v.holder.as_deref() == Some(successor.as_str()))
-        .map(|v| v.at);
-    let leader_until = versions
-        .iter()
-        .filter(|v| v.holder.as_deref() == Some(leader.as_str()))
-        .map(|v| v.at)
-        .max();
+    let first_of = |holder: &str| {
+        versions
+            .iter()
+            .find(|v| v.holder.as_deref() == Some(holder))
+            .cloned()
+    };
+    let (led, succeeded) = (first_of(&leader), first_of(&successor));
     s.check(
         leader.starts_with("cluster-autoscaler-a") && successor.starts_with("cluster-autoscaler-b"),
         &format!("the Lease names the pods: {leader:?}, then {successor:?}"),
@@ -193,8 +191,13 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
         ),
     );
     s.check(
-        leader_until.is_some_and(|t| t <= killed) && successor_since.is_some_and(|t| t > killed),
-        "the leader held the Lease until it was killed, the standby only after",
+        succeeded.as_ref().is_some_and(|v| v.at > killed),
+        "the standby held the Lease only after the leader was killed",
+    );
+    let transitions = (led.map(|v| v.transitions), succeeded.map(|v| v.transitions));
+    s.check(
+        matches!(transitions, (Some(a), Some(b)) if b == a + 1),
+        &format!("one change of leader in the Lease's leaseTransitions: {transitions:?}"),
     );
     let successor_writes = writes(&second.provider).await;
     s.check(
@@ -302,7 +305,8 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
         service.add(fresh.addr());
         new.push(fresh);
         // The old replica goes once CA is connected to it and a call of CA's has a request of it
-        // to the apiserver in flight (nothing else of it sends requests now), or after 10 s.
+        // to the apiserver in flight (its reads are served from its caches: what it sends is a
+        // call's writes, or the repair's confirming reads), or after 10 s.
         let (service_ref, target) = (&service, gone.addr());
         let api = &gone.api;
         let caught = poll_until(
