@@ -6,7 +6,8 @@
 //! `tests/upstream/build.sh` and started once per control plane, on first use, so that pods land on
 //! the Nodes CA makes a group grow to: CA's scale-up is judged against a real scheduling decision.
 //!
-//! Each CA runs with short timings ([`Autoscaler::new`]), leader election off, its status ConfigMap in
+//! Each CA runs with short timings ([`Autoscaler::new`]), leader election off (unless
+//! [`Autoscaler::leader_elect`]), its status ConfigMap in
 //! the scenario's own namespace and its metrics and `/health-check` on a free loopback port.
 
 use std::path::{Path, PathBuf};
@@ -100,6 +101,8 @@ pub struct Autoscaler {
     pub tls: Option<(PathBuf, PathBuf, PathBuf)>,
     /// Flags as `--name=value`; later ones replace earlier ones of the same name.
     pub flags: Vec<String>,
+    /// The hostname CA runs with, when set (see [`Autoscaler::leader_elect`]).
+    pub hostname: Option<String>,
 }
 
 impl Autoscaler {
@@ -111,6 +114,7 @@ impl Autoscaler {
             ns: ns.to_string(),
             provider: provider.to_string(),
             tls: None,
+            hostname: None,
             flags: [
                 "--scan-interval=2s",
                 "--scale-down-delay-after-add=0s",
@@ -148,6 +152,25 @@ impl Autoscaler {
         self
     }
 
+    /// Leader election on, the Lease `lease` in the scenario's namespace, with timings short enough
+    /// for a standby to take over within seconds of the leader's death: a Lease unrenewed for 6 s is
+    /// taken, the leader renews every second and gives up leading after 4 s without a renewal.
+    ///
+    /// CA's identity in the Lease is its hostname, which in a cluster is its pod's name: two CAs with
+    /// one hostname both take the Lease as theirs and both lead. So CA runs as `pod`, with that
+    /// hostname in a UTS namespace of its own (as a container runtime gives each pod), which needs
+    /// root.
+    pub fn leader_elect(mut self, lease: &str, pod: &str) -> Self {
+        let ns = self.ns.clone();
+        self.hostname = Some(pod.to_string());
+        self.flag("--leader-elect=true")
+            .flag(&format!("--leader-elect-resource-namespace={ns}"))
+            .flag(&format!("--leader-elect-resource-name={lease}"))
+            .flag("--leader-elect-lease-duration=6s")
+            .flag("--leader-elect-renew-deadline=4s")
+            .flag("--leader-elect-retry-period=1s")
+    }
+
     pub fn tls(mut self, cert: &Path, key: &Path, ca: &Path) -> Self {
         self.tls = Some((cert.into(), key.into(), ca.into()));
         self
@@ -183,7 +206,6 @@ impl Autoscaler {
                 format!("--kubeconfig={}", cp.admin_kubeconfig().display()),
                 "--cloud-provider=externalgrpc".into(),
                 format!("--cloud-config={}", cloud_config.display()),
-                "--leader-elect=false".into(),
                 format!("--namespace={}", self.ns),
                 "--write-status-configmap=true".into(),
                 format!("--status-config-map-name={STATUS_CONFIGMAP}"),
@@ -191,10 +213,16 @@ impl Autoscaler {
                 "--logtostderr=true".into(),
                 "--v=4".into(),
             ];
+            if !self.flags.iter().any(|f| f.starts_with("--leader-elect=")) {
+                args.push("--leader-elect=false".into());
+            }
             args.extend(self.flags.iter().cloned());
             let started = Instant::now();
-            let mut child = procs::spawn_logged(&binary, &args, &log)
-                .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
+            let spawned = match &self.hostname {
+                Some(hostname) => procs::spawn_logged_on_host(hostname, &binary, &args, &log),
+                None => procs::spawn_logged(&binary, &args, &log),
+            };
+            let mut child = spawned.unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
             match wait_metrics(&mut child, &address).await {
                 Ok(()) => {
                     eprintln!(

@@ -21,6 +21,7 @@ pub mod cert_manager;
 pub mod control_plane;
 pub mod crds;
 pub mod faults;
+pub mod ha;
 pub mod hardening;
 pub mod infra;
 pub mod kubelet;

@@ -74,6 +74,32 @@ impl ProviderProcess {
         self.child.id()
     }
 
+    /// Sends SIGTERM, as the kubelet does to a terminating pod's containers.
+    pub fn terminate(&self) {
+        // SAFETY: kill(2) with a PID of our own child, which is not reaped before drop.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+    }
+
+    /// Waits (at most `timeout`) until the provider has exited; its exit status.
+    pub async fn wait_exit(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<std::process::ExitStatus, String> {
+        procs::wait_exit(&mut self.child, "the provider exits", timeout).await
+    }
+
+    /// The exit status once the provider has exited, without waiting.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Kills (SIGKILL) and reaps it, as the kubelet does when the grace period is over.
+    pub fn kill(&mut self) {
+        procs::kill_and_reap(&mut self.child);
+    }
+
     /// How many established TCP connections the provider holds to `port` on 127.0.0.1: its sockets
     /// (`/proc/<pid>/fd`) matched by inode against the kernel's table (`/proc/<pid>/net/tcp`).
     pub fn connections_to(&self, port: u16) -> usize {

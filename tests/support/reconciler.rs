@@ -256,6 +256,19 @@ impl Reconciler {
             .collect()
     }
 
+    /// The Machines deleted so far without the delete-machine annotation (the newest, for a replica
+    /// count that dropped without a mark).
+    pub fn deleted_unmarked(&self) -> Vec<String> {
+        self.actions()
+            .iter()
+            .filter_map(|a| {
+                a.strip_prefix("deleted Machine ")?
+                    .strip_suffix(" (newest)")
+                    .map(str::to_string)
+            })
+            .collect()
+    }
+
     /// Switches provisioning failure on or off for the group named `name`; affects instances that
     /// have no Node yet.
     pub fn never_provision(&self, name: &str, on: bool) {
