@@ -17,6 +17,7 @@
 
 pub mod autoscaler;
 pub mod capi;
+pub mod capi_manager;
 pub mod cert_manager;
 pub mod control_plane;
 pub mod crds;
@@ -30,6 +31,7 @@ pub mod provider;
 pub mod reconciler;
 pub mod render;
 pub mod scenario;
+pub mod standin;
 pub mod workload;
 pub mod workload_cluster;
 

@@ -1,0 +1,302 @@
+//! The real Cluster API core manager (v1.14.2, built by tests/upstream/capi/build.sh) against the test
+//! kube-apiserver, wired as `clusterctl init` wires it: its 13 CRDs with the conversion webhook, its
+//! defaulting and validating webhooks, its controllers. Only the cloud and the kubelets are the
+//! stand-in's (tests/support/standin.rs). Assertions are on objects, never on log text.
+
+pub mod support;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use support::capi_manager::capi_manager;
+use support::procs::{self, Check, poll_until};
+use support::standin::{self, StandIn};
+use support::{CAPI_GROUP, capi_resource};
+
+const MIN_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size";
+const MAX_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size";
+const DELETE_MACHINE: &str = "cluster.x-k8s.io/delete-machine";
+const DEPLOYMENT_NAME: &str = "cluster.x-k8s.io/deployment-name";
+/// How long CAPI may take to bring Machines up, or to delete one (drain of an empty Node included).
+const MACHINES: Duration = Duration::from_secs(60);
+
+fn capi(version: &str, kind: &str) -> ApiResource {
+    let plural = format!("{}s", kind.to_lowercase());
+    capi_resource(CAPI_GROUP, version, kind, &plural)
+}
+
+fn api(client: &Client, ns: &str, version: &str, kind: &str) -> Api<DynamicObject> {
+    Api::namespaced_with(client.clone(), ns, &capi(version, kind))
+}
+
+/// A v1beta2 MachineDeployment of `cluster` on the stand-in template `template`, with the autoscaler
+/// bounds as annotations and no `spec.replicas` (CAPI's webhook defaults it).
+fn machine_deployment(name: &str, cluster: &str, template: &str, min: &str, max: &str) -> Value {
+    json!({
+        "apiVersion": format!("{CAPI_GROUP}/v1beta2"),
+        "kind": "MachineDeployment",
+        "metadata": {"name": name, "annotations": {MIN_SIZE: min, MAX_SIZE: max}},
+        "spec": {
+            "clusterName": cluster,
+            "selector": {"matchLabels": {}},
+            "template": {"spec": {
+                "clusterName": cluster,
+                "version": standin::KUBERNETES_VERSION,
+                "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
+                "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, template),
+            }},
+        },
+    })
+}
+
+async fn create(api: &Api<DynamicObject>, object: &Value) -> Result<DynamicObject, kube::Error> {
+    let object: DynamicObject =
+        serde_json::from_value(object.clone()).expect("a MachineDeployment object");
+    api.create(&PostParams::default(), &object).await
+}
+
+fn name_of(o: &DynamicObject) -> String {
+    o.metadata.name.clone().unwrap_or_default()
+}
+
+/// The Machines of MachineDeployment `md` that are not being deleted, with their Nodes once CAPI
+/// set the node ref, the Node is Ready, and CAPI synced its annotations onto it: `Done` with the
+/// Machine names when there are exactly `want`.
+async fn machines_with_nodes(
+    client: &Client,
+    ns: &str,
+    md: &str,
+    want: usize,
+) -> Check<BTreeSet<String>> {
+    let machines = match api(client, ns, "v1beta2", "Machine")
+        .list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={md}")))
+        .await
+    {
+        Ok(list) => list.items,
+        Err(e) => return Check::Wait(e.to_string()),
+    };
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut names = BTreeSet::new();
+    for m in machines
+        .iter()
+        .filter(|m| m.metadata.deletion_timestamp.is_none())
+    {
+        let name = name_of(m);
+        let Some(node_name) = m.data["status"]["nodeRef"]["name"].as_str() else {
+            return Check::Wait(format!("Machine {name} has no nodeRef yet"));
+        };
+        let node = match nodes.get_opt(node_name).await {
+            Ok(Some(node)) => node,
+            Ok(None) => {
+                return Check::Fatal(format!("Machine {name} refers to no Node {node_name}"));
+            }
+            Err(e) => return Check::Wait(e.to_string()),
+        };
+        let provider_id = node.spec.as_ref().and_then(|s| s.provider_id.clone());
+        if provider_id.as_deref() != m.data["spec"]["providerID"].as_str() {
+            return Check::Fatal(format!(
+                "Node {node_name} has providerID {provider_id:?}, Machine {name} {}",
+                m.data["spec"]["providerID"]
+            ));
+        }
+        let synced = node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("cluster.x-k8s.io/machine"));
+        if synced != Some(&name) {
+            return Check::Wait(format!(
+                "Node {node_name}: CAPI has not synced the machine annotation yet ({synced:?})"
+            ));
+        }
+        names.insert(name);
+    }
+    if names.len() == want {
+        Check::Done(names)
+    } else {
+        Check::Wait(format!("{} Machines with Nodes, want {want}", names.len()))
+    }
+}
+
+/// A MachineDeployment created without `spec.replicas` and with the autoscaler bounds gets its
+/// replicas from CAPI's defaulting webhook (and a bad bound is refused, naming the annotation); it
+/// reads as v1beta1 through CAPI's conversion webhook; the real MachineSet controller makes the
+/// Machines, the stand-in provisions them with Ready Nodes, CAPI sets the node refs; lowering
+/// replicas with one Machine carrying delete-machine deletes exactly that Machine and its Node,
+/// though CAPI's own order (Random: ties by name) would have picked the other.
+#[tokio::test]
+async fn real_capi_defaults_converts_provisions_and_deletes_the_marked_machine() {
+    let manager = capi_manager();
+    let cp = manager.cp;
+    let client = cp.admin_client().await;
+    let ns = cp.fresh_namespace().await;
+    let started = Instant::now();
+    let cluster = standin::workload_cluster(&client, cp, &ns, "workload").await;
+    let standin = StandIn::start(client.clone(), &ns);
+    standin::create_template(&client, &ns, "workers", &[]).await;
+    let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
+    let fail = |message: String| -> ! {
+        panic!(
+            "{message}\nstand-in actions: {:?}\nstand-in errors: {:?}\n--- CAPI manager log (tail) ---\n{}",
+            standin.actions(),
+            standin.errors(),
+            manager.log_tail()
+        )
+    };
+
+    // Validation is CAPI's: a min-size that is no number is refused, naming the annotation.
+    match create(
+        &mds,
+        &machine_deployment("bad", "workload", "workers", "two", "4"),
+    )
+    .await
+    {
+        Ok(_) => fail("CAPI's webhook accepted min-size \"two\"".into()),
+        Err(e) => assert!(
+            e.to_string().contains(MIN_SIZE),
+            "the refusal names the min-size annotation: {e}"
+        ),
+    }
+
+    // Defaulting is CAPI's: replicas from min-size.
+    let md = machine_deployment("workers", "workload", "workers", "2", "4");
+    assert!(md["spec"].get("replicas").is_none());
+    let created = create(&mds, &md)
+        .await
+        .unwrap_or_else(|e| fail(format!("create MachineDeployment {ns}/workers: {e}")));
+    assert_eq!(
+        created.data["spec"]["replicas"],
+        json!(2),
+        "CAPI's webhook defaults spec.replicas from the min-size annotation: {}",
+        created.data["spec"]
+    );
+    let defaulted = started.elapsed();
+
+    // Conversion is CAPI's: v1beta1 has an infrastructureRef with the apiVersion CAPI resolves
+    // from the stand-in CRD's contract label, and the namespace of the MachineDeployment.
+    let old = api(&client, &ns, "v1beta1", "MachineDeployment")
+        .get("workers")
+        .await
+        .unwrap_or_else(|e| {
+            fail(format!(
+                "get MachineDeployment {ns}/workers as v1beta1: {e}"
+            ))
+        });
+    assert_eq!(
+        old.types.as_ref().map(|t| t.api_version.as_str()),
+        Some("cluster.x-k8s.io/v1beta1")
+    );
+    assert_eq!(old.data["spec"]["replicas"], json!(2));
+    assert_eq!(
+        old.data["spec"]["template"]["spec"]["infrastructureRef"],
+        json!({
+            "apiVersion": format!("{}/{}", standin::GROUP, standin::VERSION),
+            "kind": standin::TEMPLATE_KIND,
+            "name": "workers",
+            "namespace": ns,
+        }),
+        "the v1beta1 infrastructureRef as CAPI's conversion writes it"
+    );
+
+    // The real MachineSet controller makes two Machines; CAPI finds their Nodes.
+    let t_up = Instant::now();
+    let machines = poll_until(
+        "two Machines of workers with Ready Nodes and node refs",
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(&client, &ns, "workers", 2),
+    )
+    .await
+    .unwrap_or_else(|e| fail(e));
+    let up = t_up.elapsed();
+    let machine_api = api(&client, &ns, "v1beta2", "Machine");
+    let old_machine = api(&client, &ns, "v1beta1", "Machine")
+        .get(machines.first().expect("two Machines"))
+        .await
+        .unwrap_or_else(|e| fail(format!("get a Machine as v1beta1: {e}")));
+    assert_eq!(
+        old_machine.data["status"]["nodeRef"]["kind"],
+        json!("Node"),
+        "the v1beta1 nodeRef as CAPI's conversion writes it: {}",
+        old_machine.data["status"]
+    );
+
+    // Mark the Machine CAPI's own order would keep (Random: ties broken by name, first goes).
+    let marked = machines.last().expect("two Machines").clone();
+    let kept = machines.first().expect("two Machines").clone();
+    let marked_node = machine_api
+        .get(&marked)
+        .await
+        .unwrap_or_else(|e| fail(format!("get Machine {marked}: {e}")))
+        .data["status"]["nodeRef"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    machine_api
+        .patch(
+            &marked,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {DELETE_MACHINE: "true"}}})),
+        )
+        .await
+        .unwrap_or_else(|e| fail(format!("mark Machine {marked}: {e}")));
+    let t_down = Instant::now();
+    mds.patch(
+        "workers",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"spec": {"replicas": 1}})),
+    )
+    .await
+    .unwrap_or_else(|e| fail(format!("lower the replicas of workers: {e}")));
+    let nodes: Api<Node> = Api::all(client.clone());
+    poll_until(
+        &format!("Machine {marked} and Node {marked_node} deleted by CAPI"),
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            let machine = machine_api.get_opt(&marked).await;
+            let node = nodes.get_opt(&marked_node).await;
+            match (machine, node) {
+                (Ok(None), Ok(None)) => Check::Done(()),
+                (Ok(m), Ok(n)) => Check::Wait(format!(
+                    "Machine present: {}, Node present: {}",
+                    m.is_some(),
+                    n.is_some()
+                )),
+                (Err(e), _) | (_, Err(e)) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| fail(e));
+    let down = t_down.elapsed();
+    let left = poll_until(
+        "the one Machine left, with its Node",
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(&client, &ns, "workers", 1),
+    )
+    .await
+    .unwrap_or_else(|e| fail(e));
+    assert_eq!(
+        left,
+        BTreeSet::from([kept.clone()]),
+        "only the marked Machine went"
+    );
+    let errors = standin.errors();
+    assert!(errors.is_empty(), "stand-in errors: {errors:?}");
+    procs::announce(&format!(
+        "e2e: scenario real-capi-foundation passed in {:.1}s: Cluster ready {:.1}s, replicas \
+         defaulted {:.1}s after the start, 2 Machines with Nodes and node refs {:.1}s, marked \
+         Machine {marked} and its Node deleted {:.1}s after replicas 2 -> 1 ({kept} kept)",
+        started.elapsed().as_secs_f64(),
+        cluster.ready_after.as_secs_f64(),
+        defaulted.as_secs_f64(),
+        up.as_secs_f64(),
+        down.as_secs_f64(),
+    ));
+}
