@@ -12,15 +12,18 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
+use support::autoscaler::Autoscaler;
 use support::capi_manager::capi_manager;
 use support::procs::{self, Check, poll_until};
 use support::standin::{self, StandIn};
-use support::{CAPI_GROUP, capi_resource};
+use support::workload::{self, PodSpec, scenario_labels};
+use support::{CAPI_GROUP, capi_resource, start_provider};
 
 const MIN_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size";
 const MAX_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size";
 const DELETE_MACHINE: &str = "cluster.x-k8s.io/delete-machine";
 const DEPLOYMENT_NAME: &str = "cluster.x-k8s.io/deployment-name";
+const CAPACITY: &str = "capacity.cluster-autoscaler.kubernetes.io";
 /// How long CAPI may take to bring Machines up, or to delete one (drain of an empty Node included).
 const MACHINES: Duration = Duration::from_secs(60);
 
@@ -297,6 +300,144 @@ async fn real_capi_defaults_converts_provisions_and_deletes_the_marked_machine()
         cluster.ready_after.as_secs_f64(),
         defaulted.as_secs_f64(),
         up.as_secs_f64(),
+        down.as_secs_f64(),
+    ));
+}
+
+/// MachineDeployment `md`'s `spec.replicas` (`None` while it cannot be read).
+async fn replicas(client: &Client, ns: &str, md: &str) -> Result<i64, String> {
+    api(client, ns, "v1beta2", "MachineDeployment")
+        .get(md)
+        .await
+        .map_err(|e| e.to_string())?
+        .data["spec"]["replicas"]
+        .as_i64()
+        .ok_or_else(|| format!("MachineDeployment {ns}/{md} has no spec.replicas"))
+}
+
+/// The real cluster-autoscaler, through this provider, with the real CAPI manager: a pending pod
+/// that fits only a group at zero (min 0, replicas defaulted to 0 by CAPI's webhook) makes CA raise
+/// its replicas; CAPI's MachineSet makes the Machine, the stand-in its Node, the scheduler binds the
+/// pod there; once the pod is gone CA removes the empty Node through DeleteNodes and CAPI deletes that
+/// Machine and Node, replicas back to 0.
+#[tokio::test]
+async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_real_capi() {
+    let manager = capi_manager();
+    let cp = manager.cp;
+    let client = cp.admin_client().await;
+    let ns = cp.fresh_namespace().await;
+    let started = Instant::now();
+    standin::workload_cluster(&client, cp, &ns, "workload").await;
+    let standin = StandIn::start(client.clone(), &ns);
+    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
+    standin::create_template(&client, &ns, "small", &size).await;
+    let mut md = machine_deployment("pool", "workload", "small", "0", "3");
+    for (key, value) in [
+        ("cpu", "2".to_string()),
+        ("memory", "4Gi".into()),
+        ("maxPods", "110".into()),
+        ("labels", scenario_labels(&ns, &[])),
+    ] {
+        md["metadata"]["annotations"][format!("{CAPACITY}/{key}")] = json!(value);
+    }
+    let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
+    let created = create(&mds, &md)
+        .await
+        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/pool: {e}"));
+    assert_eq!(created.data["spec"]["replicas"], json!(0));
+
+    let discovery = format!("clusterapi:namespace={ns}");
+    let provider = start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let fail = |message: String, ca: &support::autoscaler::AutoscalerProcess| -> ! {
+        panic!(
+            "{message}\nstand-in actions: {:?}\nstand-in errors: {:?}\n--- provider log ---\n{}\n\
+             --- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
+            standin.actions(),
+            standin.errors(),
+            procs::log_tail(&provider.log, 4000),
+            ca.log_tail(),
+            manager.log_tail()
+        )
+    };
+
+    let t_up = Instant::now();
+    workload::create_pod(&client, &ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    let raised = poll_until(
+        "CA raises pool to 1",
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async {
+            match replicas(&client, &ns, "pool").await {
+                Ok(1) => Check::Done(()),
+                Ok(n) => Check::Wait(format!("replicas {n}")),
+                Err(e) => Check::Wait(e),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = raised {
+        fail(e, &ca);
+    }
+    let up = t_up.elapsed();
+    let machines = match poll_until(
+        "the Machine of pool with its Ready Node",
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(&client, &ns, "pool", 1),
+    )
+    .await
+    {
+        Ok(m) => m,
+        Err(e) => fail(e, &ca),
+    };
+    let machine = machines.first().expect("one Machine").clone();
+    let node = workload::wait_bound(&client, &ns, "web", Duration::from_secs(60)).await;
+    let bound = t_up.elapsed();
+    assert_eq!(node, machine, "the pod runs on the Node of pool's Machine");
+
+    let t_down = Instant::now();
+    workload::delete_pod(&client, &ns, "web").await;
+    let machine_api = api(&client, &ns, "v1beta2", "Machine");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let removed = poll_until(
+        &format!("pool back to 0, Machine {machine} and Node {node} deleted by CAPI"),
+        Duration::from_secs(90),
+        Duration::from_millis(200),
+        || async {
+            let replicas = replicas(&client, &ns, "pool").await;
+            let machine = machine_api.get_opt(&machine).await;
+            let node = nodes.get_opt(&node).await;
+            match (replicas, machine, node) {
+                (Ok(0), Ok(None), Ok(None)) => Check::Done(()),
+                (r, m, n) => Check::Wait(format!(
+                    "replicas {r:?}, Machine present: {:?}, Node present: {:?}",
+                    m.map(|m| m.is_some()),
+                    n.map(|n| n.is_some())
+                )),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = removed {
+        fail(e, &ca);
+    }
+    let down = t_down.elapsed();
+    if let Err(e) = ca.check_alive() {
+        fail(e, &ca);
+    }
+    let errors = standin.errors();
+    assert!(errors.is_empty(), "stand-in errors: {errors:?}");
+    procs::announce(&format!(
+        "e2e: scenario real-capi-ca-up-and-down passed in {:.1}s: pod -> replicas 1 {:.1}s, pod -> \
+         bound {:.1}s, pod deleted -> replicas 0 with Machine and Node gone {:.1}s",
+        started.elapsed().as_secs_f64(),
+        up.as_secs_f64(),
+        bound.as_secs_f64(),
         down.as_secs_f64(),
     ));
 }

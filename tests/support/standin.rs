@@ -18,7 +18,8 @@
 //! `<cluster>-kubeconfig` Secret. [`StandIn::start`] runs the cloud and the kubelets of one namespace
 //! as a poll loop: each `StandInMachine` gets `spec.providerID` (`standin:///<ns>/<name>`),
 //! `status.initialization.provisioned: true` and a Ready Node of the same name and providerID (the
-//! conditions CAPI reads: Ready True; Memory-, Disk- and PIDPressure False); pods on its Nodes that
+//! conditions CAPI reads: Ready True; Memory-, Disk- and PIDPressure False; the label
+//! `e2e-scenario=<ns>` that only this namespace's workload pods select); pods on its Nodes that
 //! are being deleted (evicted by a drain) are finished, as a kubelet would. A Node is made once per
 //! machine: one CAPI deleted is never made again.
 
@@ -39,6 +40,7 @@ use tokio::task::AbortHandle;
 
 use super::control_plane::ControlPlane;
 use super::procs::{Check, poll_until};
+use super::workload::SCENARIO_LABEL;
 use super::{CAPI_GROUP, capi_resource};
 
 /// The stand-in's API group.
@@ -457,6 +459,7 @@ fn ready_node(name: &str, provider_id: &str, ns: &str, status: &Value) -> Result
             "kubernetes.io/os": os,
             "kubernetes.io/arch": arch,
             NODE_LABEL: ns,
+            SCENARIO_LABEL: ns,
         }},
         "spec": {"providerID": provider_id},
         "status": {
