@@ -316,7 +316,8 @@ async fn replicas(client: &Client, ns: &str, md: &str) -> Result<i64, String> {
 }
 
 /// The real cluster-autoscaler, through this provider, with the real CAPI manager: a pending pod
-/// that fits only a group at zero (min 0, replicas defaulted to 0 by CAPI's webhook) makes CA raise
+/// that fits only a group at zero (min 0, replicas defaulted to 0 by CAPI's webhook; its size from
+/// the stand-in template's `status.capacity`) makes CA raise
 /// its replicas; CAPI's MachineSet makes the Machine, the stand-in its Node, the scheduler binds the
 /// pod there; once the pod is gone CA removes the empty Node through DeleteNodes and CAPI deletes that
 /// Machine and Node, replicas back to 0.
@@ -331,15 +332,10 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
     let standin = StandIn::start(client.clone(), &ns);
     let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
     standin::create_template(&client, &ns, "small", &size).await;
+    // The size comes from the template's status (the scale-from-zero contract), read by the
+    // provider through the stand-in's group; only the Node label is an annotation.
     let mut md = machine_deployment("pool", "workload", "small", "0", "3");
-    for (key, value) in [
-        ("cpu", "2".to_string()),
-        ("memory", "4Gi".into()),
-        ("maxPods", "110".into()),
-        ("labels", scenario_labels(&ns, &[])),
-    ] {
-        md["metadata"]["annotations"][format!("{CAPACITY}/{key}")] = json!(value);
-    }
+    md["metadata"]["annotations"][format!("{CAPACITY}/labels")] = json!(scenario_labels(&ns, &[]));
     let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
     let created = create(&mds, &md)
         .await
@@ -438,6 +434,236 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
         started.elapsed().as_secs_f64(),
         up.as_secs_f64(),
         bound.as_secs_f64(),
+        down.as_secs_f64(),
+    ));
+}
+
+/// A Machine of a MachineDeployment as the deletion-order scenario sees it.
+#[derive(Clone, Debug)]
+struct Placed {
+    name: String,
+    created: String,
+}
+
+/// Brings MachineDeployment `md` (created at 1 replica) to two Machines with Nodes whose creation
+/// times differ (CAPI's Newest and Oldest orders compare whole seconds): waits for the first, then
+/// for the next second, then raises replicas to 2. Returns the two, oldest first.
+async fn two_machines_a_second_apart(client: &Client, ns: &str, md: &str) -> Vec<Placed> {
+    let machines = api(client, ns, "v1beta2", "Machine");
+    let first = poll_until(
+        &format!("the first Machine of {md}"),
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(client, ns, md, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let first = first.first().expect("one Machine").clone();
+    let created = machines
+        .get(&first)
+        .await
+        .unwrap_or_else(|e| panic!("get Machine {first}: {e}"))
+        .metadata
+        .creation_timestamp
+        .map(|t| t.0)
+        .unwrap_or_else(|| panic!("Machine {first} without creationTimestamp"));
+    poll_until(
+        "the next second",
+        Duration::from_secs(3),
+        Duration::from_millis(50),
+        || async move {
+            let now = k8s_openapi::jiff::Timestamp::now();
+            if now.as_second() > created.as_second() {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("{now} is in the second of {created}"))
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    api(client, ns, "v1beta2", "MachineDeployment")
+        .patch(
+            md,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"replicas": 2}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("raise {md} to 2: {e}"));
+    let names = poll_until(
+        &format!("two Machines of {md}"),
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(client, ns, md, 2),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut placed = Vec::new();
+    for name in names {
+        let m = machines
+            .get(&name)
+            .await
+            .unwrap_or_else(|e| panic!("get Machine {name}: {e}"));
+        let created = m
+            .metadata
+            .creation_timestamp
+            .map(|t| t.0.to_string())
+            .unwrap_or_default();
+        placed.push(Placed { name, created });
+    }
+    placed.sort_by(|a, b| a.created.cmp(&b.created));
+    assert_ne!(
+        placed[0].created, placed[1].created,
+        "the Machines of {md} were created in different seconds"
+    );
+    placed
+}
+
+/// For each MachineSet deletion order (Random: ties by name, Newest, Oldest) a group of two Nodes
+/// where the Node CAPI's order would remove carries a pod CA will not move and the other is empty:
+/// CA removes the empty Node through this provider, and the real MachineSet controller deletes
+/// exactly that Machine and its Node in every group, whatever its own order would have taken.
+#[tokio::test]
+async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_order() {
+    let manager = capi_manager();
+    let cp = manager.cp;
+    let client = cp.admin_client().await;
+    let ns = cp.fresh_namespace().await;
+    let started = Instant::now();
+    standin::workload_cluster(&client, cp, &ns, "workload").await;
+    let standin = StandIn::start(client.clone(), &ns);
+    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
+    standin::create_template(&client, &ns, "small", &size).await;
+    let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
+    let orders = ["Random", "Newest", "Oldest"];
+    for order in orders {
+        let name = order.to_lowercase();
+        let mut md = machine_deployment(&name, "workload", "small", "1", "3");
+        md["metadata"]["annotations"][format!("{CAPACITY}/labels")] =
+            json!(scenario_labels(&ns, &[]));
+        md["spec"]["deletion"] = json!({"order": order});
+        create(&mds, &md)
+            .await
+            .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/{name}: {e}"));
+    }
+    let names: Vec<String> = orders.iter().map(|o| o.to_lowercase()).collect();
+    let placed = futures::future::join_all(
+        names
+            .iter()
+            .map(|name| two_machines_a_second_apart(&client, &ns, name)),
+    )
+    .await;
+    let set_up = started.elapsed();
+    for (order, name) in orders.iter().zip(&names) {
+        let sets = api(&client, &ns, "v1beta2", "MachineSet")
+            .list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={name}")))
+            .await
+            .unwrap_or_else(|e| panic!("list the MachineSets of {name}: {e}"));
+        let copied: Vec<&Value> = sets
+            .items
+            .iter()
+            .map(|ms| &ms.data["spec"]["deletion"]["order"])
+            .collect();
+        assert_eq!(
+            copied,
+            vec![&json!(order)],
+            "CAPI copied {name}'s deletion order to its one MachineSet"
+        );
+    }
+
+    // In each group the busy Node is the one CAPI's own order would delete.
+    let mut busy = BTreeSet::new();
+    let mut empty = BTreeSet::new();
+    for (order, machines) in orders.iter().zip(&placed) {
+        let (oldest, newest) = (&machines[0], &machines[1]);
+        let by_name = oldest.name.clone().min(newest.name.clone());
+        let capi_pick = match *order {
+            "Random" => by_name,
+            "Newest" => newest.name.clone(),
+            _ => oldest.name.clone(),
+        };
+        for m in machines {
+            if m.name == capi_pick {
+                busy.insert(m.name.clone());
+            } else {
+                empty.insert(m.name.clone());
+            }
+        }
+        // Three quarters of the Node: above CA's utilization threshold, so CA keeps it.
+        let pod = PodSpec::new(&format!("busy-{}", order.to_lowercase()), "1500m", "1Gi");
+        workload::create_bound_pod(&client, &ns, &pod, &capi_pick).await;
+    }
+
+    let discovery = format!("clusterapi:namespace={ns}");
+    let provider = start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let t_down = Instant::now();
+    let machine_api = api(&client, &ns, "v1beta2", "Machine");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let outcome = poll_until(
+        "CA removed the empty Node of each group and CAPI deleted exactly its Machine",
+        Duration::from_secs(90),
+        Duration::from_millis(250),
+        || async {
+            let left: BTreeSet<String> = match machine_api.list(&ListParams::default()).await {
+                Ok(l) => l.items.iter().map(name_of).collect(),
+                Err(e) => return Check::Wait(e.to_string()),
+            };
+            let node_names: BTreeSet<String> = match nodes
+                .list(&ListParams::default().labels(&format!("{}={ns}", standin::NODE_LABEL)))
+                .await
+            {
+                Ok(l) => l
+                    .items
+                    .into_iter()
+                    .filter_map(|n| n.metadata.name)
+                    .collect(),
+                Err(e) => return Check::Wait(e.to_string()),
+            };
+            if left.iter().any(|m| !busy.contains(m) && !empty.contains(m)) {
+                return Check::Fatal(format!("a Machine nobody asked for: {left:?}"));
+            }
+            if let Some(gone) = busy.iter().find(|m| !left.contains(*m)) {
+                return Check::Fatal(format!("Machine {gone}, the busy one, was deleted"));
+            }
+            if left == busy && node_names == busy {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("Machines {left:?}, Nodes {node_names:?}"))
+            }
+        },
+    )
+    .await;
+    if let Err(e) = outcome {
+        panic!(
+            "{e}\nbusy {busy:?}, empty {empty:?}\nstand-in errors: {:?}\n--- provider log ---\n{}\n\
+             --- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
+            standin.errors(),
+            procs::log_tail(&provider.log, 4000),
+            ca.log_tail(),
+            manager.log_tail()
+        );
+    }
+    let down = t_down.elapsed();
+    for order in orders {
+        let name = order.to_lowercase();
+        assert_eq!(replicas(&client, &ns, &name).await, Ok(1), "{name} at 1");
+    }
+    if let Err(e) = ca.check_alive() {
+        panic!("{e}");
+    }
+    let errors = standin.errors();
+    assert!(errors.is_empty(), "stand-in errors: {errors:?}");
+    procs::announce(&format!(
+        "e2e: scenario real-capi-deletion-orders passed in {:.1}s: 3 groups of 2 Nodes set up in \
+         {:.1}s, CA start -> the 3 empty Machines and Nodes deleted by CAPI {:.1}s (busy kept: \
+         {busy:?})",
+        started.elapsed().as_secs_f64(),
+        set_up.as_secs_f64(),
         down.as_secs_f64(),
     ));
 }
