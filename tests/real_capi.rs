@@ -13,6 +13,7 @@ use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, Post
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use support::autoscaler::Autoscaler;
+use support::capi::Rpc;
 use support::capi_manager::capi_manager;
 use support::procs::{self, Check, poll_until};
 use support::standin::{self, StandIn};
@@ -664,6 +665,180 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
          {busy:?})",
         started.elapsed().as_secs_f64(),
         set_up.as_secs_f64(),
+        down.as_secs_f64(),
+    ));
+}
+
+/// The Machines of MachineDeployment `md` by name, with whether each carries delete-machine.
+async fn machines_of(client: &Client, ns: &str, md: &str) -> Result<Vec<(String, bool)>, String> {
+    let list = api(client, ns, "v1beta2", "Machine")
+        .list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={md}")))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(list
+        .items
+        .iter()
+        .map(|m| {
+            let marked = m
+                .metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(DELETE_MACHINE));
+            (name_of(m), marked)
+        })
+        .collect())
+}
+
+/// While the real MachineDeployment controller rolls a group out (template changed, maxSurge 1 as
+/// CAPI's webhook defaults it, the new Machine slow to come because the stand-in cloud holds it),
+/// CA removes no node of it over 8 loops although both old Nodes are empty: nothing marked, nothing
+/// deleted, replicas unchanged, the provider serving the group's min raised to its target. Once the cloud delivers and CAPI finishes the rollout, CA scales the
+/// group down to its minimum: one Machine of the new MachineSet left.
+#[tokio::test]
+async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() {
+    let manager = capi_manager();
+    let cp = manager.cp;
+    let client = cp.admin_client().await;
+    let ns = cp.fresh_namespace().await;
+    let started = Instant::now();
+    standin::workload_cluster(&client, cp, &ns, "workload").await;
+    let standin = StandIn::start(client.clone(), &ns);
+    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
+    standin::create_template(&client, &ns, "small", &size).await;
+    standin::create_template(&client, &ns, "small-v2", &size).await;
+    let mut md = machine_deployment("roll", "workload", "small", "1", "3");
+    md["metadata"]["annotations"][format!("{CAPACITY}/labels")] = json!(scenario_labels(&ns, &[]));
+    md["spec"]["replicas"] = json!(2);
+    let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
+    let created = create(&mds, &md)
+        .await
+        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/roll: {e}"));
+    assert_eq!(
+        created.data["spec"]["rollout"]["strategy"]["rollingUpdate"]["maxSurge"],
+        json!(1),
+        "CAPI's webhook defaults maxSurge: {}",
+        created.data["spec"]
+    );
+    let old = poll_until(
+        "two Machines of roll with Nodes",
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(&client, &ns, "roll", 2),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    standin.hold("small-v2");
+    mds.patch(
+        "roll",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"spec": {"template": {"spec": {
+            "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2"),
+        }}}})),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("change the template of roll: {e}"));
+    poll_until(
+        "CAPI surges a third Machine for the rollout",
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            match machines_of(&client, &ns, "roll").await {
+                Ok(m) if m.len() == 3 => Check::Done(()),
+                Ok(m) => Check::Wait(format!("Machines {m:?}")),
+                Err(e) => Check::Wait(e),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    let discovery = format!("clusterapi:namespace={ns}");
+    let provider = start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let t_paused = Instant::now();
+    ca.wait_loops(8, Duration::from_secs(60)).await;
+    let paused = t_paused.elapsed();
+    let machines = machines_of(&client, &ns, "roll")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let nodes: Api<Node> = Api::all(client.clone());
+    let fail = |message: String, ca: &support::autoscaler::AutoscalerProcess| -> ! {
+        panic!(
+            "{message}\nstand-in actions: {:?}\n--- provider log ---\n{}\n--- CA log (tail) ---\n{}",
+            standin.actions(),
+            procs::log_tail(&provider.log, 4000),
+            ca.log_tail()
+        )
+    };
+    if machines.len() != 3 || machines.iter().any(|(_, marked)| *marked) {
+        fail(
+            format!("during the rollout: Machines {machines:?}, want 3, none marked"),
+            &ca,
+        );
+    }
+    for name in &old {
+        if !matches!(nodes.get_opt(name).await, Ok(Some(_))) {
+            fail(format!("Node {name} went during the rollout"), &ca);
+        }
+    }
+    if replicas(&client, &ns, "roll").await != Ok(2) {
+        fail("replicas changed during the rollout".into(), &ca);
+    }
+    // How: the provider saw CAPI's rollout (its MachineSet revisions, its RollingOut condition) and
+    // serves the group's min raised to its target.
+    let groups = Rpc::connect(&provider).await.groups().await;
+    let mins: Vec<(String, i32)> = groups.iter().map(|g| (g.id.clone(), g.min_size)).collect();
+    if mins.len() != 1 || mins[0].1 != 2 {
+        fail(
+            format!("NodeGroups during the rollout: {mins:?}, want the one group with min 2"),
+            &ca,
+        );
+    }
+
+    let t_down = Instant::now();
+    standin.release("small-v2");
+    let left = poll_until(
+        "the rollout done and roll scaled down to its minimum",
+        Duration::from_secs(90),
+        Duration::from_millis(250),
+        || async {
+            let replicas = replicas(&client, &ns, "roll").await;
+            match machines_with_nodes(&client, &ns, "roll", 1).await {
+                Check::Done(left) if replicas == Ok(1) => Check::Done(left),
+                Check::Done(_) => Check::Wait(format!("replicas {replicas:?}")),
+                Check::Wait(why) => Check::Wait(format!("replicas {replicas:?}; {why}")),
+                Check::Fatal(e) => Check::Fatal(e),
+            }
+        },
+    )
+    .await;
+    let left = match left {
+        Ok(left) => left,
+        Err(e) => fail(e, &ca),
+    };
+    let down = t_down.elapsed();
+    let survivor = left.first().expect("one Machine").clone();
+    if old.contains(&survivor) {
+        fail(
+            format!("the Machine left, {survivor}, is of the old MachineSet"),
+            &ca,
+        );
+    }
+    if let Err(e) = ca.check_alive() {
+        fail(e, &ca);
+    }
+    let errors = standin.errors();
+    assert!(errors.is_empty(), "stand-in errors: {errors:?}");
+    procs::announce(&format!(
+        "e2e: scenario real-capi-rollout passed in {:.1}s: 8 CA loops ({:.1}s) during the rollout \
+         removed nothing; release -> rollout done and scaled down to 1 ({survivor}) {:.1}s",
+        started.elapsed().as_secs_f64(),
+        paused.as_secs_f64(),
         down.as_secs_f64(),
     ));
 }

@@ -220,6 +220,8 @@ fn cluster_unready(status: &Value) -> Option<String> {
 struct State {
     /// Machines whose Node was made (never made twice).
     nodes_made: BTreeSet<String>,
+    /// Templates whose machines the cloud does not provision (yet).
+    held: BTreeSet<String>,
     actions: Vec<(Instant, String)>,
     errors: Vec<String>,
 }
@@ -262,6 +264,17 @@ impl StandIn {
             state,
             task,
         }
+    }
+
+    /// Machines cloned from template `name` stay unprovisioned (no providerID, no Node) until
+    /// [`StandIn::release`]: a cloud that is slow to deliver.
+    pub fn hold(&self, template: &str) {
+        lock(&self.state).held.insert(template.to_string());
+    }
+
+    /// Provisions the machines of a held template from the next pass on.
+    pub fn release(&self, template: &str) {
+        lock(&self.state).held.remove(template);
     }
 
     /// What it did, in order, with when.
@@ -319,6 +332,18 @@ impl Worker {
             return Ok(());
         }
         let name = machine.metadata.name.clone().unwrap_or_default();
+        let template = machine
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(CLONED_FROM_NAME))
+            .cloned();
+        if template
+            .as_ref()
+            .is_some_and(|t| lock(&self.state).held.contains(t))
+        {
+            return Ok(());
+        }
         let id = provider_id(&self.ns, &name);
         if machine.data["spec"]["providerID"].as_str() != Some(id.as_str()) {
             self.machines()
@@ -333,12 +358,6 @@ impl Worker {
         }
         let made = lock(&self.state).nodes_made.contains(&name);
         if !made {
-            let template = machine
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(CLONED_FROM_NAME))
-                .cloned();
             let capacity = match template {
                 Some(t) => self.template_status(&t).await?,
                 None => Value::Null,
