@@ -13,14 +13,14 @@
 //!   `/readyz` (the webhook server's TLS check) answers ok.
 //!
 //! One manager per test binary, started on first use with the control plane and stopped when the
-//! binary ends. Infrastructure and control plane objects are the stand-in's (`standin`).
+//! binary ends; a fault test may kill it (SIGKILL) and restart it. Infrastructure and control plane objects are the stand-in's (`standin`).
 //!
 //! The manager's webhook server listens on every interface (the module has no flag for its host);
 //! the apiserver reaches it on 127.0.0.1 only.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
@@ -64,7 +64,6 @@ pub struct CapiManager {
     /// The cache directory of tests/upstream/capi/build.sh (bin/, crds/, webhook/).
     pub cache: PathBuf,
     pub log: PathBuf,
-    pub pid: u32,
     /// `127.0.0.1:<port>` of `/healthz` and `/readyz`.
     pub health_address: String,
     /// `127.0.0.1:<port>` of `/metrics` (plain HTTP: `--insecure-diagnostics`).
@@ -72,6 +71,10 @@ pub struct CapiManager {
     /// `https://127.0.0.1:<port>`: the base of every webhook URL.
     pub webhook_base: String,
     pub timings: ManagerTimings,
+    args: Vec<String>,
+    /// The running process; `None` after [`CapiManager::kill`] until [`CapiManager::restart`].
+    /// Not in the exit registry: it dies with the test binary like every child (`PDEATHSIG`).
+    process: Mutex<Option<Child>>,
 }
 
 static MANAGER: OnceLock<Result<CapiManager, String>> = OnceLock::new();
@@ -107,6 +110,86 @@ impl CapiManager {
     /// The last lines of the manager's log, for failure messages.
     pub fn log_tail(&self) -> String {
         procs::log_tail(&self.log, 6000)
+    }
+
+    /// The PID of the running manager, if it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.process().as_ref().map(Child::id)
+    }
+
+    /// SIGKILLs the manager and reaps it: its controllers stop and its webhooks (defaulting,
+    /// validation, conversion) stop answering, as when its pod dies.
+    pub fn kill(&self) {
+        if let Some(mut child) = self.process().take() {
+            procs::kill_and_reap(&mut child);
+        }
+    }
+
+    /// Starts the manager again with the same flags, ports and certificate (its log appended);
+    /// returns the time from its start until `/readyz` answered ok.
+    pub async fn restart(&self) -> Result<Duration, String> {
+        self.kill();
+        let (child, took) = spawn_healthy(
+            &self.cache.join(MANAGER_BIN),
+            &self.args,
+            &self.log,
+            &self.health_address,
+        )
+        .await?;
+        *self.process() = Some(child);
+        Ok(took)
+    }
+
+    fn process(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.process.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+const MANAGER_BIN: &str = "bin/capi-manager";
+
+/// Spawns the manager and waits until its `/readyz` answers ok; returns it and how long that took.
+async fn spawn_healthy(
+    binary: &Path,
+    args: &[String],
+    log: &Path,
+    health_address: &str,
+) -> Result<(Child, Duration), String> {
+    let started = Instant::now();
+    let mut child = procs::spawn_logged(binary, args, log)
+        .map_err(|e| format!("start the CAPI manager: {e}"))?;
+    let ready = poll_until(
+        "CAPI manager /readyz",
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || {
+            let gone = match child.try_wait() {
+                Ok(Some(status)) => Some(format!("exited with {status}")),
+                Ok(None) => None,
+                Err(e) => Some(format!("wait: {e}")),
+            };
+            async move {
+                if let Some(gone) = gone {
+                    return Check::Fatal(gone);
+                }
+                match procs::http_get(health_address, "/readyz").await {
+                    Ok((200, _)) => Check::Done(()),
+                    Ok((code, body)) => Check::Wait(format!("{code}: {body}")),
+                    Err(e) => Check::Wait(e),
+                }
+            }
+        },
+    )
+    .await;
+    match ready {
+        Ok(()) => Ok((child, started.elapsed())),
+        Err(e) => {
+            procs::kill_and_reap(&mut child);
+            Err(format!(
+                "{e}\n--- CAPI manager log {} (tail) ---\n{}",
+                log.display(),
+                procs::log_tail(log, 6000)
+            ))
+        }
     }
 }
 
@@ -210,43 +293,9 @@ async fn start(cp: &'static ControlPlane) -> Result<CapiManager, String> {
         "--feature-gates=MachinePool=true,ClusterTopology=false".into(),
     ];
     let log = dir.join("capi-manager.log");
-    let t_start = Instant::now();
-    let mut child = procs::spawn_logged(&cache.join("bin/capi-manager"), &args, &log)
-        .map_err(|e| format!("start the CAPI manager: {e}"))?;
-    let ready = poll_until(
-        "CAPI manager /readyz",
-        Duration::from_secs(60),
-        Duration::from_millis(100),
-        || {
-            let gone = match child.try_wait() {
-                Ok(Some(status)) => Some(format!("exited with {status}")),
-                Ok(None) => None,
-                Err(e) => Some(format!("wait: {e}")),
-            };
-            let address = health_address.clone();
-            async move {
-                if let Some(gone) = gone {
-                    return Check::Fatal(gone);
-                }
-                match procs::http_get(&address, "/readyz").await {
-                    Ok((200, _)) => Check::Done(()),
-                    Ok((code, body)) => Check::Wait(format!("{code}: {body}")),
-                    Err(e) => Check::Wait(e),
-                }
-            }
-        },
-    )
-    .await;
-    let start_to_healthy = t_start.elapsed();
-    if let Err(e) = ready {
-        procs::kill_and_reap(&mut child);
-        return Err(format!(
-            "{e}\n--- CAPI manager log {} (tail) ---\n{}",
-            log.display(),
-            procs::log_tail(&log, 6000)
-        ));
-    }
-    let pid = procs::keep_until_exit(child);
+    let (child, start_to_healthy) =
+        spawn_healthy(&cache.join(MANAGER_BIN), &args, &log, &health_address).await?;
+    let pid = child.id();
     let timings = ManagerTimings {
         lookup,
         cold_build,
@@ -270,11 +319,12 @@ async fn start(cp: &'static ControlPlane) -> Result<CapiManager, String> {
         version,
         cache,
         log,
-        pid,
         health_address,
         diagnostics_address,
         webhook_base,
         timings,
+        args,
+        process: Mutex::new(Some(child)),
     })
 }
 

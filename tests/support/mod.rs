@@ -28,6 +28,7 @@ pub mod kubelet;
 pub mod pki;
 pub mod procs;
 pub mod provider;
+pub mod real_capi;
 pub mod reconciler;
 pub mod render;
 pub mod scenario;
