@@ -5,11 +5,13 @@
 
 pub mod support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Node;
-use kube::api::{ListParams, Patch, PatchParams};
+use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use support::autoscaler::Autoscaler;
@@ -715,7 +717,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
 #[derive(Default)]
 struct Seen {
     names: BTreeSet<String>,
-    deleting: std::collections::BTreeMap<String, bool>,
+    deleting: BTreeMap<String, bool>,
 }
 
 /// Records every 50 ms what [`Seen`] holds for the Machines of `md`, until aborted.
@@ -723,11 +725,8 @@ fn watch_machines(
     client: Client,
     ns: String,
     md: String,
-) -> (
-    std::sync::Arc<std::sync::Mutex<Seen>>,
-    tokio::task::AbortHandle,
-) {
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Seen::default()));
+) -> (Arc<Mutex<Seen>>, tokio::task::AbortHandle) {
+    let seen = Arc::new(Mutex::new(Seen::default()));
     let record = seen.clone();
     let task = tokio::spawn(async move {
         let machines = api(&client, &ns, "v1beta2", "Machine");
@@ -935,5 +934,182 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
          unmarked Machine ({} deleted, all marked): {outcomes:?}",
         started.elapsed().as_secs_f64(),
         seen.deleting.len(),
+    ));
+}
+
+/// A pod of ReplicaSet `owner` (created here; nothing reconciles it) on Node `node` with a grace
+/// period, so that an eviction leaves it Terminating until a kubelet (the stand-in) ends it.
+async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Option<&str>) {
+    let sets: Api<ReplicaSet> = Api::namespaced(client.clone(), ns);
+    let owner = match sets.get_opt("movers").await {
+        Ok(Some(rs)) => rs,
+        _ => {
+            let rs = serde_json::from_value(json!({
+                "metadata": {"name": "movers"},
+                "spec": {
+                    "replicas": 0,
+                    "selector": {"matchLabels": {"app": "movers"}},
+                    "template": {
+                        "metadata": {"labels": {"app": "movers"}},
+                        "spec": {"containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10"}]},
+                    },
+                },
+            }))
+            .expect("a ReplicaSet");
+            sets.create(&PostParams::default(), &rs)
+                .await
+                .unwrap_or_else(|e| panic!("create ReplicaSet {ns}/movers: {e}"))
+        }
+    };
+    let mut spec = json!({
+        "terminationGracePeriodSeconds": 30,
+        "nodeSelector": {workload::SCENARIO_LABEL: ns},
+        "containers": [{
+            "name": "app",
+            "image": "registry.k8s.io/pause:3.10",
+            "resources": {"requests": {"cpu": cpu, "memory": "512Mi"}},
+        }],
+    });
+    if let Some(node) = node {
+        spec["nodeName"] = json!(node);
+    }
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {
+            "name": name,
+            "labels": {"app": "movers"},
+            "ownerReferences": [{
+                "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "movers",
+                "uid": owner.metadata.uid.unwrap_or_default(), "controller": true,
+            }],
+        },
+        "spec": spec,
+    }))
+    .expect("a Pod");
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap_or_else(|e| panic!("create pod {ns}/{name}: {e}"));
+}
+
+/// Of two lightly used Nodes, CA drains one (evicting its movable pod, which stays Terminating for
+/// its grace period until the stand-in kubelet ends it) and removes it through DeleteNodes; CAPI's
+/// own drain and Node deletion complete; the other Node and its pod stay, and a replacement pod
+/// runs there.
+#[tokio::test]
+async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
+    let manager = capi_manager();
+    let cp = manager.cp;
+    let client = cp.admin_client().await;
+    let ns = cp.fresh_namespace().await;
+    let started = Instant::now();
+    standin::workload_cluster(&client, cp, &ns, "workload").await;
+    let standin = StandIn::start(client.clone(), &ns);
+    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
+    standin::create_template(&client, &ns, "small", &size).await;
+    let mut md = machine_deployment("drain", "workload", "small", "1", "3");
+    md["metadata"]["annotations"][format!("{CAPACITY}/labels")] = json!(scenario_labels(&ns, &[]));
+    md["spec"]["replicas"] = json!(2);
+    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
+        .await
+        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/drain: {e}"));
+    let machines = poll_until(
+        "two Machines of drain with Nodes",
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(&client, &ns, "drain", 2),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    // The Node CAPI's own order would keep (Random: ties by name, first goes) is the one to drain.
+    let (kept, drained) = (
+        machines.first().expect("two Machines").clone(),
+        machines.last().expect("two Machines").clone(),
+    );
+    // 60 % of the kept Node: CA keeps it; 25 % of the other, movable to the kept one.
+    graceful_pod(&client, &ns, "stay", "1200m", Some(&kept)).await;
+    graceful_pod(&client, &ns, "move", "500m", Some(&drained)).await;
+
+    let provider = start_provider(
+        &[
+            "--node-group-auto-discovery",
+            &format!("clusterapi:namespace={ns}"),
+        ],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let t_down = Instant::now();
+    let machine_api = api(&client, &ns, "v1beta2", "Machine");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let removed = poll_until(
+        &format!("Node {drained} drained by CA, its Machine and Node deleted by CAPI"),
+        Duration::from_secs(90),
+        Duration::from_millis(250),
+        || async {
+            let machine = machine_api.get_opt(&drained).await;
+            let node = nodes.get_opt(&drained).await;
+            let pod = pods.get_opt("move").await;
+            match (machine, node, pod) {
+                (Ok(None), Ok(None), Ok(None)) => Check::Done(()),
+                (m, n, p) => Check::Wait(format!(
+                    "Machine present {:?}, Node present {:?}, pod move present {:?}",
+                    m.map(|x| x.is_some()),
+                    n.map(|x| x.is_some()),
+                    p.map(|x| x.is_some())
+                )),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = removed {
+        panic!(
+            "{e}\nstand-in actions: {:?}\n--- provider log ---\n{}\n--- CA log (tail) ---\n{}\n\
+             --- CAPI manager log (tail) ---\n{}",
+            standin.actions(),
+            procs::log_tail(&provider.log, 4000),
+            ca.log_tail(),
+            manager.log_tail()
+        );
+    }
+    let down = t_down.elapsed();
+    let finished = standin
+        .actions()
+        .iter()
+        .any(|(_, a)| a == &format!("pod {ns}/move finished"));
+    assert!(
+        finished,
+        "the evicted pod stayed Terminating until the stand-in kubelet ended it"
+    );
+    assert_eq!(replicas(&client, &ns, "drain").await, Ok(1));
+    let left = poll_until(
+        "the kept Machine with its Node",
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(&client, &ns, "drain", 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(left, BTreeSet::from([kept.clone()]), "only {drained} went");
+    assert_eq!(
+        workload::node_of(&client, &ns, "stay").await.as_deref(),
+        Some(kept.as_str()),
+        "the pod of the kept Node stays"
+    );
+    // The ReplicaSet's replacement (no controller-manager runs: the test makes it) runs on the
+    // kept Node, placed there by the real scheduler.
+    graceful_pod(&client, &ns, "move-again", "500m", None).await;
+    let placed = workload::wait_bound(&client, &ns, "move-again", Duration::from_secs(30)).await;
+    assert_eq!(placed, kept, "the replacement runs on the kept Node");
+    if let Err(e) = ca.check_alive() {
+        panic!("{e}");
+    }
+    let errors = standin.errors();
+    assert!(errors.is_empty(), "stand-in errors: {errors:?}");
+    procs::announce(&format!(
+        "e2e: scenario real-capi-drain passed in {:.1}s: CA start -> pod evicted and ended, Machine \
+         and Node {drained} deleted by CAPI {:.1}s",
+        started.elapsed().as_secs_f64(),
+        down.as_secs_f64(),
     ));
 }
