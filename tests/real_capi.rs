@@ -23,8 +23,8 @@ use support::real_capi::{
     machines_of, machines_with_nodes, name_of, replicas,
 };
 use support::standin::{self, StandIn};
-use support::start_provider;
 use support::workload::{self, PodSpec, scenario_labels};
+use support::{CAPI_GROUP, start_provider};
 
 /// A MachineDeployment created without `spec.replicas` and with the autoscaler bounds gets its
 /// replicas from CAPI's defaulting webhook (and a bad bound is refused, naming the annotation); it
@@ -1111,5 +1111,168 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
          and Node {drained} deleted by CAPI {:.1}s",
         started.elapsed().as_secs_f64(),
         down.as_secs_f64(),
+    ));
+}
+
+/// A MachineHealthCheck remediating one Machine while this provider removes another of the same
+/// group: the real MachineSet controller deletes the unhealthy Machine and replaces it, and deletes
+/// the marked one; replicas drop by exactly one (no double decrement), the third Machine is never
+/// touched, no Machine goes unmarked but the remediated one, and nothing is left marked.
+#[tokio::test]
+async fn a_machine_health_check_remediation_beside_delete_nodes_costs_nothing_extra() {
+    let manager = capi_manager();
+    let cp = manager.cp;
+    let client = cp.admin_client().await;
+    let ns = cp.fresh_namespace().await;
+    let started = Instant::now();
+    standin::workload_cluster(&client, cp, &ns, "workload").await;
+    let standin = StandIn::start(client.clone(), &ns);
+    standin::create_template(&client, &ns, "small", &[]).await;
+    let mut md = machine_deployment("heal", "workload", "small", "1", "5");
+    md["spec"]["replicas"] = json!(3);
+    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
+        .await
+        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/heal: {e}"));
+    let mhc = json!({
+        "apiVersion": format!("{CAPI_GROUP}/v1beta2"),
+        "kind": "MachineHealthCheck",
+        "metadata": {"name": "heal"},
+        "spec": {
+            "clusterName": "workload",
+            "selector": {"matchLabels": {DEPLOYMENT_NAME: "heal"}},
+            "checks": {"unhealthyNodeConditions": [
+                {"type": "Ready", "status": "False", "timeoutSeconds": 1},
+            ]},
+        },
+    });
+    create(&api(&client, &ns, "v1beta2", "MachineHealthCheck"), &mhc)
+        .await
+        .unwrap_or_else(|e| panic!("create MachineHealthCheck {ns}/heal: {e}"));
+    let machines: Vec<String> = poll_until(
+        "three Machines of heal with Nodes",
+        MACHINES,
+        Duration::from_millis(200),
+        || machines_with_nodes(&client, &ns, "heal", 3),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .into_iter()
+    .collect();
+    let (sick, untouched, removed) = (
+        machines[0].clone(),
+        machines[1].clone(),
+        machines[2].clone(),
+    );
+    let (seen, watcher) = watch_machines(client.clone(), ns.clone(), "heal".into());
+    let provider = start_provider(
+        &[
+            "--node-group-auto-discovery",
+            &format!("clusterapi:namespace={ns}"),
+        ],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc
+        .ids_in(&ns)
+        .await
+        .into_iter()
+        .next()
+        .expect("the group is served");
+    let machine_api = api(&client, &ns, "v1beta2", "Machine");
+    let object = machine_api
+        .get(&removed)
+        .await
+        .unwrap_or_else(|e| panic!("get Machine {removed}: {e}"));
+    let node = grpc_node(
+        object.data["spec"]["providerID"]
+            .as_str()
+            .unwrap_or_default(),
+        object.data["status"]["nodeRef"]["name"]
+            .as_str()
+            .unwrap_or_default(),
+    );
+    let fail = |message: String| -> ! {
+        panic!(
+            "{message}\nstand-in actions: {:?}\n--- provider log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
+            standin.actions(),
+            procs::log_tail(&provider.log, 6000),
+            manager.log_tail()
+        )
+    };
+
+    let t = Instant::now();
+    standin::set_node_ready(&client, &sick, false).await;
+    rpc.delete_nodes(&id, vec![node])
+        .await
+        .unwrap_or_else(|e| fail(format!("DeleteNodes {removed}: {e}")));
+    let left = poll_until(
+        &format!("{sick} remediated and replaced, {removed} removed, {untouched} kept"),
+        Duration::from_secs(90),
+        Duration::from_millis(200),
+        || async {
+            let all = match machines_of(&client, &ns, "heal").await {
+                Ok(all) => all,
+                Err(e) => return Check::Wait(e),
+            };
+            let names: BTreeSet<&String> = all.iter().map(|(n, _)| n).collect();
+            if !names.contains(&untouched) {
+                return Check::Fatal(format!("Machine {untouched} went: {all:?}"));
+            }
+            let settled = all.len() == 2
+                && !names.contains(&sick)
+                && !names.contains(&removed)
+                && all.iter().all(|(_, marked)| !*marked);
+            if !settled {
+                return Check::Wait(format!("Machines {all:?}"));
+            }
+            match machines_with_nodes(&client, &ns, "heal", 2).await {
+                Check::Done(names) => Check::Done(names),
+                Check::Wait(why) => Check::Wait(why),
+                Check::Fatal(e) => Check::Fatal(e),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| fail(e));
+    let took = t.elapsed();
+    watcher.abort();
+    assert_eq!(
+        replicas(&client, &ns, "heal").await,
+        Ok(2),
+        "replicas dropped by exactly one"
+    );
+    let seen = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));
+    let unmarked: Vec<&String> = seen
+        .deleting
+        .iter()
+        .filter(|(name, marked)| !**marked && **name != sick)
+        .map(|(name, _)| name)
+        .collect();
+    if !unmarked.is_empty() {
+        fail(format!(
+            "Machines deleted without a mark besides the remediated {sick}: {unmarked:?}"
+        ));
+    }
+    if seen.deleting.get(&removed) != Some(&true) {
+        fail(format!(
+            "Machine {removed} was not seen deleting with its mark: {:?}",
+            seen.deleting
+        ));
+    }
+    let nodes: Api<Node> = Api::all(client.clone());
+    for gone in [&sick, &removed] {
+        if !matches!(nodes.get_opt(gone).await, Ok(None)) {
+            fail(format!("Node {gone} is still there"));
+        }
+    }
+    let errors = standin.errors();
+    assert!(errors.is_empty(), "stand-in errors: {errors:?}");
+    procs::announce(&format!(
+        "e2e: scenario real-capi-health-check passed in {:.1}s: Node {sick} NotReady + DeleteNodes \
+         {removed} -> remediated and replaced, removed, {untouched} kept, replicas 3 -> 2, in {:.1}s \
+         (left: {left:?})",
+        started.elapsed().as_secs_f64(),
+        took.as_secs_f64(),
     ));
 }

@@ -9,11 +9,14 @@
 //!   `status.nodeInfo` say what its Nodes have (the scale-from-zero contract), 2 CPUs / 4Gi / 110
 //!   pods when absent;
 //! - `StandInMachine`: cloned from the template by CAPI for each Machine;
+//! - `StandInCluster`: the infrastructure cluster, `status.initialization.provisioned` from the start
+//!   (without one, Cluster API never sets the Cluster's `InfrastructureReady` condition True, and
+//!   MachineHealthChecks never evaluate its Machines);
 //! - `StandInControlPlane`: `status.initialization.controlPlaneInitialized` and
 //!   `status.externalManagedControlPlane` true, `spec.version` = `status.version`, so the MachineSet
 //!   preflight checks pass and CAPI drains and deletes Nodes.
 //!
-//! [`workload_cluster`] makes a Cluster (no infrastructureRef, controlPlaneRef to a
+//! [`workload_cluster`] makes a Cluster (infrastructureRef to a `StandInCluster`, controlPlaneRef to a
 //! `StandInControlPlane`) whose workload cluster is the test kube-apiserver itself, through the
 //! `<cluster>-kubeconfig` Secret. [`StandIn::start`] runs the cloud and the kubelets of one namespace
 //! as a poll loop: each `StandInMachine` gets `spec.providerID` (`standin:///<ns>/<name>`),
@@ -50,6 +53,7 @@ pub const VERSION: &str = "v1alpha1";
 pub const TEMPLATE_KIND: &str = "StandInMachineTemplate";
 pub const MACHINE_KIND: &str = "StandInMachine";
 pub const CONTROL_PLANE_KIND: &str = "StandInControlPlane";
+pub const CLUSTER_KIND: &str = "StandInCluster";
 /// The Kubernetes version of the stand-in's control plane and kubelets (the test kube-apiserver's).
 pub const KUBERNETES_VERSION: &str = "v1.36.2";
 /// Label on every Node the stand-in makes: the namespace of its machine.
@@ -102,6 +106,28 @@ pub async fn create_template(client: &Client, ns: &str, name: &str, capacity: &[
         .unwrap_or_else(|e| panic!("write the status of {TEMPLATE_KIND} {ns}/{name}: {e}"));
 }
 
+/// Makes the stand-in kubelet of Node `name` report Ready `False` (or `True` again), as a kubelet
+/// whose node went bad does; the pressure conditions stay `False`.
+pub async fn set_node_ready(client: &Client, name: &str, ready: bool) {
+    let now = Timestamp::now()
+        .round(Unit::Second)
+        .unwrap_or_else(|_| Timestamp::now())
+        .to_string();
+    let (status, reason) = if ready {
+        ("True", "KubeletReady")
+    } else {
+        ("False", "KubeletNotReady")
+    };
+    let patch = json!({"status": {"conditions": [{
+        "type": "Ready", "status": status, "reason": reason, "message": "stand-in kubelet",
+        "lastHeartbeatTime": now, "lastTransitionTime": now,
+    }]}});
+    Api::<Node>::all(client.clone())
+        .patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+        .unwrap_or_else(|e| panic!("set Node {name} Ready {status}: {e}"));
+}
+
 /// A Cluster of the stand-in, its workload cluster being the test kube-apiserver.
 pub struct WorkloadCluster {
     pub ns: String,
@@ -110,10 +136,10 @@ pub struct WorkloadCluster {
     pub ready_after: Duration,
 }
 
-/// Creates, in `ns`, a `StandInControlPlane` (initialized, externally managed), the
-/// `<name>-kubeconfig` Secret (the admin kubeconfig of `cp`) and Cluster `name` (no
-/// infrastructureRef, controlPlaneRef to the stand-in); waits until CAPI has the Cluster's
-/// infrastructure provisioned, its control plane initialized and the remote connection up.
+/// Creates, in `ns`, a `StandInCluster` (provisioned), a `StandInControlPlane` (initialized,
+/// externally managed), the `<name>-kubeconfig` Secret (the admin kubeconfig of `cp`) and Cluster
+/// `name` referring to both; waits until CAPI has the Cluster's infrastructure provisioned and ready,
+/// its control plane initialized and the remote connection up.
 pub async fn workload_cluster(
     client: &Client,
     cp: &ControlPlane,
@@ -127,11 +153,26 @@ pub async fn workload_cluster(
         .rsplit_once(':')
         .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
         .unwrap_or_else(|| panic!("host and port of {}", cp.server));
+    let endpoint = json!({"host": host, "port": port});
+    let ar = resource(CLUSTER_KIND);
+    let infra_clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    let infra_cluster =
+        DynamicObject::new(name, &ar).data(json!({"spec": {"controlPlaneEndpoint": endpoint}}));
+    infra_clusters
+        .create(&PostParams::default(), &infra_cluster)
+        .await
+        .unwrap_or_else(|e| panic!("create {CLUSTER_KIND} {ns}/{name}: {e}"));
+    let status = json!({"status": {"initialization": {"provisioned": true}}});
+    infra_clusters
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap_or_else(|e| panic!("write the status of {CLUSTER_KIND} {ns}/{name}: {e}"));
+
     let ar = resource(CONTROL_PLANE_KIND);
     let control_planes: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
     let control_plane = DynamicObject::new(name, &ar).data(json!({"spec": {
         "version": KUBERNETES_VERSION,
-        "controlPlaneEndpoint": {"host": host, "port": port},
+        "controlPlaneEndpoint": endpoint,
     }}));
     control_planes
         .create(&PostParams::default(), &control_plane)
@@ -167,6 +208,7 @@ pub async fn workload_cluster(
     let ar = capi_resource(CAPI_GROUP, "v1beta2", "Cluster", "clusters");
     let clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
     let cluster = DynamicObject::new(name, &ar).data(json!({"spec": {
+        "infrastructureRef": reference(CLUSTER_KIND, name),
         "controlPlaneRef": reference(CONTROL_PLANE_KIND, name),
     }}));
     clusters
@@ -205,15 +247,17 @@ fn cluster_unready(status: &Value) -> Option<String> {
     if init["controlPlaneInitialized"] != json!(true) {
         return Some(format!("control plane not initialized: {status}"));
     }
-    let probe = status["conditions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|c| c["type"] == "RemoteConnectionProbe");
-    match probe {
-        Some(c) if c["status"] == "True" => None,
-        other => Some(format!("RemoteConnectionProbe not True: {other:?}")),
+    for wanted in ["InfrastructureReady", "RemoteConnectionProbe"] {
+        let condition = status["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == wanted);
+        if !condition.is_some_and(|c| c["status"] == "True") {
+            return Some(format!("{wanted} not True: {condition:?}"));
+        }
     }
+    None
 }
 
 #[derive(Default)]
