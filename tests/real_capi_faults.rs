@@ -1,6 +1,6 @@
 //! The real Cluster API manager killed (SIGKILL) and restarted around this provider's scale-down. A
 //! binary of its own: a dead manager takes CAPI's webhooks with it, so every create or update of a
-//! Cluster API object is refused meanwhile, which would fail the scenarios of tests/real_capi.rs.
+//! Cluster API object is refused meanwhile, which would fail the scenarios of tests/real_capi/.
 //! Assertions are on objects, never on log text.
 
 pub mod support;

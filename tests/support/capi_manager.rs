@@ -13,7 +13,8 @@
 //!   `/readyz` (the webhook server's TLS check) answers ok.
 //!
 //! One manager per test binary, started on first use with the control plane and stopped when the
-//! binary ends; a fault test may kill it (SIGKILL) and restart it. Infrastructure and control plane objects are the stand-in's (`standin`).
+//! binary ends; a fault test may kill it (SIGKILL) and restart it. Infrastructure and control plane
+//! objects are the stand-in's (`standin`).
 //!
 //! The manager's webhook server listens on every interface (the module has no flag for its host);
 //! the apiserver reaches it on 127.0.0.1 only.

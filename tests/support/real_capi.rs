@@ -1,4 +1,4 @@
-//! The Cluster API objects of the real-CAPI scenarios (tests/real_capi.rs, tests/real_capi_faults.rs)
+//! The Cluster API objects of the real-CAPI scenarios (tests/real_capi/, tests/real_capi_faults.rs)
 //! and the waits on what the real manager makes of them.
 
 use std::collections::BTreeSet;

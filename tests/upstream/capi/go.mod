@@ -1,4 +1,4 @@
-// Pins the real Cluster API core manager the tests run (tests/real_capi.rs); build.sh builds it and copies
+// Pins the real Cluster API core manager the tests run (tests/real_capi/); build.sh builds it and copies
 // the module's 13 core CRDs into a cache outside the repository, keyed by go.sum. A module of its own: the
 // kube-apiserver module (../go.mod) pins the Kubernetes staging modules through replaces, which would move
 // Cluster API onto other client library versions than it was released with.
