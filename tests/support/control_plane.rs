@@ -29,6 +29,9 @@ pub enum CrdSet {
     Shipped,
     /// Only v1beta1, as storage (for the v1beta1 code paths without conversion).
     V1beta1,
+    /// None at start: the real Cluster API manager's 13 CRDs, with its conversion webhook, are
+    /// installed by `capi_manager` together with the manager (CAPI v1.14.2, tests/upstream/capi).
+    RealCapi,
 }
 
 /// What a control plane is started with. The test infrastructure template CRD
@@ -51,6 +54,12 @@ impl Setup {
     pub const fn v1beta1() -> Setup {
         Setup {
             crds: CrdSet::V1beta1,
+            renamed_group: false,
+        }
+    }
+    pub const fn real_capi() -> Setup {
+        Setup {
+            crds: CrdSet::RealCapi,
             renamed_group: false,
         }
     }

@@ -17,10 +17,11 @@ const FIELD_MANAGER: &str = "capi-e2e";
 
 /// The CRD files of `setup` in the upstream cache dir (the e2e template CRD not included).
 pub fn files(upstream: &Path, setup: Setup) -> Vec<PathBuf> {
-    let mut sets = vec![match setup.crds {
-        CrdSet::Shipped => "shipped",
-        CrdSet::V1beta1 => "v1beta1",
-    }];
+    let mut sets = match setup.crds {
+        CrdSet::Shipped => vec!["shipped"],
+        CrdSet::V1beta1 => vec!["v1beta1"],
+        CrdSet::RealCapi => vec![],
+    };
     if setup.renamed_group {
         sets.push("renamed");
     }

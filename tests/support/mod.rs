@@ -17,6 +17,7 @@
 
 pub mod autoscaler;
 pub mod capi;
+pub mod capi_manager;
 pub mod cert_manager;
 pub mod control_plane;
 pub mod crds;
@@ -28,9 +29,11 @@ pub mod kubelet;
 pub mod pki;
 pub mod procs;
 pub mod provider;
+pub mod real_capi;
 pub mod reconciler;
 pub mod render;
 pub mod scenario;
+pub mod standin;
 pub mod workload;
 pub mod workload_cluster;
 

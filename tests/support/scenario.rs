@@ -46,6 +46,11 @@ impl Scenario {
         let version = match setup.crds {
             CrdSet::Shipped => "v1beta2",
             CrdSet::V1beta1 => "v1beta1",
+            CrdSet::RealCapi => {
+                panic!(
+                    "scenario {name}: the imitation reconciler never runs beside the real CAPI manager"
+                )
+            }
         };
         let config = ReconcilerConfig {
             version: version.into(),

@@ -1,0 +1,547 @@
+//! The stand-in infrastructure and control plane provider for the real Cluster API manager
+//! (`capi_manager`): it plays only what no controller here can, the cloud and the kubelets, and a
+//! control plane that is up from the start. Everything Cluster API does itself (MachineSets,
+//! Machines, delete order, drain, Node deletion, node refs, conditions) is left to the manager.
+//!
+//! Its API (tests/fixtures/standin-crds.yaml, group [`GROUP`], version [`VERSION`], CRDs labelled
+//! `cluster.x-k8s.io/v1beta2: v1alpha1` as the v1beta2 contract asks):
+//! - `StandInMachineTemplate`: an infrastructure machine template; `status.capacity` and
+//!   `status.nodeInfo` say what its Nodes have (the scale-from-zero contract), 2 CPUs / 4Gi / 110
+//!   pods when absent;
+//! - `StandInMachine`: cloned from the template by CAPI for each Machine;
+//! - `StandInCluster`: the infrastructure cluster, `status.initialization.provisioned` from the start
+//!   (without one, Cluster API never sets the Cluster's `InfrastructureReady` condition True, and
+//!   MachineHealthChecks never evaluate its Machines);
+//! - `StandInControlPlane`: `status.initialization.controlPlaneInitialized` and
+//!   `status.externalManagedControlPlane` true, `spec.version` = `status.version`, so the MachineSet
+//!   preflight checks pass and CAPI drains and deletes Nodes.
+//!
+//! [`workload_cluster`] makes a Cluster (infrastructureRef to a `StandInCluster`, controlPlaneRef to a
+//! `StandInControlPlane`) whose workload cluster is the test kube-apiserver itself, through the
+//! `<cluster>-kubeconfig` Secret. [`StandIn::start`] runs the cloud and the kubelets of one namespace
+//! as a poll loop: each `StandInMachine` gets `spec.providerID` (`standin:///<ns>/<name>`),
+//! `status.initialization.provisioned: true` and a Ready Node of the same name and providerID (the
+//! conditions CAPI reads: Ready True; Memory-, Disk- and PIDPressure False; the label
+//! `e2e-scenario=<ns>` that only this namespace's workload pods select); pods on its Nodes that
+//! are being deleted (evicted by a drain) are finished, as a kubelet would. A Node is made once per
+//! machine: one CAPI deleted is never made again.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::jiff::{Timestamp, Unit};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, ListParams, ObjectMeta, Patch, PatchParams,
+    PostParams,
+};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use tokio::task::AbortHandle;
+
+use super::control_plane::ControlPlane;
+use super::procs::{Check, poll_until};
+use super::workload::SCENARIO_LABEL;
+use super::{CAPI_GROUP, capi_resource};
+
+/// The stand-in's API group.
+pub const GROUP: &str = "standin.e2e.capi-autoscaler-provider.test";
+/// Its only version, the one that serves the v1beta2 contract.
+pub const VERSION: &str = "v1alpha1";
+pub const TEMPLATE_KIND: &str = "StandInMachineTemplate";
+pub const MACHINE_KIND: &str = "StandInMachine";
+pub const CONTROL_PLANE_KIND: &str = "StandInControlPlane";
+pub const CLUSTER_KIND: &str = "StandInCluster";
+/// The Kubernetes version of the stand-in's control plane and kubelets (the test kube-apiserver's).
+pub const KUBERNETES_VERSION: &str = "v1.36.2";
+/// Label on every Node the stand-in makes: the namespace of its machine.
+pub const NODE_LABEL: &str = "e2e.capi-autoscaler-provider.test/stand-in-namespace";
+/// The annotation CAPI puts on an object cloned from a template (controllers/external).
+const CLONED_FROM_NAME: &str = "cluster.x-k8s.io/cloned-from-name";
+const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+const PASS_INTERVAL: Duration = Duration::from_millis(200);
+const MAX_ERRORS: usize = 100;
+
+/// tests/fixtures/standin-crds.yaml.
+pub fn crd_file() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/standin-crds.yaml")
+}
+
+/// The `ApiResource` of a stand-in kind.
+pub fn resource(kind: &str) -> ApiResource {
+    capi_resource(GROUP, VERSION, kind, &format!("{}s", kind.to_lowercase()))
+}
+
+/// A reference to a stand-in object as a v1beta2 Cluster API object holds it.
+pub fn reference(kind: &str, name: &str) -> Value {
+    json!({"apiGroup": GROUP, "kind": kind, "name": name})
+}
+
+/// The providerID the stand-in's cloud gives the machine `ns/name`.
+pub fn provider_id(ns: &str, name: &str) -> String {
+    format!("standin:///{ns}/{name}")
+}
+
+/// Creates a `StandInMachineTemplate` whose Nodes have `capacity` (resource → quantity, written to
+/// `status.capacity` with `status.nodeInfo` linux/amd64; nothing written when empty).
+pub async fn create_template(client: &Client, ns: &str, name: &str, capacity: &[(&str, &str)]) {
+    let ar = resource(TEMPLATE_KIND);
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    let object = DynamicObject::new(name, &ar).data(json!({"spec": {"template": {"spec": {}}}}));
+    api.create(&PostParams::default(), &object)
+        .await
+        .unwrap_or_else(|e| panic!("create {TEMPLATE_KIND} {ns}/{name}: {e}"));
+    if capacity.is_empty() {
+        return;
+    }
+    let capacity: BTreeMap<&str, &str> = capacity.iter().copied().collect();
+    let status = json!({"status": {
+        "capacity": capacity,
+        "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux"},
+    }});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap_or_else(|e| panic!("write the status of {TEMPLATE_KIND} {ns}/{name}: {e}"));
+}
+
+/// Makes the stand-in kubelet of Node `name` report Ready `False` (or `True` again), as a kubelet
+/// whose node went bad does; the pressure conditions stay `False`.
+pub async fn set_node_ready(client: &Client, name: &str, ready: bool) {
+    let now = Timestamp::now()
+        .round(Unit::Second)
+        .unwrap_or_else(|_| Timestamp::now())
+        .to_string();
+    let (status, reason) = if ready {
+        ("True", "KubeletReady")
+    } else {
+        ("False", "KubeletNotReady")
+    };
+    let patch = json!({"status": {"conditions": [{
+        "type": "Ready", "status": status, "reason": reason, "message": "stand-in kubelet",
+        "lastHeartbeatTime": now, "lastTransitionTime": now,
+    }]}});
+    Api::<Node>::all(client.clone())
+        .patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+        .unwrap_or_else(|e| panic!("set Node {name} Ready {status}: {e}"));
+}
+
+/// A Cluster of the stand-in, its workload cluster being the test kube-apiserver.
+pub struct WorkloadCluster {
+    pub ns: String,
+    pub name: String,
+    /// From the Cluster's creation until CAPI reports it initialized and connected.
+    pub ready_after: Duration,
+}
+
+/// Creates, in `ns`, a `StandInCluster` (provisioned), a `StandInControlPlane` (initialized,
+/// externally managed), the `<name>-kubeconfig` Secret (the admin kubeconfig of `cp`) and Cluster
+/// `name` referring to both; waits until CAPI has the Cluster's infrastructure provisioned and ready,
+/// its control plane initialized and the remote connection up.
+pub async fn workload_cluster(
+    client: &Client,
+    cp: &ControlPlane,
+    ns: &str,
+    name: &str,
+) -> WorkloadCluster {
+    let started = Instant::now();
+    let (host, port) = cp
+        .server
+        .trim_start_matches("https://")
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+        .unwrap_or_else(|| panic!("host and port of {}", cp.server));
+    let endpoint = json!({"host": host, "port": port});
+    let ar = resource(CLUSTER_KIND);
+    let infra_clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    let infra_cluster =
+        DynamicObject::new(name, &ar).data(json!({"spec": {"controlPlaneEndpoint": endpoint}}));
+    infra_clusters
+        .create(&PostParams::default(), &infra_cluster)
+        .await
+        .unwrap_or_else(|e| panic!("create {CLUSTER_KIND} {ns}/{name}: {e}"));
+    let status = json!({"status": {"initialization": {"provisioned": true}}});
+    infra_clusters
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap_or_else(|e| panic!("write the status of {CLUSTER_KIND} {ns}/{name}: {e}"));
+
+    let ar = resource(CONTROL_PLANE_KIND);
+    let control_planes: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    let control_plane = DynamicObject::new(name, &ar).data(json!({"spec": {
+        "version": KUBERNETES_VERSION,
+        "controlPlaneEndpoint": endpoint,
+    }}));
+    control_planes
+        .create(&PostParams::default(), &control_plane)
+        .await
+        .unwrap_or_else(|e| panic!("create {CONTROL_PLANE_KIND} {ns}/{name}: {e}"));
+    let status = json!({"status": {
+        "initialization": {"controlPlaneInitialized": true},
+        "externalManagedControlPlane": true,
+        "version": KUBERNETES_VERSION,
+    }});
+    control_planes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap_or_else(|e| panic!("write the status of {CONTROL_PLANE_KIND} {ns}/{name}: {e}"));
+
+    let kubeconfig = std::fs::read(cp.admin_kubeconfig())
+        .unwrap_or_else(|e| panic!("read {}: {e}", cp.admin_kubeconfig().display()));
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(format!("{name}-kubeconfig")),
+            labels: Some([(CLUSTER_NAME_LABEL.to_string(), name.to_string())].into()),
+            ..Default::default()
+        },
+        type_: Some("cluster.x-k8s.io/secret".into()),
+        data: Some([("value".to_string(), k8s_openapi::ByteString(kubeconfig))].into()),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap_or_else(|e| panic!("create Secret {ns}/{name}-kubeconfig: {e}"));
+
+    let ar = capi_resource(CAPI_GROUP, "v1beta2", "Cluster", "clusters");
+    let clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    let cluster = DynamicObject::new(name, &ar).data(json!({"spec": {
+        "infrastructureRef": reference(CLUSTER_KIND, name),
+        "controlPlaneRef": reference(CONTROL_PLANE_KIND, name),
+    }}));
+    clusters
+        .create(&PostParams::default(), &cluster)
+        .await
+        .unwrap_or_else(|e| panic!("create Cluster {ns}/{name}: {e}"));
+    poll_until(
+        &format!("Cluster {ns}/{name} initialized and connected by CAPI"),
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || async {
+            match clusters.get(name).await {
+                Ok(c) => match cluster_unready(&c.data["status"]) {
+                    None => Check::Done(()),
+                    Some(why) => Check::Wait(why),
+                },
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    WorkloadCluster {
+        ns: ns.into(),
+        name: name.into(),
+        ready_after: started.elapsed(),
+    }
+}
+
+/// Why a v1beta2 Cluster `status` is not yet usable for Machines, or `None` when it is.
+fn cluster_unready(status: &Value) -> Option<String> {
+    let init = &status["initialization"];
+    if init["infrastructureProvisioned"] != json!(true) {
+        return Some(format!("infrastructure not provisioned: {status}"));
+    }
+    if init["controlPlaneInitialized"] != json!(true) {
+        return Some(format!("control plane not initialized: {status}"));
+    }
+    for wanted in ["InfrastructureReady", "RemoteConnectionProbe"] {
+        let condition = status["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == wanted);
+        if !condition.is_some_and(|c| c["status"] == "True") {
+            return Some(format!("{wanted} not True: {condition:?}"));
+        }
+    }
+    None
+}
+
+#[derive(Default)]
+struct State {
+    /// Machines whose Node was made (never made twice).
+    nodes_made: BTreeSet<String>,
+    /// Templates whose machines the cloud does not provision (yet).
+    held: BTreeSet<String>,
+    actions: Vec<(Instant, String)>,
+    errors: Vec<String>,
+}
+
+/// The stand-in cloud and kubelets of one namespace; stops when dropped.
+pub struct StandIn {
+    pub ns: String,
+    state: Arc<Mutex<State>>,
+    task: AbortHandle,
+}
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl StandIn {
+    /// Starts the poll loop in the current runtime.
+    pub fn start(client: Client, ns: &str) -> StandIn {
+        let state = Arc::new(Mutex::new(State::default()));
+        let worker = Worker {
+            client,
+            ns: ns.to_string(),
+            state: state.clone(),
+        };
+        let task = tokio::spawn(async move {
+            loop {
+                worker.pass().await;
+                tokio::time::sleep(PASS_INTERVAL).await;
+            }
+        })
+        .abort_handle();
+        StandIn {
+            ns: ns.to_string(),
+            state,
+            task,
+        }
+    }
+
+    /// Machines cloned from template `name` stay unprovisioned (no providerID, no Node) until
+    /// [`StandIn::release`]: a cloud that is slow to deliver.
+    pub fn hold(&self, template: &str) {
+        lock(&self.state).held.insert(template.to_string());
+    }
+
+    /// Provisions the machines of a held template from the next pass on.
+    pub fn release(&self, template: &str) {
+        lock(&self.state).held.remove(template);
+    }
+
+    /// What it did, in order, with when.
+    pub fn actions(&self) -> Vec<(Instant, String)> {
+        lock(&self.state).actions.clone()
+    }
+
+    /// Failed API calls (retried on the next pass).
+    pub fn errors(&self) -> Vec<String> {
+        lock(&self.state).errors.clone()
+    }
+}
+
+struct Worker {
+    client: Client,
+    ns: String,
+    state: Arc<Mutex<State>>,
+}
+
+impl Worker {
+    fn act(&self, action: String) {
+        lock(&self.state).actions.push((Instant::now(), action));
+    }
+
+    fn error(&self, error: String) {
+        let mut state = lock(&self.state);
+        if state.errors.len() < MAX_ERRORS {
+            state.errors.push(error);
+        }
+    }
+
+    fn machines(&self) -> Api<DynamicObject> {
+        Api::namespaced_with(self.client.clone(), &self.ns, &resource(MACHINE_KIND))
+    }
+
+    async fn pass(&self) {
+        match self.machines().list(&ListParams::default()).await {
+            Ok(list) => {
+                for machine in list.items {
+                    if let Err(e) = self.provision(&machine).await {
+                        self.error(e);
+                    }
+                }
+            }
+            Err(e) => self.error(format!("list {MACHINE_KIND}s in {}: {e}", self.ns)),
+        }
+        if let Err(e) = self.finish_deleted_pods().await {
+            self.error(e);
+        }
+    }
+
+    /// Gives a machine its providerID, its provisioned status and its Ready Node.
+    async fn provision(&self, machine: &DynamicObject) -> Result<(), String> {
+        if machine.metadata.deletion_timestamp.is_some() {
+            return Ok(());
+        }
+        let name = machine.metadata.name.clone().unwrap_or_default();
+        let template = machine
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(CLONED_FROM_NAME))
+            .cloned();
+        if template
+            .as_ref()
+            .is_some_and(|t| lock(&self.state).held.contains(t))
+        {
+            return Ok(());
+        }
+        let id = provider_id(&self.ns, &name);
+        if machine.data["spec"]["providerID"].as_str() != Some(id.as_str()) {
+            self.machines()
+                .patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&json!({"spec": {"providerID": id}})),
+                )
+                .await
+                .map_err(|e| format!("set the providerID of {MACHINE_KIND} {name}: {e}"))?;
+            self.act(format!("{MACHINE_KIND} {name}: providerID {id}"));
+        }
+        let made = lock(&self.state).nodes_made.contains(&name);
+        if !made {
+            let capacity = match template {
+                Some(t) => self.template_status(&t).await?,
+                None => Value::Null,
+            };
+            let node = ready_node(&name, &id, &self.ns, &capacity)?;
+            match Api::<Node>::all(self.client.clone())
+                .create(&PostParams::default(), &node)
+                .await
+            {
+                Ok(_) => self.act(format!("Node {name} Ready ({id})")),
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(format!("create Node {name}: {e}")),
+            }
+            lock(&self.state).nodes_made.insert(name.clone());
+        }
+        if machine.data["status"]["initialization"]["provisioned"] != json!(true) {
+            let status = json!({"status": {"initialization": {"provisioned": true}}});
+            self.machines()
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .map_err(|e| format!("write the status of {MACHINE_KIND} {name}: {e}"))?;
+            self.act(format!("{MACHINE_KIND} {name}: provisioned"));
+        }
+        Ok(())
+    }
+
+    /// `status` of template `name` (`null` when it has none).
+    async fn template_status(&self, name: &str) -> Result<Value, String> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &resource(TEMPLATE_KIND));
+        let template = api
+            .get(name)
+            .await
+            .map_err(|e| format!("get {TEMPLATE_KIND} {}/{name}: {e}", self.ns))?;
+        Ok(template.data["status"].clone())
+    }
+
+    /// Deletes at once the pods on this namespace's Nodes that are being deleted (evicted): no
+    /// kubelet runs to end their containers.
+    async fn finish_deleted_pods(&self) -> Result<(), String> {
+        let nodes: BTreeSet<String> = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default().labels(&format!("{NODE_LABEL}={}", self.ns)))
+            .await
+            .map_err(|e| format!("list the Nodes of {}: {e}", self.ns))?
+            .items
+            .into_iter()
+            .filter_map(|n| n.metadata.name)
+            .collect();
+        if nodes.is_empty() {
+            return Ok(());
+        }
+        let pods = Api::<Pod>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| format!("list pods: {e}"))?;
+        for pod in pods.items {
+            let on_ours = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_ref())
+                .is_some_and(|n| nodes.contains(n));
+            if !on_ours || pod.metadata.deletion_timestamp.is_none() {
+                continue;
+            }
+            let (ns, name) = (
+                pod.metadata.namespace.unwrap_or_default(),
+                pod.metadata.name.unwrap_or_default(),
+            );
+            let params = DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            };
+            match Api::<Pod>::namespaced(self.client.clone(), &ns)
+                .delete(&name, &params)
+                .await
+            {
+                Ok(_) => self.act(format!("pod {ns}/{name} finished")),
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(format!("finish pod {ns}/{name}: {e}")),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A Ready Node `name` with `provider_id`, sized by a template `status` (`capacity`, `nodeInfo`).
+fn ready_node(name: &str, provider_id: &str, ns: &str, status: &Value) -> Result<Node, String> {
+    let mut capacity: BTreeMap<String, Value> = status["capacity"]
+        .as_object()
+        .map(|m| m.clone().into_iter().collect())
+        .unwrap_or_default();
+    for (resource, default) in [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")] {
+        capacity
+            .entry(resource.into())
+            .or_insert_with(|| json!(default));
+    }
+    let arch = status["nodeInfo"]["architecture"]
+        .as_str()
+        .unwrap_or("amd64");
+    let os = status["nodeInfo"]["operatingSystem"]
+        .as_str()
+        .unwrap_or("linux");
+    let now = Timestamp::now()
+        .round(Unit::Second)
+        .unwrap_or_else(|_| Timestamp::now())
+        .to_string();
+    let condition = |type_: &str, status: &str, reason: &str| {
+        json!({
+            "type": type_, "status": status, "reason": reason,
+            "message": "stand-in kubelet", "lastHeartbeatTime": now, "lastTransitionTime": now,
+        })
+    };
+    let node = json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": os,
+            "kubernetes.io/arch": arch,
+            NODE_LABEL: ns,
+            SCENARIO_LABEL: ns,
+        }},
+        "spec": {"providerID": provider_id},
+        "status": {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": [
+                condition("Ready", "True", "KubeletReady"),
+                condition("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+                condition("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+                condition("PIDPressure", "False", "KubeletHasSufficientPID"),
+            ],
+            "addresses": [{"type": "Hostname", "address": name}],
+            "nodeInfo": {
+                "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": "",
+                "osImage": "stand-in", "containerRuntimeVersion": "stand-in://0",
+                "kubeletVersion": KUBERNETES_VERSION, "kubeProxyVersion": "",
+                "operatingSystem": os, "architecture": arch,
+            },
+        },
+    });
+    serde_json::from_value(node).map_err(|e| format!("Node {name} object: {e}"))
+}
