@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use support::capi::{Rpc, grpc_node};
@@ -53,10 +53,19 @@ async fn pinned_pod(client: &Client, ns: &str, node: &str) {
         },
     }))
     .expect("a Pod");
-    Api::<Pod>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &pod)
+    let pods = Api::<Pod>::namespaced(client.clone(), ns);
+    pods.create(&PostParams::default(), &pod)
         .await
         .unwrap_or_else(|e| panic!("create pod {ns}/pinned: {e}"));
+    // Running and Ready, as a kubelet reports it: the eviction API lets a Pending pod go whatever
+    // its budget says, and the stand-in kubelet reports no pod status.
+    let status = json!({"status": {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }});
+    pods.patch_status("pinned", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap_or_else(|e| panic!("report pod {ns}/pinned Running: {e}"));
     let pdb: PodDisruptionBudget = serde_json::from_value(json!({
         "metadata": {"name": "pinned"},
         "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "pinned"}}},
