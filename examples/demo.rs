@@ -528,8 +528,8 @@ async fn apply_examples(client: &Client) -> Result<String, String> {
                 .await
                 .map_err(err(format!("{short}: create {kind} {ns}/{name}")))?;
             let mut line = format!("  {short:<44} {kind} {ns}/{name}");
-            if played {
-                line.push_str(&format!(" (the stand-in's, for {EXAMPLE_TEMPLATE_KIND})"));
+            if let Some(note) = played {
+                line.push_str(note);
             }
             if let Some(status) = status {
                 api.patch_status(
@@ -550,9 +550,8 @@ async fn apply_examples(client: &Client) -> Result<String, String> {
 /// Turns an example object into what the stand-in plays: an `E2EMachineTemplate` of
 /// examples/*.yaml (the infrastructure template of a real provider there) becomes a
 /// `StandInMachineTemplate` with the same spec and status, and a reference to one in a template's
-/// `infrastructureRef` refers to the stand-in's. Returns whether the object itself or its reference
-/// changed.
-fn standin_variant(object: &mut Value) -> bool {
+/// `infrastructureRef` refers to the stand-in's. Returns what changed, for the report.
+fn standin_variant(object: &mut Value) -> Option<&'static str> {
     let example_template =
         |group: &str, kind: &str| group == EXAMPLE_INFRA_GROUP && kind == EXAMPLE_TEMPLATE_KIND;
     let api_version = object["apiVersion"]
@@ -563,20 +562,18 @@ fn standin_variant(object: &mut Value) -> bool {
     if example_template(group, object["kind"].as_str().unwrap_or_default()) {
         object["apiVersion"] = json!(format!("{}/{}", standin::GROUP, standin::VERSION));
         object["kind"] = json!(standin::TEMPLATE_KIND);
-        return true;
+        return Some(" (the stand-in's, for E2EMachineTemplate)");
     }
-    let Some(reference) = object.pointer_mut("/spec/template/spec/infrastructureRef") else {
-        return false;
-    };
+    let reference = object.pointer_mut("/spec/template/spec/infrastructureRef")?;
     if example_template(
         reference["apiGroup"].as_str().unwrap_or_default(),
         reference["kind"].as_str().unwrap_or_default(),
     ) {
         let name = reference["name"].as_str().unwrap_or_default().to_string();
         *reference = standin::reference(standin::TEMPLATE_KIND, &name);
-        return true;
+        return Some(" (infrastructureRef → the stand-in's template)");
     }
-    false
+    None
 }
 
 // --- watching ------------------------------------------------------------------------------------
@@ -912,7 +909,8 @@ impl State {
                         ));
                     }
                     if now.unschedulable && !before.unschedulable {
-                        lines.push(("CAPI", format!("Node {name} cordoned (drain)")));
+                        let who = cordoned_by(&node.metadata);
+                        lines.push((who, format!("Node {name} cordoned (spec.unschedulable)")));
                         if now.group == MD {
                             self.times.cordoned.get_or_insert(at);
                         }
@@ -972,6 +970,8 @@ impl State {
                     "cluster-autoscaler" => "CA",
                     "default-scheduler" => "scheduler",
                     "capi-autoscaler-provider" => "provider",
+                    // The manager's controllers report as `<kind>-controller`.
+                    c if c.ends_with("-controller") => "CAPI",
                     _ => "other",
                 };
                 if who == "CA" {
@@ -1014,6 +1014,27 @@ fn label(meta: &ObjectMeta, key: &str) -> String {
         .as_ref()
         .and_then(|l| l.get(key).cloned())
         .unwrap_or_default()
+}
+
+/// Who cordoned a Node, from the field manager of `spec.unschedulable`: CA cordons the Nodes it
+/// removes, CAPI's drain cordons before it evicts.
+fn cordoned_by(meta: &ObjectMeta) -> &'static str {
+    let manager = meta
+        .managed_fields
+        .iter()
+        .flatten()
+        .find(|f| {
+            f.fields_v1
+                .as_ref()
+                .is_some_and(|v| v.0["f:spec"].get("f:unschedulable").is_some())
+        })
+        .and_then(|f| f.manager.as_deref())
+        .unwrap_or_default();
+    if manager.contains("autoscaler") {
+        "CA"
+    } else {
+        "CAPI"
+    }
 }
 
 fn node_ready(node: &Node) -> bool {
@@ -1345,7 +1366,7 @@ impl Demo {
             ("Machine marked delete-machine by the provider", t.marked),
             ("md-small spec.replicas back to 0", t.replicas_down),
             ("Machine being deleted by CAPI's MachineSet", t.deleting),
-            ("Node cordoned by CAPI's drain", t.cordoned),
+            ("Node cordoned", t.cordoned),
             ("Node deleted by CAPI", t.node_gone),
             ("Machine gone (CAPI removed its finalizer)", t.machine_gone),
         ]) {
