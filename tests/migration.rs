@@ -16,7 +16,9 @@
 //! paths (the test control plane is both the management and the workload cluster) and the in-cluster
 //! configuration of the management cluster (`--cloud-config` with the same kubeconfig). Each CA runs
 //! with a hostname of its own (a UTS namespace; root), as pods have: CA's leader identity is the
-//! hostname, and two processes of one host would both be the same candidate.
+//! hostname, and two processes of one host would both be the same candidate. Cluster API is the
+//! real manager (`support::real_capi_scenario`: a stand-in Cluster, its MachineSets and Machines made
+//! by CAPI), so both CAs read the objects a management cluster has.
 
 pub mod support;
 
