@@ -1,20 +1,30 @@
 //! `make demo`: the provider's main job on one machine, driven by the real cluster-autoscaler.
 //!
-//! A fresh etcd + kube-apiserver + kube-scheduler with the Cluster API CRDs (tests/support), the
-//! example node groups of examples/*.yaml in namespace `demo`, the test reconciler playing the CAPI
-//! controllers and the kubelets, this provider (`serve`, discovery limited to `demo`) and the real
-//! cluster-autoscaler (the default pinned version, `--cloud-provider=externalgrpc`, test timings).
-//! Then one cycle on `md-small`: a pending pod that only fits it makes CA scale the group up from
-//! zero; kube-scheduler binds the pod to the new Node; once the pod is deleted, CA removes the empty
-//! Node through DeleteNodes (the Machine marked for deletion, replicas back to 0).
+//! A fresh etcd + kube-apiserver + kube-scheduler with the real Cluster API core manager (v1.14.2,
+//! its 13 CRDs, conversion and admission webhooks: tests/support/capi_manager.rs), a Cluster `demo`
+//! of the stand-in infrastructure (tests/support/standin.rs: a provisioned StandInCluster, an
+//! initialized StandInControlPlane, the kubeconfig Secret), the example node groups of
+//! examples/*.yaml in namespace `demo`, the stand-in playing only the cloud and the kubelets, this
+//! provider (`serve`, discovery limited to `demo`) and the real cluster-autoscaler (the default
+//! pinned version, `--cloud-provider=externalgrpc`, test timings). The examples are applied as
+//! written except for what the stand-in must play: their infrastructure template kind
+//! (`E2EMachineTemplate`, standing for a real provider's) becomes the stand-in's
+//! `StandInMachineTemplate`, and the MachinePool example is skipped (the stand-in has no machine
+//! pool). Then one cycle on `md-small`: a pending pod that only fits it makes CA scale the group up
+//! from zero; CAPI makes the MachineSet and the Machine, the stand-in its Node, kube-scheduler binds
+//! the pod; once the pod is deleted, CA removes the empty Node through DeleteNodes, and CAPI deletes
+//! the marked Machine (drain, Node deletion), replicas back to 0.
 //!
 //! The timeline shows what CA decided from what CA itself writes (its Events and its status
-//! ConfigMap), the objects that changed (replicas, delete marks, CA's taints) and the reconciler's
-//! actions; the objects are watched, so the times are when the changes happened.
+//! ConfigMap), what the real CAPI manager did from the objects it wrote (MachineSets, Machines and
+//! their phases, node refs, the drain's cordon, Node and Machine deletion), the other objects that
+//! changed (replicas, delete marks, CA's taints) and the stand-in's actions; the objects are
+//! watched, so the times are when the changes happened.
 //!
 //! Every run starts its own control plane on free 127.0.0.1 ports and leaves nothing behind: CA, the
-//! provider, the reconciler, kube-scheduler, kube-apiserver and etcd stop at exit (also on Ctrl-C),
-//! and the work directories are removed (kept, with the logs' paths printed, when the demo fails).
+//! provider, the stand-in, the CAPI manager, kube-scheduler, kube-apiserver and etcd stop at exit
+//! (also on Ctrl-C), and the work directories are removed (kept, with the logs' paths printed, when
+//! the demo fails).
 
 #[path = "../tests/support/mod.rs"]
 pub mod support;
@@ -35,9 +45,10 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use support::autoscaler::{self, Autoscaler, AutoscalerProcess, STATUS_CONFIGMAP};
 use support::capi::{Capi, Kind};
+use support::capi_manager::{CapiManager, capi_manager};
 use support::provider::PROVIDER_BIN;
-use support::reconciler::Reconciler;
-use support::{CAPI_GROUP, ControlPlane, ProviderProcess, Setup, infra, procs, start_provider};
+use support::standin::{self, StandIn};
+use support::{CAPI_GROUP, ProviderProcess, infra, procs, start_provider};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
@@ -47,11 +58,18 @@ const GROUP: &str = "MachineDeployment/demo/md-small";
 const POD: &str = "web";
 const POD_CPU: &str = "1500m";
 const POD_MEMORY: &str = "512Mi";
-/// The label the reconciler copies from a MachineDeployment's template onto its Machines and Nodes.
+/// The label CAPI puts on the Machines (and MachineSets) of a MachineDeployment.
 const DEPLOYMENT_LABEL: &str = "cluster.x-k8s.io/deployment-name";
-/// CA's loop is 2 s and the reconciler makes a Node at once: a minute is ample for each scale-up step.
+/// The Node label md-small's template carries (CAPI syncs labels of this domain from Machines onto
+/// Nodes), and the demo pod's nodeSelector.
+const POOL_LABEL: &str = "node.cluster.x-k8s.io/pool";
+/// What examples/*.yaml call their infrastructure: a stand-in for a real provider's kinds.
+const EXAMPLE_INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
+const EXAMPLE_TEMPLATE_KIND: &str = "E2EMachineTemplate";
+/// CA's loop is 2 s, CAPI and the stand-in make a Node within seconds: a minute is ample for each
+/// scale-up step.
 const UP: Duration = Duration::from_secs(60);
-/// md-small's scale-down-unneeded-time (10 s) plus CA's loops and deletion.
+/// md-small's scale-down-unneeded-time (10 s) plus CA's loops and CAPI's deletion.
 const DOWN: Duration = Duration::from_secs(90);
 const SHORT: Duration = Duration::from_secs(30);
 /// The key of the whole cluster's line among the node groups' in CA's status.
@@ -172,31 +190,41 @@ fn log_files(dir: &Path) -> Vec<PathBuf> {
 /// demo.
 async fn run(t0: Instant, version: String) -> Result<(), String> {
     println!(
-        "[{:7.2}s] starting etcd + kube-apiserver + Cluster API CRDs on 127.0.0.1 …",
+        "[{:7.2}s] starting etcd + kube-apiserver, then the Cluster API manager on 127.0.0.1 …",
         t0.elapsed().as_secs_f64()
     );
-    let cp =
-        joined(tokio::task::spawn_blocking(|| support::control_plane(Setup::shipped())).await)?;
+    let manager = joined(tokio::task::spawn_blocking(capi_manager).await)?;
+    let cp = manager.cp;
     let t = &cp.timings;
     println!(
-        "[{:7.2}s] control plane {} up in {:.1}s (etcd {:.1}s, kube-apiserver {:.1}s, {} CRDs {:.1}s; \
-         the E2EMachineTemplate CRD of tests/fixtures is among them)",
+        "[{:7.2}s] control plane {} up in {:.1}s (etcd {:.1}s, kube-apiserver {:.1}s)",
         t0.elapsed().as_secs_f64(),
         cp.server,
         t.total.as_secs_f64(),
         t.etcd.as_secs_f64(),
         t.apiserver.as_secs_f64(),
-        t.crd_count,
-        t.crds.as_secs_f64(),
     );
-    demo(cp, t0, &version).await
+    let m = &manager.timings;
+    println!(
+        "[{:7.2}s] Cluster API manager {} (pid {}) healthy {:.1}s after its start: its 13 CRDs with \
+         the conversion webhook and the stand-in's CRDs in {:.1}s, its webhook configurations in \
+         {:.2}s",
+        t0.elapsed().as_secs_f64(),
+        manager.version,
+        manager.pid().unwrap_or_default(),
+        m.start_to_healthy.as_secs_f64(),
+        m.crds.as_secs_f64(),
+        m.webhooks.as_secs_f64(),
+    );
+    demo(manager, t0, &version).await
 }
 
 fn err(what: impl std::fmt::Display) -> impl FnOnce(kube::Error) -> String {
     move |e| format!("{what}: {e}")
 }
 
-async fn demo(cp: &'static ControlPlane, t0: Instant, version: &str) -> Result<(), String> {
+async fn demo(manager: &'static CapiManager, t0: Instant, version: &str) -> Result<(), String> {
+    let cp = manager.cp;
     let client = cp.admin_client().await;
     Api::<Namespace>::all(client.clone())
         .create(
@@ -214,15 +242,21 @@ async fn demo(cp: &'static ControlPlane, t0: Instant, version: &str) -> Result<(
     let capi = Capi::new(client.clone(), NS, CAPI_GROUP, "v1beta2");
     let mut d = Demo::new(client.clone(), &capi, t0);
 
+    let cluster = standin::workload_cluster(&client, cp, NS, NS).await;
+    d.say(&format!(
+        "Cluster {NS}/{NS}: a StandInCluster (provisioned), a StandInControlPlane (initialized, \
+         externally managed) and the {NS}-kubeconfig Secret (this kube-apiserver is also the workload \
+         cluster); CAPI has it provisioned, initialized and connected after {:.1}s",
+        cluster.ready_after.as_secs_f64()
+    ));
     let applied = apply_examples(&client).await?;
     d.say(&format!(
         "namespace {NS}: objects from examples/*.yaml\n{applied}"
     ));
-    d.until("the MachinePool's Node is Ready", SHORT, |s| {
-        s.nodes.values().any(|n| n.ready).then_some(())
-    })
-    .await?;
-    d.say("fake CAPI/kubelet reconciler running for namespace demo (MachineSets, Machines, Nodes)");
+    d.say(
+        "stand-in cloud and kubelets running for namespace demo (providerIDs, provisioned \
+         StandInMachines, Ready Nodes); the rest is the CAPI manager's",
+    );
 
     let discovery = format!("clusterapi:namespace={NS}");
     let provider = start_provider(
@@ -286,8 +320,8 @@ async fn demo(cp: &'static ControlPlane, t0: Instant, version: &str) -> Result<(
     create_pod(&pods).await?;
     d.cycle = Some(Instant::now());
     d.say(&format!(
-        "pod {NS}/{POD} created: requests cpu {POD_CPU}, memory {POD_MEMORY}; nodeSelector pool=small \
-         (only md-small's template has that label, and md-small has no node)"
+        "pod {NS}/{POD} created: requests cpu {POD_CPU}, memory {POD_MEMORY}; nodeSelector \
+         {POOL_LABEL}=small (only md-small's template has that label, and md-small has no node)"
     ));
     d.until("CA raises md-small's replicas", UP, |s| {
         (s.replicas.get(MD).copied().unwrap_or(0) >= 1).then_some(())
@@ -378,9 +412,9 @@ async fn demo(cp: &'static ControlPlane, t0: Instant, version: &str) -> Result<(
         .ca()
         .metric_sum("cluster_autoscaler_scaled_down_nodes_total", &[])
         .await;
-    d.summary(cp, version, &node, scaled_up, scaled_down);
-    if !d.reconciler.errors().is_empty() {
-        println!("  reconciler errors: {:#?}", d.reconciler.errors());
+    d.summary(manager, version, &node, scaled_up, scaled_down);
+    if !d.standin.errors().is_empty() {
+        println!("  stand-in errors: {:#?}", d.standin.errors());
     }
     println!(
         "  logs (removed at exit): {}",
@@ -390,7 +424,7 @@ async fn demo(cp: &'static ControlPlane, t0: Instant, version: &str) -> Result<(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    println!("\nstopping cluster-autoscaler, the provider and the reconciler");
+    println!("\nstopping cluster-autoscaler, the provider and the stand-in");
     drop(d);
     Ok(())
 }
@@ -403,7 +437,7 @@ async fn create_pod(pods: &Api<Pod>) -> Result<(), String> {
         "kind": "Pod",
         "metadata": {"name": POD, "namespace": NS, "labels": {"app": POD}},
         "spec": {
-            "nodeSelector": {"pool": "small"},
+            "nodeSelector": {POOL_LABEL: "small"},
             "terminationGracePeriodSeconds": 0,
             "containers": [{
                 "name": POD,
@@ -419,8 +453,9 @@ async fn create_pod(pods: &Api<Pod>) -> Result<(), String> {
     Ok(())
 }
 
-/// Creates every Kubernetes object in examples/*.yaml (in file order); `status` goes through the
-/// status subresource. Returns one line per object or file.
+/// Creates every Kubernetes object in examples/*.yaml (in file order), in its stand-in variant
+/// ([`standin_variant`]; machine pools skipped); `status` goes through the status subresource.
+/// Returns one line per object or file.
 async fn apply_examples(client: &Client) -> Result<String, String> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -449,13 +484,27 @@ async fn apply_examples(client: &Client) -> Result<String, String> {
             if object.is_null() {
                 continue;
             }
+            let Some(kind) = object["apiVersion"]
+                .as_str()
+                .and(object["kind"].as_str())
+                .map(str::to_string)
+            else {
+                report.push(format!(
+                    "  {short:<44} skipped: a CA --cloud-config file, not an object"
+                ));
+                continue;
+            };
+            if kind.contains("MachinePool") {
+                report.push(format!(
+                    "  {short:<44} {kind} skipped: the stand-in infrastructure has no machine pool"
+                ));
+                continue;
+            }
+            let played = standin_variant(&mut object);
             let (Some(api_version), Some(kind)) = (
                 object["apiVersion"].as_str().map(str::to_string),
                 object["kind"].as_str().map(str::to_string),
             ) else {
-                report.push(format!(
-                    "  {short:<44} skipped: a CA --cloud-config file, not an object"
-                ));
                 continue;
             };
             let (group, version) = api_version.split_once('/').unwrap_or(("", &api_version));
@@ -479,6 +528,9 @@ async fn apply_examples(client: &Client) -> Result<String, String> {
                 .await
                 .map_err(err(format!("{short}: create {kind} {ns}/{name}")))?;
             let mut line = format!("  {short:<44} {kind} {ns}/{name}");
+            if let Some(note) = played {
+                line.push_str(note);
+            }
             if let Some(status) = status {
                 api.patch_status(
                     &name,
@@ -495,6 +547,35 @@ async fn apply_examples(client: &Client) -> Result<String, String> {
     Ok(report.join("\n"))
 }
 
+/// Turns an example object into what the stand-in plays: an `E2EMachineTemplate` of
+/// examples/*.yaml (the infrastructure template of a real provider there) becomes a
+/// `StandInMachineTemplate` with the same spec and status, and a reference to one in a template's
+/// `infrastructureRef` refers to the stand-in's. Returns what changed, for the report.
+fn standin_variant(object: &mut Value) -> Option<&'static str> {
+    let example_template =
+        |group: &str, kind: &str| group == EXAMPLE_INFRA_GROUP && kind == EXAMPLE_TEMPLATE_KIND;
+    let api_version = object["apiVersion"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let group = api_version.split_once('/').map_or("", |(g, _)| g);
+    if example_template(group, object["kind"].as_str().unwrap_or_default()) {
+        object["apiVersion"] = json!(format!("{}/{}", standin::GROUP, standin::VERSION));
+        object["kind"] = json!(standin::TEMPLATE_KIND);
+        return Some(" (the stand-in's, for E2EMachineTemplate)");
+    }
+    let reference = object.pointer_mut("/spec/template/spec/infrastructureRef")?;
+    if example_template(
+        reference["apiGroup"].as_str().unwrap_or_default(),
+        reference["kind"].as_str().unwrap_or_default(),
+    ) {
+        let name = reference["name"].as_str().unwrap_or_default().to_string();
+        *reference = standin::reference(standin::TEMPLATE_KIND, &name);
+        return Some(" (infrastructureRef → the stand-in's template)");
+    }
+    None
+}
+
 // --- watching ------------------------------------------------------------------------------------
 
 /// An object a watch reported, with when it arrived.
@@ -509,6 +590,7 @@ enum Object {
     Pod(Box<Pod>),
     Node(Box<Node>),
     Machine(DynamicObject),
+    MachineSet(DynamicObject),
     Deployment(DynamicObject),
     Status(ConfigMap),
     Event(Box<Event>),
@@ -564,6 +646,12 @@ struct State {
     replicas: BTreeMap<String, i64>,
     /// Machine name → carries the delete-machine annotation.
     marked: BTreeMap<String, bool>,
+    /// Machine name → what CAPI last wrote of it.
+    machines: BTreeMap<String, MachineState>,
+    /// Machine name → its MachineDeployment (kept after the Machine is gone: its Node goes later).
+    machine_group: BTreeMap<String, String>,
+    /// MachineSet name → `spec.replicas`.
+    machine_sets: BTreeMap<String, i64>,
     /// Machines that were deleted while they carried the annotation.
     deleted_marked: Vec<String>,
     nodes: BTreeMap<String, NodeState>,
@@ -577,10 +665,22 @@ struct State {
     times: Milestones,
 }
 
+/// What CAPI writes of a Machine that the timeline shows.
+#[derive(Clone, PartialEq)]
+struct MachineState {
+    phase: String,
+    node_ref: Option<String>,
+    deleting: bool,
+}
+
 struct NodeState {
-    /// The MachineDeployment the Node belongs to (empty for the MachinePool's).
+    /// The MachineDeployment of the Node's Machine (the stand-in names the Node after it).
     group: String,
     ready: bool,
+    /// Cordoned: CAPI's drain does it (CA only taints).
+    unschedulable: bool,
+    /// CAPI synced its Machine's annotations onto it.
+    synced: bool,
     /// `key:Effect` of each taint.
     taints: BTreeSet<String>,
 }
@@ -598,13 +698,18 @@ struct Milestones {
     triggered: Option<Instant>,
     scaled_up_event: Option<Instant>,
     replicas_up: Option<Instant>,
+    machine_created: Option<Instant>,
     node_ready: Option<Instant>,
+    node_ref: Option<Instant>,
     bound: Option<Instant>,
     candidate: Option<Instant>,
     scale_down_event: Option<Instant>,
     marked: Option<Instant>,
     replicas_down: Option<Instant>,
+    deleting: Option<Instant>,
+    cordoned: Option<Instant>,
     node_gone: Option<Instant>,
+    machine_gone: Option<Instant>,
 }
 
 impl State {
@@ -650,27 +755,133 @@ impl State {
                 if seen.gone && marked {
                     self.deleted_marked.push(name.clone());
                 }
+                let mine = group == MD;
+                if !group.is_empty() {
+                    self.machine_group.insert(name.clone(), group);
+                }
                 if marked && before != Some(true) {
                     lines.push((
                         "provider",
                         format!("Machine {name} annotated {delete_key} (DeleteNodes)"),
                     ));
-                    if group == MD {
+                    if mine {
                         self.times.marked.get_or_insert(at);
                     }
+                }
+                if seen.gone {
+                    self.machines.remove(&name);
+                    lines.push((
+                        "CAPI",
+                        format!("Machine {name} gone (its finalizer removed)"),
+                    ));
+                    if mine {
+                        self.times.machine_gone.get_or_insert(at);
+                    }
+                    return lines;
+                }
+                let now = MachineState {
+                    phase: machine.data["status"]["phase"]
+                        .as_str()
+                        .unwrap_or("-")
+                        .to_string(),
+                    node_ref: machine.data["status"]["nodeRef"]["name"]
+                        .as_str()
+                        .map(str::to_string),
+                    deleting: machine.metadata.deletion_timestamp.is_some(),
+                };
+                let before = self.machines.insert(name.clone(), now.clone());
+                let Some(before) = before else {
+                    let owner = machine
+                        .metadata
+                        .owner_references
+                        .iter()
+                        .flatten()
+                        .find(|o| o.kind == "MachineSet")
+                        .map_or_else(|| "-".to_string(), |o| o.name.clone());
+                    lines.push((
+                        "CAPI",
+                        format!(
+                            "Machine {name} created by MachineSet {owner} (phase {})",
+                            now.phase
+                        ),
+                    ));
+                    if mine {
+                        self.times.machine_created.get_or_insert(at);
+                    }
+                    return lines;
+                };
+                if now.deleting && !before.deleting {
+                    lines.push((
+                        "CAPI",
+                        format!(
+                            "Machine {name} being deleted by its MachineSet (delete-machine: {marked})"
+                        ),
+                    ));
+                    if mine {
+                        self.times.deleting.get_or_insert(at);
+                    }
+                }
+                if now.phase != before.phase {
+                    lines.push((
+                        "CAPI",
+                        format!("Machine {name} phase {} → {}", before.phase, now.phase),
+                    ));
+                }
+                if let Some(node) = now.node_ref.as_ref().filter(|_| before.node_ref.is_none()) {
+                    lines.push((
+                        "CAPI",
+                        format!("Machine {name} status.nodeRef → Node {node}"),
+                    ));
+                    if mine {
+                        self.times.node_ref.get_or_insert(at);
+                    }
+                }
+            }
+            Object::MachineSet(set) => {
+                let name = set.metadata.name.clone().unwrap_or_default();
+                if seen.gone {
+                    self.machine_sets.remove(&name);
+                    lines.push(("CAPI", format!("MachineSet {name} deleted")));
+                    return lines;
+                }
+                let replicas = set.data["spec"]["replicas"].as_i64().unwrap_or(0);
+                match self.machine_sets.insert(name.clone(), replicas) {
+                    None => lines.push((
+                        "CAPI",
+                        format!(
+                            "MachineSet {name} of MachineDeployment {} (spec.replicas {replicas})",
+                            label(&set.metadata, DEPLOYMENT_LABEL)
+                        ),
+                    )),
+                    Some(before) if before != replicas => lines.push((
+                        "CAPI",
+                        format!("MachineSet {name} spec.replicas {before} → {replicas}"),
+                    )),
+                    Some(_) => {}
                 }
             }
             Object::Node(node) => {
                 let name = node.metadata.name.clone().unwrap_or_default();
                 if seen.gone {
+                    lines.push(("CAPI", format!("Node {name} deleted")));
                     if self.nodes.remove(&name).is_some_and(|n| n.group == MD) {
                         self.times.node_gone.get_or_insert(at);
                     }
                     return lines;
                 }
                 let now = NodeState {
-                    group: label(&node.metadata, DEPLOYMENT_LABEL),
+                    group: self.machine_group.get(&name).cloned().unwrap_or_default(),
                     ready: node_ready(&node),
+                    unschedulable: node
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.unschedulable)
+                        .unwrap_or(false),
+                    synced: node
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .is_some_and(|a| a.contains_key("cluster.x-k8s.io/machine")),
                     taints: node
                         .spec
                         .as_ref()
@@ -684,6 +895,26 @@ impl State {
                     self.times.node_ready.get_or_insert(at);
                 }
                 if let Some(before) = self.nodes.get(&name) {
+                    if now.synced && !before.synced {
+                        let pool = node
+                            .metadata
+                            .labels
+                            .as_ref()
+                            .and_then(|l| l.get(POOL_LABEL))
+                            .map(|v| format!(", label {POOL_LABEL}={v}"))
+                            .unwrap_or_default();
+                        lines.push((
+                            "CAPI",
+                            format!("Node {name}: its Machine's annotations synced{pool}"),
+                        ));
+                    }
+                    if now.unschedulable && !before.unschedulable {
+                        let who = cordoned_by(&node.metadata);
+                        lines.push((who, format!("Node {name} cordoned (spec.unschedulable)")));
+                        if now.group == MD {
+                            self.times.cordoned.get_or_insert(at);
+                        }
+                    }
                     for taint in now.taints.difference(&before.taints) {
                         lines.push(("CA", format!("Node {name} tainted {taint}{}", why(taint))));
                         if taint.starts_with("DeletionCandidateOfClusterAutoscaler")
@@ -739,6 +970,8 @@ impl State {
                     "cluster-autoscaler" => "CA",
                     "default-scheduler" => "scheduler",
                     "capi-autoscaler-provider" => "provider",
+                    // The manager's controllers report as `<kind>-controller`.
+                    c if c.ends_with("-controller") => "CAPI",
                     _ => "other",
                 };
                 if who == "CA" {
@@ -781,6 +1014,27 @@ fn label(meta: &ObjectMeta, key: &str) -> String {
         .as_ref()
         .and_then(|l| l.get(key).cloned())
         .unwrap_or_default()
+}
+
+/// Who cordoned a Node, from the field manager of `spec.unschedulable`: CA cordons the Nodes it
+/// removes, CAPI's drain cordons before it evicts.
+fn cordoned_by(meta: &ObjectMeta) -> &'static str {
+    let manager = meta
+        .managed_fields
+        .iter()
+        .flatten()
+        .find(|f| {
+            f.fields_v1
+                .as_ref()
+                .is_some_and(|v| v.0["f:spec"].get("f:unschedulable").is_some())
+        })
+        .and_then(|f| f.manager.as_deref())
+        .unwrap_or_default();
+    if manager.contains("autoscaler") {
+        "CA"
+    } else {
+        "CAPI"
+    }
 }
 
 fn node_ready(node: &Node) -> bool {
@@ -909,11 +1163,13 @@ fn ca_status(text: &str) -> (BTreeMap<String, String>, BTreeMap<String, GroupSta
 // --- the timeline --------------------------------------------------------------------------------
 
 /// The demo's running parts and what it has seen. Fields drop in order: CA stops before the
-/// provider it calls, the reconciler and the watches last.
+/// provider it calls, the stand-in and the watches last.
 struct Demo {
     ca: Option<AutoscalerProcess>,
     provider: Option<ProviderProcess>,
-    reconciler: Reconciler,
+    standin: StandIn,
+    /// How many of the stand-in's actions are on the timeline.
+    standin_shown: usize,
     _watches: Watches,
     rx: mpsc::UnboundedReceiver<Seen>,
     state: State,
@@ -927,7 +1183,7 @@ struct Demo {
 }
 
 impl Demo {
-    /// Starts the watches and the reconciler in namespace demo.
+    /// Starts the watches and the stand-in in namespace demo.
     fn new(client: Client, capi: &Capi, start: Instant) -> Demo {
         let (tx, rx) = mpsc::unbounded_channel();
         let all = watcher::Config::default;
@@ -939,6 +1195,12 @@ impl Demo {
                 Object::Deployment,
             ),
             watch(capi.api(Kind::Machine), all(), tx.clone(), Object::Machine),
+            watch(
+                capi.api(Kind::MachineSet),
+                all(),
+                tx.clone(),
+                Object::MachineSet,
+            ),
             watch(Api::all(client.clone()), all(), tx.clone(), |n| {
                 Object::Node(Box::new(n))
             }),
@@ -962,7 +1224,8 @@ impl Demo {
         Demo {
             ca: None,
             provider: None,
-            reconciler: Reconciler::start(client, NS),
+            standin: StandIn::start(client, NS),
+            standin_shown: 0,
             _watches: watches,
             rx,
             state: State::default(),
@@ -1001,7 +1264,7 @@ impl Demo {
         self.print(Instant::now(), "demo", text);
     }
 
-    /// Prints `first` and what the watches and the reconciler have seen since the last call, in
+    /// Prints `first`, what the watches have seen and what the stand-in did since the last call, in
     /// time order.
     fn flush(&mut self, first: Option<Seen>) {
         let mut lines: Vec<(Instant, &str, String)> = Vec::new();
@@ -1012,8 +1275,10 @@ impl Demo {
                 lines.push((at, who, text));
             }
         }
-        for (at, action) in self.reconciler.take_actions() {
-            lines.push((at, "fake CAPI", action));
+        let actions = self.standin.actions();
+        for (at, action) in actions.into_iter().skip(self.standin_shown) {
+            self.standin_shown += 1;
+            lines.push((at, "stand-in", action));
         }
         lines.sort_by_key(|(at, _, _)| *at);
         for (at, who, text) in lines {
@@ -1042,7 +1307,7 @@ impl Demo {
             if now >= deadline {
                 return Err(format!("{what}: not after {timeout:?}"));
             }
-            // Wake up for the next change, or soon for the reconciler's actions (not watched).
+            // Wake up for the next change, or soon for the stand-in's actions (not watched).
             let tick = (deadline - now).min(Duration::from_millis(200));
             seen = tokio::time::timeout(tick, self.rx.recv())
                 .await
@@ -1053,7 +1318,7 @@ impl Demo {
 
     fn summary(
         &self,
-        cp: &ControlPlane,
+        manager: &CapiManager,
         version: &str,
         node: &str,
         scaled_up: f64,
@@ -1081,7 +1346,9 @@ impl Demo {
                 "md-small spec.replicas raised to 1 by the provider",
                 t.replicas_up,
             ),
-            ("Node Ready (fake kubelet)", t.node_ready),
+            ("MachineSet's Machine created by CAPI", t.machine_created),
+            ("Node Ready (stand-in kubelet)", t.node_ready),
+            ("Machine's status.nodeRef set by CAPI", t.node_ref),
             ("pod bound by kube-scheduler", t.bound),
         ]) {
             println!("    {what:<56} {}", since(self.cycle, at, "t+"));
@@ -1098,10 +1365,10 @@ impl Demo {
             ("CA's ScaleDown Event", t.scale_down_event),
             ("Machine marked delete-machine by the provider", t.marked),
             ("md-small spec.replicas back to 0", t.replicas_down),
-            (
-                "Node gone (fake CAPI deleted the marked Machine)",
-                t.node_gone,
-            ),
+            ("Machine being deleted by CAPI's MachineSet", t.deleting),
+            ("Node cordoned", t.cordoned),
+            ("Node deleted by CAPI", t.node_gone),
+            ("Machine gone (CAPI removed its finalizer)", t.machine_gone),
         ]) {
             println!("    {what:<56} {}", since(self.deleted, at, "+"));
         }
@@ -1111,10 +1378,12 @@ impl Demo {
         );
         println!(
             "  what ran: etcd, kube-apiserver and kube-scheduler on 127.0.0.1 (control plane up in {:.1}s); \
+             the Cluster API {} core manager (its controllers and webhooks); \
              cluster-autoscaler {version} (--cloud-provider=externalgrpc); \
-             capi-autoscaler-provider serve; the fake CAPI controllers and kubelets of \
-             tests/support/reconciler.rs; whole run {:.1}s",
-            cp.timings.total.as_secs_f64(),
+             capi-autoscaler-provider serve; the stand-in cloud and kubelets of \
+             tests/support/standin.rs; whole run {:.1}s",
+            manager.cp.timings.total.as_secs_f64(),
+            manager.version,
             self.start.elapsed().as_secs_f64()
         );
     }

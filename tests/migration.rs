@@ -16,7 +16,9 @@
 //! paths (the test control plane is both the management and the workload cluster) and the in-cluster
 //! configuration of the management cluster (`--cloud-config` with the same kubeconfig). Each CA runs
 //! with a hostname of its own (a UTS namespace; root), as pods have: CA's leader identity is the
-//! hostname, and two processes of one host would both be the same candidate.
+//! hostname, and two processes of one host would both be the same candidate. Cluster API is the
+//! real manager (`support::real_capi_scenario`: a stand-in Cluster, its MachineSets and Machines made
+//! by CAPI), so both CAs read the objects a management cluster has.
 
 pub mod support;
 
@@ -28,12 +30,11 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use serde_json::Value;
-use support::Setup;
 use support::autoscaler::{self, Autoscaler, http_get, metric_sum};
-use support::capi::{DEFAULT_CLUSTER, Kind};
+use support::capi::DEFAULT_CLUSTER;
 use support::procs::{self, Check, poll_until};
+use support::real_capi_scenario::RealCapiScenario;
 use support::render;
-use support::scenario::Scenario;
 use support::workload::{self, PodSpec};
 
 const RELEASE: &str = "cluster-autoscaler";
@@ -163,7 +164,7 @@ fn sigterm_and_wait(child: &mut Child, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn moving_from_the_in_tree_chart_keeps_one_leader_at_every_moment() {
-    let mut s = Scenario::new("migration", Setup::shipped()).await;
+    let mut s = RealCapiScenario::new("migration").await;
     let dir = procs::scratch_dir();
     let kubeconfig = s.cp.admin_kubeconfig().to_path_buf();
 
@@ -217,8 +218,7 @@ async fn moving_from_the_in_tree_chart_keeps_one_leader_at_every_moment() {
     );
 
     // A group at zero that only the new stack will scale (pods come once it leads).
-    let md = Scenario::capacity(s.md("md-0", 0, 2, 0), "2", "4Gi");
-    s.capi.create_deployment(&md, false).await;
+    s.create_md("md-0", 0, 2, 0, "2").await;
     autoscaler::ensure_scheduler(s.cp);
     let timings: Vec<String> = Autoscaler::new(&s.ns, "").flags;
 
@@ -353,8 +353,7 @@ async fn moving_from_the_in_tree_chart_keeps_one_leader_at_every_moment() {
 
     // The new CA scales through this provider.
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1", "1Gi")).await;
-    s.wait_replicas(Kind::MachineDeployment, "md-0", 1, Duration::from_secs(60))
-        .await;
+    s.wait_replicas("md-0", 1, Duration::from_secs(60)).await;
     workload::wait_bound(&s.client, &s.ns, "web", Duration::from_secs(60)).await;
 
     sampler.abort();
