@@ -1455,12 +1455,20 @@ async fn malformed_and_paused_resources_are_not_served_and_problems_become_event
     capi.create(&Scalable::mp("min-only").raw_bounds(Some("2"), None))
         .await;
     capi.create_deployment(
-        &Scalable::md("spec-paused").bounds(0, 3).spec_paused(),
+        &Scalable::md("spec-paused")
+            .bounds(0, 3)
+            .annotation("cluster.x-k8s.io/paused", ""),
         false,
     )
     .await;
     capi.create_machine(&capi.running("sp-0", Owner::Deployment("spec-paused".into())))
         .await;
+    // Its own spec.paused pauses a MachineDeployment's rollouts only: Cluster API still scales it.
+    capi.create_deployment(
+        &Scalable::md("rollout-paused").bounds(0, 3).spec_paused(),
+        false,
+    )
+    .await;
     capi.create(
         &Scalable::ms("paused-ms")
             .bounds(0, 3)
@@ -1477,8 +1485,9 @@ async fn malformed_and_paused_resources_are_not_served_and_problems_become_event
     .await;
     let (_provider, mut rpc) = provider_for(&env).await;
     let good = capi.id(Kind::MachineDeployment, "good");
+    let rollout_paused = capi.id(Kind::MachineDeployment, "rollout-paused");
 
-    assert_eq!(rpc.ids_in(&ns).await, ids(&[&good]));
+    assert_eq!(rpc.ids_in(&ns).await, ids(&[&good, &rollout_paused]));
     assert_eq!(rpc.for_node(capi.grpc_node("good-0")).await.id, good);
     for machine in ["sp-0", "pm-0"] {
         assert_eq!(
@@ -1523,18 +1532,20 @@ async fn malformed_and_paused_resources_are_not_served_and_problems_become_event
     )
     .await;
     let fixed = capi.id(Kind::MachineDeployment, "bad-max");
-    rpc.wait_ids(&ns, &ids(&[&good, &fixed])).await;
+    rpc.wait_ids(&ns, &ids(&[&good, &fixed, &rollout_paused]))
+        .await;
     let group = rpc.group(&fixed).await.unwrap();
     assert_eq!((group.min_size, group.max_size), (1, 4));
     // Resumed: served too.
     capi.patch(
         Kind::MachineDeployment,
         "spec-paused",
-        serde_json::json!({"spec": {"paused": false}}),
+        serde_json::json!({"metadata": {"annotations": {"cluster.x-k8s.io/paused": null}}}),
     )
     .await;
     let resumed = capi.id(Kind::MachineDeployment, "spec-paused");
-    rpc.wait_ids(&ns, &ids(&[&good, &fixed, &resumed])).await;
+    rpc.wait_ids(&ns, &ids(&[&good, &fixed, &resumed, &rollout_paused]))
+        .await;
     assert_eq!(rpc.for_node(capi.grpc_node("sp-0")).await.id, resumed);
 }
 
