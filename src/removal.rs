@@ -354,20 +354,25 @@ pub fn cancellation<'a>(
     by: u32,
 ) -> Result<(), Cancellation<'a>> {
     let active: Vec<&Member<'a>> = members.iter().filter(|m| !m.machine.deleting).collect();
-    let surplus = surplus(active.len(), replicas);
+    let now = surplus(active.len(), replicas);
     let marked: Vec<&'a str> = active
         .iter()
         .filter(|m| m.machine.mark.is_some())
         .map(|m| m.machine.name)
         .collect();
-    if marked.len() > surplus {
+    if marked.len() > now {
         return Err(Cancellation::Marked(marked));
     }
     let pending = active
         .iter()
         .filter(|m| m.machine.mark.is_none() && !m.registered)
         .count();
-    let removes = (surplus + by as usize) - marked.len();
+    // Machines not created yet are cancelled first: only those beyond the new count go.
+    let after = surplus(
+        active.len(),
+        replicas.saturating_sub(i32::try_from(by).unwrap_or(i32::MAX)),
+    );
+    let removes = after - marked.len();
     if removes > pending {
         return Err(Cancellation::Registered { removes, pending });
     }
@@ -725,6 +730,18 @@ mod tests {
             group[2],
         ];
         assert_eq!(cancellation(&deleting, 2, 1), Ok(()));
+        assert_eq!(
+            cancellation(&group, 5, 3),
+            Ok(()),
+            "two Machines not created yet are cancelled, then the pending one"
+        );
+        assert_eq!(
+            cancellation(&group, 5, 4),
+            Err(Cancellation::Registered {
+                removes: 2,
+                pending: 1
+            })
+        );
     }
 
     #[test]

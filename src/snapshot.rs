@@ -375,6 +375,9 @@ pub struct NodeGroup {
     /// Machines with a Node but no providerID: no instance CA sees, but Machines Cluster API
     /// counts (and deletes) like any other.
     pub unlisted: Vec<ObjectKey>,
+    /// Machines (not being deleted) carrying a delete mark this provider did not write: Cluster API
+    /// deletes them first all the same (see `removal::deletion`).
+    pub foreign_marks: Vec<String>,
     /// Nodes that registered: running instances, and Machines with a Node but no known providerID.
     pub registered: i32,
     pub template: Option<Arc<TemplateNode>>,
@@ -1256,6 +1259,7 @@ impl<'a> Builder<'a> {
                 resource: Arc::clone(resource),
                 instances: Vec::new(),
                 unlisted: Vec::new(),
+                foreign_marks: Vec::new(),
                 registered: 0,
                 template: None,
                 options,
@@ -1524,6 +1528,7 @@ impl<'a> Builder<'a> {
                 + found.unlisted.get(id).map_or(0, Vec::len) as i32;
             group.instances = list;
             group.unlisted = found.unlisted.remove(id).unwrap_or_default();
+            group.foreign_marks = self.foreign_marks(&group.instances, &group.unlisted);
         }
     }
 
@@ -1729,6 +1734,7 @@ impl<'a> Builder<'a> {
             let unlisted = old.registered - running(&old.instances);
             self.mark_leaving(&mut list, group.target);
             group.registered = running(&list) + unlisted;
+            group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
             group.instances = list;
             // Nodes did not change: the labels copied from the group's Node neither.
             let copied = previous.templates.get(id)?.node_labels.clone();
@@ -1757,6 +1763,30 @@ impl<'a> Builder<'a> {
         snapshot.scope = previous.scope.clone();
         snapshot.scope_reason = previous.scope_reason.clone();
         Some(snapshot)
+    }
+
+    /// The Machines (not being deleted) of `instances` and `unlisted` carrying a delete mark this
+    /// provider did not write.
+    fn foreign_marks(&self, instances: &[Instance], unlisted: &[ObjectKey]) -> Vec<String> {
+        let delete_key = &self.settings.keys.delete_machine;
+        instances
+            .iter()
+            .filter_map(|i| i.machine.as_ref())
+            .chain(unlisted)
+            .filter(|key| {
+                self.index
+                    .machines
+                    .get(*key)
+                    .and_then(|m| m.as_ref().ok())
+                    .is_some_and(|m| {
+                        !m.deleting
+                            && m.annotations
+                                .get(delete_key)
+                                .is_some_and(|v| !crate::removal::is_our_mark(v))
+                    })
+            })
+            .map(|key| key.name.clone())
+            .collect()
     }
 
     /// Marked Machines that the replica count no longer covers are on their way out: CAPI deletes

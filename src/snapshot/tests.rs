@@ -1336,3 +1336,38 @@ fn a_rebuild_after_our_own_write_keeps_the_scope() {
         p
     });
 }
+
+/// Marks someone else wrote are listed on the group (for `check`), ours and those of Machines being
+/// deleted are not; a Machine with a Node and no providerID is kept with the group's Machines.
+#[test]
+fn marks_the_provider_did_not_write_are_listed_and_unlisted_machines_kept() {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(ScalableKind::MachineSet, "ms", Some("0"), Some("5"), 4),
+    );
+    let delete_key = settings().keys.delete_machine.clone();
+    let marked = |name: &str, value: &str, deleting: bool| {
+        let mut m = machine(
+            name,
+            "MachineSet",
+            "ms",
+            Some(&format!("p:///{name}")),
+            true,
+        );
+        m.annotations.insert(delete_key.clone(), value.into());
+        m.deleting = deleting;
+        m
+    };
+    add_machine(&mut index, marked("by-hand", "yes", false));
+    add_machine(
+        &mut index,
+        marked("ours", &crate::removal::our_mark(5), false),
+    );
+    add_machine(&mut index, marked("going", "yes", true));
+    add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));
+    let s = index.snapshot(&settings());
+    let group = s.group("MachineSet/ns/ms").expect("served");
+    assert_eq!(group.foreign_marks, ["by-hand"]);
+    assert_eq!(group.unlisted, [ObjectKey::new("ns", "no-id")]);
+}

@@ -418,38 +418,46 @@ async fn decrease_target_size_during_a_rollout_is_refused() {
     .await;
     let old = s.machines("roll", 2).await;
     s.standin.hold("small-v2");
+    // The template changed and replicas raised together: 3 wanted, 2 registered, the new
+    // Machine held by the cloud. Replicas above the registered nodes: the old rule let a decrease
+    // through, and the MachineDeployment controller would have shrunk the old MachineSet.
     s.patch(
         "MachineDeployment",
         "roll",
-        json!({"spec": {"template": {"spec": {"infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2")}}}}),
+        json!({"spec": {"replicas": 3, "template": {"spec": {"infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2")}}}}),
     )
     .await;
     let provider = s.provider().await;
     let mut rpc = Rpc::connect(&provider).await;
     let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
-    let refusal = s
-        .until(
-            "the provider sees the rollout and refuses DecreaseTargetSize",
-            Duration::from_secs(30),
+    s.until(
+        "the provider serves the rollout (min raised to the target, 3)",
+        Duration::from_secs(30),
+        &provider,
+        None,
+        || {
+            let mut rpc = rpc.clone();
+            let id = id.clone();
+            async move {
+                let groups = rpc.groups().await;
+                match groups.iter().find(|g| g.id == id) {
+                    Some(g) if g.min_size == 3 => Check::Done(()),
+                    other => Check::Wait(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await;
+    let refusal = match rpc.decrease(&id, -1).await {
+        Err(e) if e.code() == tonic::Code::FailedPrecondition => e.message().to_string(),
+        other => s.fail(
+            format!("DecreaseTargetSize during the rollout: {other:?}"),
             &provider,
             None,
-            || {
-                let mut rpc = rpc.clone();
-                let id = id.clone();
-                async move {
-                    match rpc.decrease(&id, -1).await {
-                        Err(e) if e.code() == tonic::Code::FailedPrecondition => {
-                            Check::Done(e.message().to_string())
-                        }
-                        Err(e) => Check::Wait(format!("{e}")),
-                        Ok(()) => Check::Fatal("DecreaseTargetSize accepted".into()),
-                    }
-                }
-            },
-        )
-        .await;
+        ),
+    };
     assert!(refusal.contains("rolling out"), "{refusal}");
-    assert_eq!(s.replicas("roll").await, Ok(2), "nothing written");
+    assert_eq!(s.replicas("roll").await, Ok(3), "nothing written");
     s.standin.release("small-v2");
     procs::announce(&format!(
         "e2e: scenario rules-decrease-during-rollout passed in {:.1}s: old Machines {old:?}; \
@@ -531,12 +539,21 @@ async fn replicas_lowered_by_hand_just_before_delete_nodes_cost_one_machine_each
 }
 
 /// A MachineDeployment whose rollouts are paused (`spec.paused`, what `clusterctl alpha rollout
-/// pause` sets) is still scaled by CAPI, so it stays a node group: a pending pod makes CA raise it
-/// from 0, and CAPI creates the Machine.
+/// pause` sets) is still scaled by CAPI (its existing MachineSet), so it stays a node group: a pod
+/// that fits no Node makes CA raise it from 1 to 2, and CAPI creates the Machine.
 #[tokio::test]
 async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
     let s = Scenario::new().await;
-    s.group("rp", ("0", "3", 0), |md| md["spec"]["paused"] = json!(true))
+    s.group("rp", ("1", "3", 1), |_| {}).await;
+    let first = s.machines("rp", 1).await;
+    workload::create_bound_pod(
+        &s.client,
+        &s.ns,
+        &PodSpec::new("busy", "1500m", "1Gi"),
+        &first[0],
+    )
+    .await;
+    s.patch("MachineDeployment", "rp", json!({"spec": {"paused": true}}))
         .await;
     let provider = s.provider().await;
     let mut ca = Autoscaler::new(&s.ns, &provider.address)
@@ -546,24 +563,29 @@ async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
     let t = Instant::now();
     let machines = s
         .until(
-            "CA raised rp to 1 and CAPI made its Machine with a Node",
+            "CA raised rp to 2 and CAPI made its Machine with a Node",
             Duration::from_secs(60),
             &provider,
             Some(&ca),
             || async {
                 match s.replicas("rp").await {
-                    Ok(1) => machines_with_nodes(&s.client, &s.ns, "rp", 1).await,
+                    Ok(2) => machines_with_nodes(&s.client, &s.ns, "rp", 2).await,
                     r => Check::Wait(format!("replicas {r:?}")),
                 }
             },
         )
         .await;
+    let paused = api(&s.client, &s.ns, "v1beta2", "MachineDeployment")
+        .get("rp")
+        .await
+        .map(|md| md.data["spec"]["paused"].clone());
+    assert_eq!(paused.ok(), Some(json!(true)), "still rollout-paused");
     if let Err(e) = ca.check_alive() {
         s.fail(e, &provider, Some(&ca));
     }
     procs::announce(&format!(
-        "e2e: scenario rules-rollout-paused passed in {:.1}s: pod -> Machine {machines:?} with its \
-         Node in {:.1}s",
+        "e2e: scenario rules-rollout-paused passed in {:.1}s: pod -> replicas 2, Machines \
+         {machines:?} with Nodes in {:.1}s",
         s.started.elapsed().as_secs_f64(),
         t.elapsed().as_secs_f64()
     ));
