@@ -315,8 +315,9 @@ async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
 
 /// A Machine that never gets its Node (the cloud holds it) beside a registered one marked by hand:
 /// lowering replicas would make CAPI delete the marked, registered Machine first, so CA's
-/// DeleteNodes of the unregistered node and its DecreaseTargetSize are refused and nothing is
-/// deleted. With the mark gone, CA's next attempt removes the pending Machine only.
+/// DeleteNodes of the unregistered node, and a DecreaseTargetSize (sent through the provider's RPC:
+/// CA sees no size to fix while the unregistered node counts), are refused and nothing is deleted.
+/// With the mark gone, CA's next attempt removes the pending Machine only.
 #[tokio::test]
 async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_node() {
     let s = Scenario::new().await;
@@ -359,7 +360,21 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
         .flag("--max-node-provision-time=8s")
         .start(s.manager.cp)
         .await;
-    refused(&s, &provider, Some(&ca), "NodeGroupDecreaseTargetSize", 1).await;
+    // CA removes the long-unregistered node through DeleteNodes (its target, 3, matches the
+    // registered plus unregistered nodes, so it sees no size to fix): refused.
+    refused(&s, &provider, Some(&ca), "NodeGroupDeleteNodes", 2).await;
+    // DecreaseTargetSize (what CA sends when the target exceeds the nodes it knows of), the same.
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let decrease = rpc.decrease(&id, -1).await;
+    match &decrease {
+        Err(e) if e.code() == tonic::Code::FailedPrecondition && e.message().contains(&marked) => {}
+        other => s.fail(
+            format!("DecreaseTargetSize beside {marked}: {other:?}"),
+            &provider,
+            Some(&ca),
+        ),
+    }
     let deletes_refused = answered(&provider, "NodeGroupDeleteNodes", "FAILED_PRECONDITION").await;
     assert!(deleted.names().is_empty(), "deleted {:?}", deleted.names());
     assert_eq!(s.replicas("pend").await, Ok(3), "nothing written");
@@ -394,8 +409,8 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
     }
     procs::announce(&format!(
         "e2e: scenario rules-decrease-beside-mark passed in {:.1}s: with {marked} marked by hand, \
-         DecreaseTargetSize refused (and DeleteNodes of the unregistered node {deletes_refused} \
-         times), nothing deleted; mark removed -> CAPI deleted {:?} in {:.1}s. CA after the \
+         CA's DeleteNodes of the unregistered node refused {deletes_refused} times and \
+         DecreaseTargetSize refused, nothing deleted; mark removed -> CAPI deleted {:?} in {:.1}s. CA after the \
          refusals: {refusal_log}",
         s.started.elapsed().as_secs_f64(),
         deleted.names(),
