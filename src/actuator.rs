@@ -17,7 +17,7 @@ use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::ApiObject;
 use crate::removal::{
-    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState, Member,
+    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState,
     RAISED_ANNOTATION, mark_entry, our_mark, our_mark_time, pool_node_entry, raised_at,
 };
 use crate::service::Backend;
@@ -692,12 +692,9 @@ impl Actuator {
             if ordered {
                 let (_, now) = self.group(id)?;
                 let machines = self.machines(&now);
-                let members: Vec<Member<'_>> = machines
+                let members: Vec<MachineState<'_>> = machines
                     .iter()
-                    .map(|(k, m)| Member {
-                        machine: machine_state(k, m, &delete_key),
-                        registered: m.node_ref.is_some(),
-                    })
+                    .map(|(k, m)| machine_state(k, m, &delete_key))
                     .collect();
                 removal::cancellation(&members, current, delta.unsigned_abs())
                     .map_err(|why| cancellation_refusal(&now, current, delta, &why))?;
@@ -1247,6 +1244,7 @@ fn machine_state<'a>(
         name: &key.name,
         deleting: machine.deleting,
         mark: machine.annotations.get(delete_key).map(String::as_str),
+        registered: machine.node_ref.is_some(),
     }
 }
 

@@ -186,6 +186,9 @@ pub struct MachineState<'a> {
     pub deleting: bool,
     /// The delete-machine annotation's value, when present.
     pub mark: Option<&'a str>,
+    /// It has a Node (`status.nodeRef`): Cluster API ranks Machines without one right after the
+    /// marked ones when it deletes.
+    pub registered: bool,
 }
 
 /// A group's Machines and replicas, as far as the rules need them.
@@ -310,7 +313,29 @@ pub fn deletion<'a>(
     if others_marked.len() + paid_named.len() > counts.surplus() {
         return Deletion::OthersMarked(others_marked);
     }
-    let decrement = (others_marked.len() + named_active.len()).saturating_sub(counts.surplus());
+    // Beyond replicas Cluster API takes the marked Machines, then those without a Node, then
+    // registered ones. A fresh mark takes the place of a registered Machine the count as it stands
+    // already removes (replicas lowered by hand, Cluster API not acting yet), never that of one
+    // without a Node (capacity cancelled, e.g. by DecreaseTargetSize), which still goes. Marks the
+    // count does not remove yet (ours unpaid, or someone else's on a named Machine) are paid.
+    let marked_before =
+        others_marked.len() + named_active.iter().filter(|m| m.mark.is_some()).count();
+    let fresh = named_active.iter().filter(|m| m.mark.is_none()).count();
+    let pending = others
+        .iter()
+        .filter(|m| m.mark.is_none() && !m.registered)
+        .count();
+    let registered_beyond = counts
+        .surplus()
+        .saturating_sub(marked_before)
+        .saturating_sub(pending);
+    let unpaid_named: Vec<&'a str> = named_active
+        .iter()
+        .filter(|m| !ledger.pays(m.name, m.mark))
+        .map(|m| m.name)
+        .collect();
+    let decrement =
+        fresh.saturating_sub(registered_beyond) + marked_before.saturating_sub(counts.surplus());
     Deletion::Proceed {
         mark: named_active
             .iter()
@@ -318,20 +343,8 @@ pub fn deletion<'a>(
             .map(|m| m.name)
             .collect(),
         decrement,
-        pay: named_active
-            .iter()
-            .filter(|m| !ledger.pays(m.name, m.mark))
-            .map(|m| m.name)
-            .take(decrement)
-            .collect(),
+        pay: unpaid_named.into_iter().take(decrement).collect(),
     }
-}
-
-/// A group's Machine as DecreaseTargetSize sees it: the rules' view, and whether it has a Node.
-#[derive(Clone, Copy, Debug)]
-pub struct Member<'a> {
-    pub machine: MachineState<'a>,
-    pub registered: bool,
 }
 
 /// Why lowering replicas would remove more than capacity that never became a node.
@@ -349,23 +362,23 @@ pub enum Cancellation<'a> {
 /// rank), then the rest, so the Machines beyond the new count must be no more than the marked
 /// ones the current count already removes plus the pending ones.
 pub fn cancellation<'a>(
-    members: &[Member<'a>],
+    machines: &[MachineState<'a>],
     replicas: i32,
     by: u32,
 ) -> Result<(), Cancellation<'a>> {
-    let active: Vec<&Member<'a>> = members.iter().filter(|m| !m.machine.deleting).collect();
+    let active: Vec<&MachineState<'a>> = machines.iter().filter(|m| !m.deleting).collect();
     let now = surplus(active.len(), replicas);
     let marked: Vec<&'a str> = active
         .iter()
-        .filter(|m| m.machine.mark.is_some())
-        .map(|m| m.machine.name)
+        .filter(|m| m.mark.is_some())
+        .map(|m| m.name)
         .collect();
     if marked.len() > now {
         return Err(Cancellation::Marked(marked));
     }
     let pending = active
         .iter()
-        .filter(|m| m.machine.mark.is_none() && !m.registered)
+        .filter(|m| m.mark.is_none() && !m.registered)
         .count();
     // Machines not created yet are cancelled first: only those beyond the new count go.
     let after = surplus(
@@ -430,6 +443,15 @@ mod tests {
             name,
             deleting,
             mark,
+            registered: true,
+        }
+    }
+
+    /// A Machine that never got its Node.
+    fn pending(name: &'static str) -> MachineState<'static> {
+        MachineState {
+            registered: false,
+            ..m(name, false, None)
         }
     }
 
@@ -694,15 +716,7 @@ mod tests {
     /// written; a mark the replicas do not remove yet goes first.
     #[test]
     fn a_decrease_cancels_only_pending_unmarked_machines() {
-        let member = |name, mark, registered| Member {
-            machine: m(name, false, mark),
-            registered,
-        };
-        let group = [
-            member("a", None, true),
-            member("b", None, true),
-            member("p", None, false),
-        ];
+        let group = [m("a", false, None), m("b", false, None), pending("p")];
         assert_eq!(cancellation(&group, 3, 1), Ok(()));
         assert_eq!(
             cancellation(&group, 3, 2),
@@ -711,7 +725,7 @@ mod tests {
                 pending: 1
             })
         );
-        let marked = [member("a", Some("yes"), true), group[1], group[2]];
+        let marked = [m("a", false, Some("yes")), group[1], group[2]];
         assert_eq!(
             cancellation(&marked, 3, 1),
             Err(Cancellation::Marked(vec!["a"]))
@@ -721,14 +735,7 @@ mod tests {
             Ok(()),
             "the mark is removed by the count as it stands; the pending one goes next"
         );
-        let deleting = [
-            Member {
-                machine: m("a", true, Some("yes")),
-                registered: true,
-            },
-            group[1],
-            group[2],
-        ];
+        let deleting = [m("a", true, Some("yes")), group[1], group[2]];
         assert_eq!(cancellation(&deleting, 2, 1), Ok(()));
         assert_eq!(
             cancellation(&group, 5, 3),
@@ -741,6 +748,28 @@ mod tests {
                 removes: 2,
                 pending: 1
             })
+        );
+    }
+
+    /// After a DecreaseTargetSize, Machines without a Node are beyond replicas, going: a named
+    /// node is one more, paid, never in their place (the cancelled capacity still goes).
+    #[test]
+    fn a_removal_beside_cancelled_capacity_is_paid() {
+        let none = Ledger::default();
+        let machines = [
+            m("a", false, None),
+            m("b", false, None),
+            pending("p1"),
+            pending("p2"),
+        ];
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 2, &none),
+            proceed(&["a"], 1, &["a"])
+        );
+        // One beyond replicas is registered (lowered by hand as well): the mark takes its place.
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 1, &none),
+            proceed(&["a"], 0, &[])
         );
     }
 
