@@ -784,13 +784,10 @@ impl Actuator {
             .collect();
         let decided = match removal::deletion(&states, names, state.replicas, &state.ledger) {
             Deletion::Proceed {
-                mark,
-                decrement,
-                pay,
+                mark, decrement, ..
             } => Decided::Proceed {
                 mark: mark.into_iter().map(str::to_string).collect(),
                 decrement,
-                pay: pay.into_iter().map(str::to_string).collect(),
             },
             Deletion::Absorbed(names) => Decided::Refused(absorbed_refusal(
                 &group,
@@ -827,7 +824,7 @@ impl Actuator {
         // Marks written by this call: the Machine and the value it carried before.
         let mut written: Vec<(ObjectKey, Option<String>)> = Vec::new();
         let mut attempt = 0;
-        let group = loop {
+        let (group, decrement) = loop {
             let (group, marks, decided) = self.deletion_of(id, &names, &state)?;
             let (mark, decrement) = match decided {
                 Decided::Refused(e) => {
@@ -873,7 +870,9 @@ impl Actuator {
                     }
                 }
             }
-            let Some(key) = changed else { break group };
+            let Some(key) = changed else {
+                break (group, decrement);
+            };
             attempt += 1;
             if attempt >= MAX_ATTEMPTS {
                 self.take_back(&written, &delete_key).await;
@@ -884,33 +883,47 @@ impl Actuator {
             self.read_machine(&key).await?;
             state = self.cached(&group)?;
         };
-        // Decided again over every version the write meets (a conflict re-reads the group and
-        // lists the Machines): the decrement is what the live objects still owe, so a replica
-        // count lowered by someone else meanwhile, or an earlier attempt that landed, is not paid
-        // twice.
+        // Checked again over every version the write meets (a conflict re-reads the group and
+        // lists the Machines): a mark written meanwhile refuses it; an earlier attempt that landed
+        // is not paid twice; replicas lowered by someone else meanwhile are taken as paying for
+        // the named Machines (Cluster API deletes the marked ones first for them).
+        let decided = (state.replicas, state.ledger.clone());
         let result = self
             .write(&group, "delete-nodes", true, |state| {
-                let (_, marks, decided) = self.deletion_of(id, &names, state)?;
-                match decided {
-                    Decided::Refused(e) => Err(e),
+                let (_, marks, now) = self.deletion_of(id, &names, state)?;
+                match now {
+                    Decided::Refused(e) => return Err(e),
                     Decided::Proceed { mark, .. } if !mark.is_empty() => {
-                        Err(ActuatorError::Conflict(format!(
+                        return Err(ActuatorError::Conflict(format!(
                             "{id}: the delete mark of Machine(s) {} was removed while they were being removed",
                             mark.join(", ")
-                        )))
+                        )));
                     }
-                    Decided::Proceed { decrement: 0, .. } => Ok(None),
-                    Decided::Proceed { decrement, pay, .. } => Ok(Some(Change {
-                        replicas: state.replicas - decrement as i32,
-                        entries: pay
-                            .iter()
-                            .filter_map(|name| {
-                                let mark = marks.iter().find(|(n, _)| n == name)?.1.as_deref()?;
-                                Some(mark_entry(name, our_mark_time(mark)?))
-                            })
-                            .collect(),
-                    })),
+                    Decided::Proceed { .. } => {}
                 }
+                // The named Machines' marks (all ours by now) that no entry pays for yet.
+                let unpaid: Vec<String> = marks
+                    .iter()
+                    .filter(|(name, _)| names.contains(name.as_str()))
+                    .filter_map(|(name, mark)| {
+                        let time = our_mark_time(mark.as_deref()?)?;
+                        let entry = mark_entry(name, time);
+                        (!state.ledger.contains(&entry)).then_some(entry)
+                    })
+                    .collect();
+                let owed = removal::still_owed(
+                    decrement,
+                    (decided.0, &decided.1),
+                    (state.replicas, &state.ledger),
+                )
+                .min(unpaid.len());
+                if owed == 0 {
+                    return Ok(None);
+                }
+                Ok(Some(Change {
+                    replicas: state.replicas - owed as i32,
+                    entries: unpaid.into_iter().take(owed).collect(),
+                }))
             })
             .await;
         match result {
@@ -1151,11 +1164,7 @@ type Marks = Vec<(String, Option<String>)>;
 
 /// What [`removal::deletion`] decided, owned (the rules borrow from the cache's Machines).
 enum Decided {
-    Proceed {
-        mark: Vec<String>,
-        decrement: usize,
-        pay: Vec<String>,
-    },
+    Proceed { mark: Vec<String>, decrement: usize },
     Refused(ActuatorError),
 }
 

@@ -137,6 +137,11 @@ impl Ledger {
             .is_some_and(|t| self.contains(&mark_entry(name, t)))
     }
 
+    /// Entries that are here and not in `earlier`: removals paid since.
+    pub fn paid_since(&self, earlier: &Ledger) -> usize {
+        self.0.difference(&earlier.0).count()
+    }
+
     /// The time for a new mark on Machine `name` at `now_unix`: after every entry of that Machine, so
     /// a mark taken back and written again within a second is never mistaken for the paid one.
     pub fn fresh_mark_time(&self, name: &str, now_unix: u64) -> u64 {
@@ -313,29 +318,18 @@ pub fn deletion<'a>(
     if others_marked.len() + paid_named.len() > counts.surplus() {
         return Deletion::OthersMarked(others_marked);
     }
-    // Beyond replicas Cluster API takes the marked Machines, then those without a Node, then
-    // registered ones. A fresh mark takes the place of a registered Machine the count as it stands
-    // already removes (replicas lowered by hand, Cluster API not acting yet), never that of one
-    // without a Node (capacity cancelled, e.g. by DecreaseTargetSize), which still goes. Marks the
-    // count does not remove yet (ours unpaid, or someone else's on a named Machine) are paid.
+    // Each fresh mark is one more Machine beyond replicas; marks the count does not remove yet
+    // (ours unpaid, or someone else's on a named Machine) are paid too. What the count as it
+    // stands removes (capacity cancelled, replicas lowered by hand) still goes.
     let marked_before =
         others_marked.len() + named_active.iter().filter(|m| m.mark.is_some()).count();
     let fresh = named_active.iter().filter(|m| m.mark.is_none()).count();
-    let pending = others
-        .iter()
-        .filter(|m| m.mark.is_none() && !m.registered)
-        .count();
-    let registered_beyond = counts
-        .surplus()
-        .saturating_sub(marked_before)
-        .saturating_sub(pending);
     let unpaid_named: Vec<&'a str> = named_active
         .iter()
         .filter(|m| !ledger.pays(m.name, m.mark))
         .map(|m| m.name)
         .collect();
-    let decrement =
-        fresh.saturating_sub(registered_beyond) + marked_before.saturating_sub(counts.surplus());
+    let decrement = fresh + marked_before.saturating_sub(counts.surplus());
     Deletion::Proceed {
         mark: named_active
             .iter()
@@ -345,6 +339,17 @@ pub fn deletion<'a>(
         decrement,
         pay: unpaid_named.into_iter().take(decrement).collect(),
     }
+}
+
+/// How much of a decrement decided over `decided` (replicas and ledger) is still owed over a
+/// later version `now` of the group: less by every drop of replicas since that no removal paid
+/// since explains (by hand, a writer without the ledger). Cluster API deletes the marked Machines
+/// first for such a drop, so paying it again would remove a node CA never drained. A raise since
+/// does not change it.
+pub fn still_owed(decrement: usize, decided: (i32, &Ledger), now: (i32, &Ledger)) -> usize {
+    let lowered = i64::from(decided.0) - i64::from(now.0);
+    let unexplained = lowered - now.1.paid_since(decided.1) as i64;
+    decrement.saturating_sub(usize::try_from(unexplained).unwrap_or(0))
 }
 
 /// Why lowering replicas would remove more than capacity that never became a node.
@@ -655,11 +660,11 @@ mod tests {
         );
     }
 
-    /// Replicas lowered (by hand) before the call, Cluster API not acting yet: an unmarked
-    /// Machine is surplus, so the named one's mark takes its place and replicas stay; once Cluster
-    /// API is deleting that Machine, the named one is owed its decrement.
+    /// Replicas lowered (by hand) before the call: what that count removes still goes, the named
+    /// Machine is one more; a drop during the call (seen on a conflict) takes the named Machine's
+    /// place, as Cluster API deletes the marked one first for it.
     #[test]
-    fn replicas_lowered_before_the_call_are_decided_from_the_machines() {
+    fn replicas_lowered_by_someone_else_are_paid_once() {
         let none = Ledger::default();
         let machines = [
             m("a", false, None),
@@ -668,18 +673,19 @@ mod tests {
         ];
         assert_eq!(
             deletion(&machines, &named(&["c"]), 2, &none),
-            proceed(&["c"], 0, &[])
-        );
-        let acting = [m("a", true, None), machines[1], machines[2]];
-        assert_eq!(
-            deletion(&acting, &named(&["c"]), 2, &none),
             proceed(&["c"], 1, &["c"])
         );
+        let decided = Ledger::parse(Some("a@1"));
+        assert_eq!(still_owed(1, (3, &decided), (3, &decided)), 1);
+        assert_eq!(still_owed(1, (3, &decided), (2, &decided)), 0, "by hand");
+        let paid_other = Ledger::parse(Some("a@1,b@2"));
         assert_eq!(
-            deletion(&machines, &named(&["b", "c"]), 2, &none),
-            proceed(&["b", "c"], 1, &["b"]),
-            "one of two is covered by the lower count already"
+            still_owed(1, (3, &decided), (2, &paid_other)),
+            1,
+            "another removal paid meanwhile explains the drop"
         );
+        assert_eq!(still_owed(2, (5, &decided), (4, &decided)), 1);
+        assert_eq!(still_owed(1, (5, &decided), (6, &decided)), 1, "a raise");
     }
 
     /// The surplus pays for paid marks first (their decrements are certain), what it leaves for
@@ -766,10 +772,10 @@ mod tests {
             deletion(&machines, &named(&["a"]), 2, &none),
             proceed(&["a"], 1, &["a"])
         );
-        // One beyond replicas is registered (lowered by hand as well): the mark takes its place.
         assert_eq!(
             deletion(&machines, &named(&["a"]), 1, &none),
-            proceed(&["a"], 0, &[])
+            proceed(&["a"], 1, &["a"]),
+            "lowered further by hand: that still goes too"
         );
     }
 
