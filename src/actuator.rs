@@ -774,6 +774,17 @@ impl Actuator {
         let (_, group) = self.group(id)?;
         let delete_key = &self.store.settings().keys.delete_machine;
         let machines = self.machines(&group);
+        // A named Machine gone from the group (deleted, or moved) is never answered as removed
+        // by a decision that did not count it.
+        if let Some(missing) = names
+            .iter()
+            .find(|n| !machines.iter().any(|(k, _)| k.name == **n))
+        {
+            return Err(ActuatorError::NotFound(format!(
+                "{id}: Machine {}/{missing} is no longer one of the group's Machines",
+                group.resource.key.namespace
+            )));
+        }
         let states: Vec<MachineState<'_>> = machines
             .iter()
             .map(|(k, m)| machine_state(k, m, delete_key))
