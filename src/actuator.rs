@@ -18,7 +18,8 @@ use crate::metrics::Metrics;
 use crate::object::ApiObject;
 use crate::removal::{
     self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState,
-    RAISED_ANNOTATION, mark_entry, our_mark, our_mark_time, pool_node_entry, raised_at,
+    RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time,
+    pool_node_entry, raised_at,
 };
 use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
@@ -228,6 +229,8 @@ struct GroupState {
     ledger: Ledger,
     /// When replicas were last raised by any provider ([`RAISED_ANNOTATION`]).
     raised: Option<u64>,
+    /// Marks a repair is taking back ([`TAKING_BACK_ANNOTATION`]): no decrement pays them.
+    taking_back: Ledger,
     /// `spec.providerIDList` entries (normalised) of the same version: ledger entries of nodes no
     /// longer listed need no record.
     listed: BTreeSet<String>,
@@ -381,6 +384,12 @@ impl Actuator {
                 resource
                     .annotations
                     .get(RAISED_ANNOTATION)
+                    .map(String::as_str),
+            ),
+            taking_back: Ledger::parse(
+                resource
+                    .annotations
+                    .get(TAKING_BACK_ANNOTATION)
                     .map(String::as_str),
             ),
             listed: resource
@@ -912,6 +921,16 @@ impl Actuator {
                     }
                     Decided::Proceed { .. } => {}
                 }
+                // A repair is taking one of these marks back (another provider's, which decided
+                // from the objects that no decrement paid it): paying it now would land after the
+                // unmark, and Cluster API would delete a Machine nobody marked.
+                if let Some((name, _)) = marks.iter().find(|(name, mark)| {
+                    names.contains(name.as_str()) && state.taking_back.pays(name, mark.as_deref())
+                }) {
+                    return Err(ActuatorError::Refused(format!(
+                        "{id}: the delete mark of Machine {name} is being taken back by a repair (its {TAKING_BACK_ANNOTATION} annotation): nothing written; ask again once it is gone, as a fresh removal"
+                    )));
+                }
                 // The named Machines' marks (all ours by now) that no entry pays for yet.
                 let unpaid: Vec<String> = marks
                     .iter()
@@ -1110,6 +1129,16 @@ impl Actuator {
                 continue;
             };
             let confirmed = self.unpaid_marks(&group, &live, grace);
+            if confirmed.is_empty() {
+                continue;
+            }
+            // Recorded on the group first, guarded by the version decided from: a decrement in
+            // flight from another provider then either landed before (this conflicts; the mark is
+            // paid and stays) or meets a conflict after, reads the record, and pays nothing.
+            if let Err(e) = self.record_taking_back(&group, &live, &confirmed).await {
+                tracing::debug!(group = %group.id, "repair postponed: {e}");
+                continue;
+            }
             for (key, version) in confirmed {
                 if self.unmark(&key, &delete_key, None, Some(&version)).await {
                     repaired += 1;
@@ -1124,6 +1153,61 @@ impl Actuator {
             }
         }
         repaired
+    }
+
+    /// Writes the marks about to be taken back into the group's [`TAKING_BACK_ANNOTATION`]
+    /// (dropping entries whose Machine no longer carries that mark), guarded by `live`'s version.
+    async fn record_taking_back(
+        &self,
+        group: &NodeGroup,
+        live: &GroupState,
+        confirmed: &[(ObjectKey, String)],
+    ) -> Result<(), ActuatorError> {
+        let delete_key = &self.store.settings().keys.delete_machine;
+        let namespace = &group.resource.key.namespace;
+        let mark_time_of = |name: &str| {
+            self.store
+                .cached_machine(&ObjectKey::new(namespace.as_str(), name))
+                .and_then(|m| m.annotations.get(delete_key).and_then(|v| our_mark_time(v)))
+        };
+        let mut record = live.taking_back.still_marked(mark_time_of);
+        for (key, _) in confirmed {
+            if let Some(t) = mark_time_of(&key.name) {
+                record.insert(mark_entry(&key.name, t));
+            }
+        }
+        let key = &group.resource.key;
+        let api = self.group_api(group.kind(), &key.namespace)?;
+        let what = format!(
+            "recording the marks a repair takes back on {} {key}",
+            group.kind()
+        );
+        let patch = json!({"metadata": {
+            "resourceVersion": live.resource_version,
+            "annotations": {TAKING_BACK_ANNOTATION: record.render()},
+        }});
+        match call(
+            &what,
+            api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
+        )
+        .await
+        {
+            Ok(object) => {
+                self.metrics.api_write("repair-record", "ok");
+                self.store.record(Some(group.kind()), object);
+                Ok(())
+            }
+            Err(ApiFailure::Conflict) => {
+                self.metrics.api_write("repair-record", "conflict");
+                Err(ActuatorError::Conflict(format!(
+                    "{what}: the group changed since the repair read it"
+                )))
+            }
+            Err(ApiFailure::Other(e)) => {
+                self.metrics.api_write("repair-record", "error");
+                Err(e)
+            }
+        }
     }
 
     /// Our marks on `group`'s Machines that `state` (replicas, ledger, last raise) does not pay for

@@ -39,6 +39,15 @@ pub const LEDGER_ANNOTATION: &str = "capi-autoscaler-provider/removed";
 /// no provider's repair takes a mark back within the grace period after any provider's raise.
 pub const RAISED_ANNOTATION: &str = "capi-autoscaler-provider/raised";
 
+/// On a group object: the marks of ours a repair is taking back (`<machine>@<mark unix seconds>`),
+/// written before any of them is unmarked, guarded by the version the repair decided from. A
+/// decrement of another provider still in flight (slow, or its process stopping) was prepared
+/// against an older version: it now meets a conflict, reads this, and pays none of these marks;
+/// landing before it, it makes this write conflict instead and the repair keeps the mark, now
+/// paid. Without it, a decrement landing after the unmark would make Cluster API delete a Machine
+/// nobody marked. Entries whose Machine no longer carries that mark are dropped by the next repair.
+pub const TAKING_BACK_ANNOTATION: &str = "capi-autoscaler-provider/taking-back";
+
 /// Marks written by this provider end with this; the value starts with `unix <seconds>`.
 const MARK_SUFFIX: &str = " by capi-autoscaler-provider";
 
@@ -135,6 +144,19 @@ impl Ledger {
     pub fn pays(&self, name: &str, mark: Option<&str>) -> bool {
         mark.and_then(our_mark_time)
             .is_some_and(|t| self.contains(&mark_entry(name, t)))
+    }
+
+    /// The entries whose Machine still carries that very mark (`mark_time_of`: the time of our mark
+    /// on a Machine of the group, `None` when gone or unmarked): what a repair's taking-back record
+    /// keeps once its unmarks are done.
+    pub fn still_marked(&self, mark_time_of: impl Fn(&str) -> Option<u64>) -> Ledger {
+        Ledger(
+            self.0
+                .iter()
+                .filter(|e| parse_mark_entry(e).is_some_and(|(m, t)| mark_time_of(m) == Some(t)))
+                .cloned()
+                .collect(),
+        )
     }
 
     /// Entries that are here and not in `earlier`: removals paid since.
@@ -442,6 +464,31 @@ pub fn orphans<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_taking_back_record_keeps_only_marks_still_there_and_names_exactly_them() {
+        let record = Ledger::parse(Some("a@100,b@200,c@300,id:i-1"));
+        // a: still that mark; b: marked again later; c: unmarked (or gone); pool entries dropped.
+        let kept = record.still_marked(|m| match m {
+            "a" => Some(100),
+            "b" => Some(900),
+            _ => None,
+        });
+        assert_eq!(kept.render().as_deref(), Some("a@100"));
+        assert!(
+            kept.pays("a", Some(&our_mark(100))),
+            "the mark being taken back"
+        );
+        assert!(
+            !kept.pays("a", Some(&our_mark(101))),
+            "a fresh mark is not that one"
+        );
+        assert!(!kept.pays("b", Some(&our_mark(900))));
+        assert!(
+            !kept.pays("a", Some("yes")),
+            "another's mark is never ours to pay"
+        );
+    }
 
     fn m<'a>(name: &'a str, deleting: bool, mark: Option<&'a str>) -> MachineState<'a> {
         MachineState {
