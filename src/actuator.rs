@@ -17,8 +17,9 @@ use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::ApiObject;
 use crate::removal::{
-    self, Counts, LEDGER_ANNOTATION, Ledger, MachineState, RAISED_ANNOTATION, Removal, mark_entry,
-    our_mark, our_mark_time, pool_node_entry, raised_at,
+    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState,
+    RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time,
+    pool_node_entry, raised_at,
 };
 use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
@@ -228,6 +229,8 @@ struct GroupState {
     ledger: Ledger,
     /// When replicas were last raised by any provider ([`RAISED_ANNOTATION`]).
     raised: Option<u64>,
+    /// Marks a repair is taking back ([`TAKING_BACK_ANNOTATION`]): no decrement pays them.
+    taking_back: Ledger,
     /// `spec.providerIDList` entries (normalised) of the same version: ledger entries of nodes no
     /// longer listed need no record.
     listed: BTreeSet<String>,
@@ -246,18 +249,19 @@ impl GroupState {
     }
 }
 
-/// What a write changes: the new replica count and, for a removal, the ledger entry it pays for.
+/// What a write changes: the new replica count and, for a removal, the ledger entries it pays for.
 struct Change {
     replicas: i32,
-    entry: Option<String>,
+    entries: Vec<String>,
 }
 
 /// Whether `wanted`, written over version `before`, shows in `now`.
 fn landed(before: &str, wanted: &Change, now: &GroupState) -> bool {
-    match &wanted.entry {
-        // The entry is written only with its decrement: its presence proves the write.
-        Some(entry) => now.ledger.contains(entry),
-        None => now.resource_version != before && now.replicas == wanted.replicas,
+    if wanted.entries.is_empty() {
+        now.resource_version != before && now.replicas == wanted.replicas
+    } else {
+        // Entries are written only with their decrement: their presence proves the write.
+        wanted.entries.iter().all(|e| now.ledger.contains(e))
     }
 }
 
@@ -382,6 +386,12 @@ impl Actuator {
                     .get(RAISED_ANNOTATION)
                     .map(String::as_str),
             ),
+            taking_back: Ledger::parse(
+                resource
+                    .annotations
+                    .get(TAKING_BACK_ANNOTATION)
+                    .map(String::as_str),
+            ),
             listed: resource
                 .provider_id_list
                 .iter()
@@ -440,25 +450,14 @@ impl Actuator {
             .instances
             .iter()
             .filter_map(|i| i.machine.clone())
+            .chain(group.unlisted.iter().cloned())
             .filter_map(|k| self.store.cached_machine(&k).map(|m| (k, m)))
             .collect()
     }
 
-    fn counts(&self, group: &NodeGroup, state: &GroupState) -> Counts {
-        let delete_key = &self.store.settings().keys.delete_machine;
-        let machines = self.machines(group);
-        Counts::of(
-            state.replicas,
-            &state.ledger,
-            machines
-                .iter()
-                .map(|(k, m)| machine_state(k, m, delete_key)),
-        )
-    }
-
     /// The ledger as the next write leaves it: entries that need no record any more dropped (see
     /// [`Ledger::pruned`]; a Machine's mark as cached), `entry` added.
-    fn next_ledger(&self, group: &NodeGroup, state: &GroupState, entry: Option<&String>) -> Ledger {
+    fn next_ledger(&self, group: &NodeGroup, state: &GroupState, entries: &[String]) -> Ledger {
         let delete_key = &self.store.settings().keys.delete_machine;
         let namespace = &group.resource.key.namespace;
         let mut ledger = state.ledger.pruned(
@@ -470,7 +469,7 @@ impl Actuator {
             },
             now_unix(),
         );
-        if let Some(entry) = entry {
+        for entry in entries {
             ledger.insert(entry.clone());
         }
         ledger
@@ -479,7 +478,8 @@ impl Actuator {
     /// Writes `change(state)` to the group object in one guarded write: `spec.replicas` and, for a
     /// removal, its ledger entry, for a raise the time of it (`None`: nothing is owed over that
     /// version, no write). Bounds are those of the version written over; a conflict re-reads and
-    /// recomputes. An answer lost in transit is resolved by reading again, never by assuming; a
+    /// recomputes (with `machines_too`, after listing the Machines of the group's namespace
+    /// again: the change is decided from them). An answer lost in transit is resolved by reading again, never by assuming; a
     /// write read back as not applied may still arrive (the network can deliver a request its client
     /// gave up on after a later one), so every later read first checks whether it has, and then
     /// takes it as this write instead of applying the change twice.
@@ -487,6 +487,7 @@ impl Actuator {
         &self,
         group: &NodeGroup,
         operation: &'static str,
+        machines_too: bool,
         change: impl Fn(&GroupState) -> Result<Option<Change>, ActuatorError>,
     ) -> Result<i32, ActuatorError> {
         let key = &group.resource.key;
@@ -498,6 +499,9 @@ impl Actuator {
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
                 state = self.live(group).await?;
+                if machines_too {
+                    self.sync_machines(&key.namespace).await?;
+                }
                 if let Some((_, late)) = unanswered
                     .iter()
                     .find(|(before, wanted)| landed(before, wanted, &state))
@@ -510,10 +514,10 @@ impl Actuator {
                 // Nothing is owed any more: the version just read already carries the change.
                 return Ok(state.replicas);
             };
-            if wanted.replicas < state.min || wanted.replicas > state.max {
+            if !removal::within_bounds(state.replicas, wanted.replicas, state.min, state.max) {
                 return Err(state.out_of_bounds(group, operation, wanted.replicas));
             }
-            let ledger = self.next_ledger(group, &state, wanted.entry.as_ref());
+            let ledger = self.next_ledger(group, &state, &wanted.entries);
             let mut patch = json!({
                 "metadata": {"resourceVersion": state.resource_version},
                 "spec": {"replicas": wanted.replicas},
@@ -647,20 +651,23 @@ impl Actuator {
         let group_lock = self.group_lock(&snapshot, id);
         let _guard = group_lock.lock().await;
         let (_, group) = self.group(id)?;
-        self.write(&group, "increase-size", |state| {
+        self.write(&group, "increase-size", false, |state| {
             let desired = state.replicas.saturating_add(delta);
             if desired > state.max {
                 return Err(state.out_of_bounds(&group, "size increase", desired));
             }
             Ok(Some(Change {
                 replicas: desired,
-                entry: None,
+                entries: Vec::new(),
             }))
         })
         .await
         .map(|_| ())
     }
 
+    /// Lowers replicas only as far as Cluster API then removes Machines that never became nodes
+    /// and carry no mark ([`removal::cancellation`], decided from the group and its Machines as the
+    /// API has them); refused during a rollout like DeleteNodes.
     async fn decrease(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
         if delta >= 0 {
             return Err(ActuatorError::BadRequest(format!(
@@ -671,8 +678,19 @@ impl Actuator {
         let group_lock = self.group_lock(&snapshot, id);
         let _guard = group_lock.lock().await;
         let (_, group) = self.group(id)?;
+        refuse_during_rollout(&group, "DecreaseTargetSize")?;
         let registered = group.registered;
-        self.write(&group, "decrease-target-size", |state| {
+        // A MachinePool has no deletion order to count with: which instance goes is the
+        // infrastructure provider's choice, so only the registered count guards it.
+        let ordered = group.kind() != ScalableKind::MachinePool;
+        let (group, _) = if ordered {
+            self.confirm(id, &group).await?
+        } else {
+            let state = self.cached(&group)?;
+            (group, state)
+        };
+        let delete_key = self.store.settings().keys.delete_machine.clone();
+        self.write(&group, "decrease-target-size", ordered, |state| {
             let current = state.replicas;
             let desired = current.saturating_add(delta);
             if desired < registered {
@@ -680,12 +698,22 @@ impl Actuator {
                     "{id}: attempt to delete existing nodes: replicas {current}, delta {delta}, registered nodes {registered}"
                 )));
             }
-            if desired < state.min {
+            if ordered {
+                let (_, now) = self.group(id)?;
+                let machines = self.machines(&now);
+                let members: Vec<MachineState<'_>> = machines
+                    .iter()
+                    .map(|(k, m)| machine_state(k, m, &delete_key))
+                    .collect();
+                removal::cancellation(&members, current, delta.unsigned_abs())
+                    .map_err(|why| cancellation_refusal(&now, current, delta, &why))?;
+            }
+            if !removal::within_bounds(current, desired, state.min, state.max) {
                 return Err(state.out_of_bounds(&group, "size decrease", desired));
             }
             Ok(Some(Change {
                 replicas: desired,
-                entry: None,
+                entries: Vec::new(),
             }))
         })
         .await
@@ -697,138 +725,298 @@ impl Actuator {
         let group_lock = self.group_lock(&snapshot, id);
         let _guard = group_lock.lock().await;
         let (snapshot, group) = self.group(id)?;
-        // CA only gets here if it ignored the raised min: during a rollout the MachineDeployment
-        // controller picks the MachineSet that shrinks, so a lower replica count may take another
-        // node than the one marked, and the marked one would stay.
-        if let Some(rollout) = &group.rollout {
-            return Err(ActuatorError::Refused(format!(
-                "{id}: MachineDeployment {} is rolling out ({}): scale-down is paused until the rollout finishes",
-                group.resource.key,
-                rollout.reason()
-            )));
-        }
+        // During a rollout the MachineDeployment controller picks the MachineSet that shrinks, so
+        // a lower replica count may take another node than the one marked.
+        refuse_during_rollout(&group, "scale-down")?;
         // Every node resolved before anything is touched.
         let plan = removal_plan(&snapshot, &self.store.settings().keys, &group, nodes)?;
-
-        // Up front, so a call that would cross min, or names an absorbed mark, changes nothing.
-        let mut group = group;
-        let mut state = self.cached(&group)?;
-        let mut counts = self.counts(&group, &state);
-        let mut confirmed = false;
-        let decide = |state: &GroupState, counts: &Counts| -> Vec<Removal> {
-            plan.iter()
-                .map(|(node, machine)| self.removal(state, counts, node, machine.as_ref()))
-                .collect()
-        };
-        let mut removals = decide(&state, &counts);
-        if removals
+        let named: Vec<ObjectKey> = plan.iter().filter_map(|(_, m)| m.clone()).collect();
+        let pool_nodes: Vec<&NodeToDelete> = plan
             .iter()
-            .zip(&plan)
-            .any(|(r, (_, machine))| self.needs_confirming(*r, machine.as_ref()))
-        {
-            (group, state) = self.confirm(id, &group).await?;
-            counts = self.counts(&group, &state);
-            removals = decide(&state, &counts);
-            confirmed = true;
-        }
-        let absorbed: Vec<&NodeToDelete> = plan
-            .iter()
-            .zip(&removals)
-            .filter(|(_, r)| **r == Removal::Absorbed)
-            .map(|((node, _), _)| node)
+            .filter(|(_, m)| m.is_none())
+            .map(|(n, _)| n)
             .collect();
-        if !absorbed.is_empty() {
-            return Err(absorbed_refusal(&group, &state, &counts, &absorbed));
-        }
-        let (mut fresh, mut unpaid) = (0usize, 0usize);
-        for ((_, machine), removal) in plan.iter().zip(&removals) {
-            match removal {
-                Removal::MarkAndDecrement => fresh += 1,
-                Removal::Decrement if machine.is_none() => fresh += 1,
-                Removal::Decrement => unpaid += 1,
-                Removal::Done | Removal::Absorbed => {}
+        let pool_owed = pool_nodes
+            .iter()
+            .filter(|n| {
+                self.cached(&group)
+                    .is_ok_and(|state| !state.ledger.contains(&pool_node_entry(&n.provider_id)))
+            })
+            .count();
+        let mut group = group;
+        if !named.is_empty() {
+            group = self.remove_machines(id, &group, &named, pool_owed).await?;
+        } else if pool_owed > 0 {
+            let state = self.cached(&group)?;
+            let desired = state.replicas - pool_owed as i32;
+            if !removal::within_bounds(state.replicas, desired, state.min, state.max) {
+                return Err(state.out_of_bounds(
+                    &group,
+                    &format!("deleting {pool_owed} node(s)"),
+                    desired,
+                ));
             }
         }
-        let owed = (fresh + unpaid.min(counts.owed())) as i32;
-        if owed > 0 && state.replicas - owed < state.min {
-            return Err(state.out_of_bounds(
-                &group,
-                &format!("deleting {owed} node(s)"),
-                state.replicas - owed,
-            ));
-        }
-
-        for (node, machine) in &plan {
-            let mut attempt = 0;
-            // Decided afresh for each node (the previous one's writes changed the counts), and
-            // again after a mark found the Machine changed.
-            while !self
-                .remove_node(id, &mut group, &mut confirmed, node, machine.as_ref())
-                .await?
-            {
-                attempt += 1;
-                let Some(key) = machine else { break };
-                if attempt >= MAX_ATTEMPTS {
-                    return Err(ActuatorError::Conflict(format!(
-                        "{id}: Machine {key} kept changing while it was being marked, {MAX_ATTEMPTS} attempts"
-                    )));
-                }
-                self.read_machine(key).await?;
-            }
+        for node in pool_nodes {
+            let entry = pool_node_entry(&node.provider_id);
+            // Re-checked on every attempt: a removal paid meanwhile (by another writer, or an
+            // earlier attempt that landed) is not paid twice.
+            self.write(&group, "delete-nodes", false, |state| {
+                Ok((!state.ledger.contains(&entry)).then(|| Change {
+                    replicas: state.replicas - 1,
+                    entries: vec![entry.clone()],
+                }))
+            })
+            .await?;
+            tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
         }
         Ok(())
     }
 
-    /// One node's removal, decided from the cache; `false` when its mark found the Machine changed
-    /// since the cache's version (nothing written: to be decided again from a fresh read).
-    async fn remove_node(
+    /// The group's Machines (as cached) in the rules' terms, with the group as of now.
+    fn deletion_of(
         &self,
         id: &str,
-        group: &mut NodeGroup,
-        confirmed: &mut bool,
-        node: &NodeToDelete,
-        machine: Option<&ObjectKey>,
+        names: &BTreeSet<&str>,
+        state: &GroupState,
+    ) -> Result<(NodeGroup, Marks, Decided), ActuatorError> {
+        let (_, group) = self.group(id)?;
+        let delete_key = &self.store.settings().keys.delete_machine;
+        let machines = self.machines(&group);
+        // A named Machine gone from the group (deleted, or moved) is never answered as removed
+        // by a decision that did not count it.
+        if let Some(missing) = names
+            .iter()
+            .find(|n| !machines.iter().any(|(k, _)| k.name == **n))
+        {
+            return Err(ActuatorError::NotFound(format!(
+                "{id}: Machine {}/{missing} is no longer one of the group's Machines",
+                group.resource.key.namespace
+            )));
+        }
+        let states: Vec<MachineState<'_>> = machines
+            .iter()
+            .map(|(k, m)| machine_state(k, m, delete_key))
+            .collect();
+        let marks: Vec<(String, Option<String>)> = machines
+            .iter()
+            .map(|(k, m)| (k.name.clone(), m.annotations.get(delete_key).cloned()))
+            .collect();
+        let decided = match removal::deletion(&states, names, state.replicas, &state.ledger) {
+            Deletion::Proceed {
+                mark, decrement, ..
+            } => Decided::Proceed {
+                mark: mark.into_iter().map(str::to_string).collect(),
+                decrement,
+            },
+            Deletion::Absorbed(names) => Decided::Refused(absorbed_refusal(
+                &group,
+                state,
+                &Counts::of(state.replicas, &state.ledger, states.iter().copied()),
+                &names,
+            )),
+            Deletion::OthersMarked(others) => {
+                Decided::Refused(others_marked_refusal(&group, state, &others))
+            }
+        };
+        Ok((group, marks, decided))
+    }
+
+    /// Removes the named Machines of a group by [`removal::deletion`], decided from the group and
+    /// its Machines as the API has them (read before deciding, and again on every conflict): marks
+    /// the named Machines, then lowers replicas by what makes Cluster API's own order remove
+    /// exactly them, with the ledger entries in the same write. Refused, nothing written, when
+    /// another Machine's mark would go first. A mark written here is taken back when the decrement
+    /// certainly did not land (a mark someone else set restored); when its outcome is unknown it
+    /// stays, and the counts decide later. `pool_owed`: decrements the same call still writes for
+    /// MachinePool nodes without a Machine (checked against min together).
+    async fn remove_machines(
+        &self,
+        id: &str,
+        group: &NodeGroup,
+        named: &[ObjectKey],
+        pool_owed: usize,
+    ) -> Result<NodeGroup, ActuatorError> {
+        let delete_key = self.store.settings().keys.delete_machine.clone();
+        let names: BTreeSet<&str> = named.iter().map(|k| k.name.as_str()).collect();
+        let namespace = group.resource.key.namespace.clone();
+        let (_, mut state) = self.confirm(id, group).await?;
+        // Marks written by this call: the Machine and the value it carried before.
+        let mut written: Vec<(ObjectKey, Option<String>)> = Vec::new();
+        let mut attempt = 0;
+        let (group, decrement) = loop {
+            let (group, marks, decided) = self.deletion_of(id, &names, &state)?;
+            let (mark, decrement) = match decided {
+                Decided::Refused(e) => {
+                    self.take_back(&written, &delete_key).await;
+                    return Err(e);
+                }
+                Decided::Proceed {
+                    mark, decrement, ..
+                } => (mark, decrement),
+            };
+            let total = (decrement + pool_owed) as i32;
+            let desired = state.replicas - total;
+            if total > 0 && !removal::within_bounds(state.replicas, desired, state.min, state.max) {
+                self.take_back(&written, &delete_key).await;
+                return Err(state.out_of_bounds(
+                    &group,
+                    &format!("deleting {total} node(s)"),
+                    desired,
+                ));
+            }
+            let mut changed = None;
+            for name in &mark {
+                let key = ObjectKey::new(namespace.as_str(), name.as_str());
+                let previous = marks
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .and_then(|(_, v)| v.clone());
+                match self.mark(&key, &delete_key, &state.ledger).await {
+                    Ok(true) => {
+                        if !written.iter().any(|(k, _)| *k == key) {
+                            written.push((key, previous));
+                        }
+                    }
+                    Ok(false) => {
+                        changed = Some(key);
+                        break;
+                    }
+                    Err(e) => {
+                        // A mark that landed unseen is owed a decrement: a retry pays it, else
+                        // the repair takes it back after the grace period.
+                        self.take_back(&written, &delete_key).await;
+                        return Err(e);
+                    }
+                }
+            }
+            let Some(key) = changed else {
+                break (group, decrement);
+            };
+            attempt += 1;
+            if attempt >= MAX_ATTEMPTS {
+                self.take_back(&written, &delete_key).await;
+                return Err(ActuatorError::Conflict(format!(
+                    "{id}: Machine {key} kept changing while it was being marked, {MAX_ATTEMPTS} attempts"
+                )));
+            }
+            self.read_machine(&key).await?;
+            state = self.cached(&group)?;
+        };
+        // Checked again over every version the write meets (a conflict re-reads the group and
+        // lists the Machines): a mark written meanwhile refuses it; an earlier attempt that landed
+        // is not paid twice; replicas lowered by someone else meanwhile are taken as paying for
+        // the named Machines (Cluster API deletes the marked ones first for them).
+        let decided = (state.replicas, state.ledger.clone());
+        let result = self
+            .write(&group, "delete-nodes", true, |state| {
+                let (_, marks, now) = self.deletion_of(id, &names, state)?;
+                match now {
+                    Decided::Refused(e) => return Err(e),
+                    Decided::Proceed { mark, .. } if !mark.is_empty() => {
+                        return Err(ActuatorError::Conflict(format!(
+                            "{id}: the delete mark of Machine(s) {} was removed while they were being removed",
+                            mark.join(", ")
+                        )));
+                    }
+                    Decided::Proceed { .. } => {}
+                }
+                // A repair is taking one of these marks back (another provider's, which decided
+                // from the objects that no decrement paid it): paying it now would land after the
+                // unmark, and Cluster API would delete a Machine nobody marked.
+                if let Some((name, _)) = marks.iter().find(|(name, mark)| {
+                    names.contains(name.as_str()) && state.taking_back.pays(name, mark.as_deref())
+                }) {
+                    return Err(ActuatorError::Refused(format!(
+                        "{id}: the delete mark of Machine {name} is being taken back by a repair (its {TAKING_BACK_ANNOTATION} annotation): nothing written; ask again once it is gone, as a fresh removal"
+                    )));
+                }
+                // The named Machines' marks (all ours by now) that no entry pays for yet.
+                let unpaid: Vec<String> = marks
+                    .iter()
+                    .filter(|(name, _)| names.contains(name.as_str()))
+                    .filter_map(|(name, mark)| {
+                        let time = our_mark_time(mark.as_deref()?)?;
+                        let entry = mark_entry(name, time);
+                        (!state.ledger.contains(&entry)).then_some(entry)
+                    })
+                    .collect();
+                let owed = removal::still_owed(
+                    decrement,
+                    (decided.0, &decided.1),
+                    (state.replicas, &state.ledger),
+                )
+                .min(unpaid.len());
+                if owed == 0 {
+                    return Ok(None);
+                }
+                Ok(Some(Change {
+                    replicas: state.replicas - owed as i32,
+                    entries: unpaid.into_iter().take(owed).collect(),
+                }))
+            })
+            .await;
+        match result {
+            Ok(_) => Ok(group),
+            Err(e) if e.is_unreachable() => {
+                tracing::warn!(group = %group.id, "decrement outcome unknown, the marks stay for the counts to settle: {e}");
+                Err(e)
+            }
+            Err(e) => {
+                if !written.is_empty() {
+                    tracing::warn!(group = %group.id, "decrement failed, taking the delete marks back: {e}");
+                }
+                self.take_back(&written, &delete_key).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes our mark on Machine `key`, dated after every ledger entry of it, guarded by the
+    /// version the decision saw: two providers removing one node at once would otherwise both
+    /// mark it, each with its own time, and both pay. `false`: the Machine changed since (nothing
+    /// written).
+    async fn mark(
+        &self,
+        key: &ObjectKey,
+        delete_key: &str,
+        ledger: &Ledger,
     ) -> Result<bool, ActuatorError> {
-        let mut state = self.cached(group)?;
-        let mut counts = self.counts(group, &state);
-        let mut removal = self.removal(&state, &counts, node, machine);
-        if self.needs_confirming(removal, machine) && !*confirmed {
-            let (fresh, fresh_state) = self.confirm(id, group).await?;
-            (*group, state) = (fresh, fresh_state);
-            counts = self.counts(group, &state);
-            removal = self.removal(&state, &counts, node, machine);
-            *confirmed = true;
+        let api = self.machine_api(&key.namespace);
+        let what = format!("marking Machine {key} for deletion");
+        let mark_time = ledger.fresh_mark_time(&key.name, now_unix());
+        let mut patch = json!({"metadata": {"annotations": {delete_key: our_mark(mark_time)}}});
+        if let Some(machine) = self.store.cached_machine(key) {
+            patch["metadata"]["resourceVersion"] = json!(machine.resource_version);
         }
-        match (removal, machine) {
-            (Removal::Done, _) => {
-                tracing::info!(group = id, node = %node.describe(), "already removed or being removed, not decrementing again");
+        match call(
+            &what,
+            api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
+        )
+        .await
+        {
+            Ok(marked) => {
+                self.metrics.api_write("mark-machine", "ok");
+                self.store.record(None, marked);
+                Ok(true)
             }
-            // A raise by another provider landed since the check up front.
-            (Removal::Absorbed, _) => {
-                return Err(absorbed_refusal(group, &state, &counts, &[node]));
+            Err(ApiFailure::Conflict) => {
+                self.metrics.api_write("mark-machine", "conflict");
+                Ok(false)
             }
-            (Removal::MarkAndDecrement, Some(machine)) => {
-                return self.remove_machine(group, &state, machine, true).await;
-            }
-            (Removal::Decrement, Some(machine)) => {
-                tracing::info!(group = id, machine = %machine, "marked earlier without its decrement: decrementing now");
-                return self.remove_machine(group, &state, machine, false).await;
-            }
-            (_, None) => {
-                let entry = pool_node_entry(&node.provider_id);
-                // Re-checked on every attempt: a removal paid meanwhile (by another writer, or
-                // an earlier attempt that landed) is not paid twice.
-                self.write(group, "delete-nodes", |state| {
-                    Ok((!state.ledger.contains(&entry)).then(|| Change {
-                        replicas: state.replicas - 1,
-                        entry: Some(entry.clone()),
-                    }))
-                })
-                .await?;
-                tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
+            Err(ApiFailure::Other(e)) => {
+                self.metrics.api_write("mark-machine", "error");
+                Err(e)
             }
         }
-        Ok(true)
+    }
+
+    /// Takes back the marks this call wrote, each restoring what the Machine carried before.
+    async fn take_back(&self, written: &[(ObjectKey, Option<String>)], delete_key: &str) {
+        for (key, previous) in written {
+            self.unmark(key, delete_key, previous.as_deref(), None)
+                .await;
+        }
     }
 
     /// Reads Machine `key` from the API into the cache.
@@ -841,21 +1029,11 @@ impl Actuator {
         Ok(())
     }
 
-    /// Whether `removal` is a decision to confirm from the API before acting on it: about a Machine
-    /// marked already, paying its mark again, answering it paid, or refusing it as absorbed (see
-    /// [`Actuator::confirm`]). A first removal needs no confirming (its writes are guarded), nor a
-    /// Machine being deleted (that cannot be undone).
-    fn needs_confirming(&self, removal: Removal, machine: Option<&ObjectKey>) -> bool {
-        machine.is_some_and(|key| {
-            removal != Removal::MarkAndDecrement
-                && !self.store.cached_machine(key).is_some_and(|m| m.deleting)
-        })
-    }
-
     /// The group read from the API, then its namespace's Machines listed, into the cache; the group
-    /// and its state as cached after that. Paying a mark again, or refusing one as absorbed, are the
-    /// decisions a lagging cache can get wrong (a Machine CAPI has just created or deleted, another
-    /// provider's raise or payment not seen yet).
+    /// and its state as cached after that. What a removal writes depends on every Machine's mark
+    /// and on replicas, which a lagging cache can get wrong (a Machine CAPI has just created or
+    /// deleted, a mark someone just wrote, replicas lowered by hand, another provider's raise or
+    /// payment not seen yet).
     async fn confirm(
         &self,
         id: &str,
@@ -866,126 +1044,6 @@ impl Actuator {
         let (_, group) = self.group(id)?;
         let state = self.cached(&group)?;
         Ok((group, state))
-    }
-
-    /// What removing this node still needs, from the cached objects.
-    fn removal(
-        &self,
-        state: &GroupState,
-        counts: &Counts,
-        node: &NodeToDelete,
-        machine: Option<&ObjectKey>,
-    ) -> Removal {
-        let delete_key = &self.store.settings().keys.delete_machine;
-        match machine {
-            Some(key) => {
-                let cached = self.store.cached_machine(key);
-                let deleting = cached.as_ref().is_some_and(|m| m.deleting);
-                let mark = cached
-                    .as_ref()
-                    .and_then(|m| m.annotations.get(delete_key))
-                    .map(String::as_str);
-                removal::removal(
-                    MachineState {
-                        name: &key.name,
-                        deleting,
-                        mark,
-                    },
-                    &state.ledger,
-                    counts,
-                )
-            }
-            None => removal::pool_removal(&pool_node_entry(&node.provider_id), &state.ledger),
-        }
-    }
-
-    /// Mark (unless `mark` is false: our mark is there already), then decrement, with the mark's
-    /// ledger entry in the same write. When the decrement certainly did not happen, a mark written
-    /// here is taken back (a mark someone else set is restored); when its outcome is unknown, the
-    /// mark stays and the counts decide later. `false` when the mark found the Machine changed since
-    /// the cached version it was decided from (nothing written).
-    async fn remove_machine(
-        &self,
-        group: &NodeGroup,
-        state: &GroupState,
-        key: &ObjectKey,
-        mark: bool,
-    ) -> Result<bool, ActuatorError> {
-        let delete_key = self.store.settings().keys.delete_machine.clone();
-        let cached = self.store.cached_machine(key);
-        let previous = cached
-            .as_ref()
-            .and_then(|m| m.annotations.get(&delete_key).cloned());
-        // Our mark without a readable time cannot be named in the ledger: written afresh.
-        let existing = previous.as_deref().and_then(our_mark_time);
-        let mark = mark || existing.is_none();
-        let mark_time = match existing {
-            Some(time) if !mark => time,
-            _ => state.ledger.fresh_mark_time(&key.name, now_unix()),
-        };
-        if mark {
-            let api = self.machine_api(&key.namespace);
-            let what = format!("marking Machine {key} for deletion");
-            let mut patch =
-                json!({"metadata": {"annotations": {delete_key.as_str(): our_mark(mark_time)}}});
-            // Guarded by the version decided from: two providers removing one node at once would
-            // otherwise both mark it, each with its own time, and both pay.
-            if let Some(machine) = &cached {
-                patch["metadata"]["resourceVersion"] = json!(machine.resource_version);
-            }
-            match call(
-                &what,
-                api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
-            )
-            .await
-            {
-                Ok(marked) => {
-                    self.metrics.api_write("mark-machine", "ok");
-                    self.store.record(None, marked);
-                }
-                Err(ApiFailure::Conflict) => {
-                    self.metrics.api_write("mark-machine", "conflict");
-                    return Ok(false);
-                }
-                Err(ApiFailure::Other(e)) => {
-                    // A mark that landed unseen is owed a decrement: a retry pays it, else the repair
-                    // takes it back after the grace period.
-                    self.metrics.api_write("mark-machine", "error");
-                    return Err(e);
-                }
-            }
-        }
-        let entry = mark_entry(&key.name, mark_time);
-        let first = std::sync::OnceLock::new();
-        match self
-            .write(group, "delete-nodes", |state| {
-                let (replicas, ledger) =
-                    first.get_or_init(|| (state.replicas, state.ledger.clone()));
-                Ok(removal::decrement_owed(
-                    &entry,
-                    (*replicas, ledger),
-                    (state.replicas, &state.ledger),
-                )
-                .then(|| Change {
-                    replicas: state.replicas - 1,
-                    entry: Some(entry.clone()),
-                }))
-            })
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(e) if e.is_unreachable() => {
-                tracing::warn!(group = %group.id, machine = %key, "decrement outcome unknown, the mark stays for the counts to settle: {e}");
-                Err(e)
-            }
-            Err(e) if mark => {
-                tracing::warn!(group = %group.id, machine = %key, "decrement failed, taking the delete mark back: {e}");
-                self.unmark(key, &delete_key, previous.as_deref(), None)
-                    .await;
-                Err(e)
-            }
-            Err(e) => Err(e),
-        }
     }
 
     /// Takes our mark back (restoring `previous`). With `resource_version`, only from that version of
@@ -1071,6 +1129,16 @@ impl Actuator {
                 continue;
             };
             let confirmed = self.unpaid_marks(&group, &live, grace);
+            if confirmed.is_empty() {
+                continue;
+            }
+            // Recorded on the group first, guarded by the version decided from: a decrement in
+            // flight from another provider then either landed before (this conflicts; the mark is
+            // paid and stays) or meets a conflict after, reads the record, and pays nothing.
+            if let Err(e) = self.record_taking_back(&group, &live, &confirmed).await {
+                tracing::debug!(group = %group.id, "repair postponed: {e}");
+                continue;
+            }
             for (key, version) in confirmed {
                 if self.unmark(&key, &delete_key, None, Some(&version)).await {
                     repaired += 1;
@@ -1085,6 +1153,61 @@ impl Actuator {
             }
         }
         repaired
+    }
+
+    /// Writes the marks about to be taken back into the group's [`TAKING_BACK_ANNOTATION`]
+    /// (dropping entries whose Machine no longer carries that mark), guarded by `live`'s version.
+    async fn record_taking_back(
+        &self,
+        group: &NodeGroup,
+        live: &GroupState,
+        confirmed: &[(ObjectKey, String)],
+    ) -> Result<(), ActuatorError> {
+        let delete_key = &self.store.settings().keys.delete_machine;
+        let namespace = &group.resource.key.namespace;
+        let mark_time_of = |name: &str| {
+            self.store
+                .cached_machine(&ObjectKey::new(namespace.as_str(), name))
+                .and_then(|m| m.annotations.get(delete_key).and_then(|v| our_mark_time(v)))
+        };
+        let mut record = live.taking_back.still_marked(mark_time_of);
+        for (key, _) in confirmed {
+            if let Some(t) = mark_time_of(&key.name) {
+                record.insert(mark_entry(&key.name, t));
+            }
+        }
+        let key = &group.resource.key;
+        let api = self.group_api(group.kind(), &key.namespace)?;
+        let what = format!(
+            "recording the marks a repair takes back on {} {key}",
+            group.kind()
+        );
+        let patch = json!({"metadata": {
+            "resourceVersion": live.resource_version,
+            "annotations": {TAKING_BACK_ANNOTATION: record.render()},
+        }});
+        match call(
+            &what,
+            api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
+        )
+        .await
+        {
+            Ok(object) => {
+                self.metrics.api_write("repair-record", "ok");
+                self.store.record(Some(group.kind()), object);
+                Ok(())
+            }
+            Err(ApiFailure::Conflict) => {
+                self.metrics.api_write("repair-record", "conflict");
+                Err(ActuatorError::Conflict(format!(
+                    "{what}: the group changed since the repair read it"
+                )))
+            }
+            Err(ApiFailure::Other(e)) => {
+                self.metrics.api_write("repair-record", "error");
+                Err(e)
+            }
+        }
     }
 
     /// Our marks on `group`'s Machines that `state` (replicas, ledger, last raise) does not pay for
@@ -1131,6 +1254,67 @@ impl Actuator {
     }
 }
 
+/// Each Machine of a group with the delete mark it carries (as cached).
+type Marks = Vec<(String, Option<String>)>;
+
+/// What [`removal::deletion`] decided, owned (the rules borrow from the cache's Machines).
+enum Decided {
+    Proceed { mark: Vec<String>, decrement: usize },
+    Refused(ActuatorError),
+}
+
+/// Refuses `operation` while the group's MachineDeployment rolls out: the MachineDeployment
+/// controller then picks which MachineSet shrinks (the old one, within maxUnavailable), so a lower
+/// replica count may remove a registered node of it instead of the one marked or the one pending.
+fn refuse_during_rollout(group: &NodeGroup, operation: &str) -> Result<(), ActuatorError> {
+    match &group.rollout {
+        Some(rollout) => Err(ActuatorError::Refused(format!(
+            "{}: MachineDeployment {} is rolling out ({}): {operation} is paused until the rollout finishes",
+            group.id,
+            group.resource.key,
+            rollout.reason()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The refusal of a DeleteNodes while other Machines carry a delete mark the replicas do not
+/// remove yet: Cluster API deletes marked Machines first, whoever marked them, so a decrement now
+/// would remove one of those instead of, or besides, a named one. Nothing is written.
+fn others_marked_refusal(group: &NodeGroup, state: &GroupState, others: &[&str]) -> ActuatorError {
+    ActuatorError::Refused(format!(
+        "{}: other Machines of {} {} carry the delete-machine mark and replicas ({}) do not remove them yet: {}; Cluster API deletes marked Machines first, whoever marked them, so lowering replicas now would remove one of them instead of the named node(s); nothing written. Remove those marks, or lower replicas for them, and the removal can proceed",
+        group.id,
+        group.kind(),
+        group.resource.key,
+        state.replicas,
+        others.join(", "),
+    ))
+}
+
+/// The refusal of a DecreaseTargetSize that would make Cluster API remove a marked or a
+/// registered Machine.
+fn cancellation_refusal(
+    group: &NodeGroup,
+    replicas: i32,
+    delta: i32,
+    why: &Cancellation<'_>,
+) -> ActuatorError {
+    let what = match why {
+        Cancellation::Marked(names) => format!(
+            "Machines {} carry the delete-machine mark and Cluster API deletes them first",
+            names.join(", ")
+        ),
+        Cancellation::Registered { removes, pending } => format!(
+            "Cluster API would remove {removes} unmarked Machine(s) and only {pending} never got a node"
+        ),
+    };
+    ActuatorError::Refused(format!(
+        "{}: attempt to delete existing nodes: replicas {replicas}, delta {delta}: {what}",
+        group.id
+    ))
+}
+
 /// The refusal of a DeleteNodes naming nodes whose paid marks a raise absorbed: nothing is written,
 /// CA cleans its taint off the nodes and may ask again, a fresh removal once the repair has taken
 /// the marks back.
@@ -1138,9 +1322,9 @@ fn absorbed_refusal(
     group: &NodeGroup,
     state: &GroupState,
     counts: &Counts,
-    nodes: &[&NodeToDelete],
+    machines: &[&str],
 ) -> ActuatorError {
-    let nodes: Vec<String> = nodes.iter().map(|n| n.describe()).collect();
+    let nodes: Vec<String> = machines.iter().map(|m| format!("Machine {m}")).collect();
     ActuatorError::Refused(format!(
         "{}: {}: removal paid already (the mark is in the {LEDGER_ANNOTATION} annotation of {} {}), but replicas were raised since: {} replicas make Cluster API remove {} of the group's {} Machines with a paid mark, so the raise absorbed {}: which marked Machine stays as its capacity is Cluster API's choice; refused until the repair takes the absorbed marks back (the mark grace period after the last raise), after which this is a fresh removal",
         group.id,
@@ -1164,6 +1348,7 @@ fn machine_state<'a>(
         name: &key.name,
         deleting: machine.deleting,
         mark: machine.annotations.get(delete_key).map(String::as_str),
+        registered: machine.node_ref.is_some(),
     }
 }
 

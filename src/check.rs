@@ -57,6 +57,9 @@ pub struct GroupReport {
     pub hourly_price: Option<f64>,
     /// Present while the group's MachineDeployment rolls out.
     pub rollout: Option<RolloutReport>,
+    /// Machines carrying a delete mark this provider did not write (Cluster API deletes them first;
+    /// DeleteNodes of the group is refused while replicas do not remove them).
+    pub foreign_marks: Vec<String>,
 }
 
 /// A rollout that pauses a group's scale-down.
@@ -106,6 +109,7 @@ fn group_report(group: &NodeGroup) -> GroupReport {
         options: group.options.clone(),
         hourly_price: group.price,
         rollout: rollout_report(group),
+        foreign_marks: group.foreign_marks.clone(),
     }
 }
 
@@ -237,6 +241,13 @@ pub fn render_table(report: &Report) -> String {
     for g in &report.groups {
         let details: Vec<String> = [
             g.rollout.as_ref().map(|r| r.message.clone()),
+            (!g.foreign_marks.is_empty()).then(|| {
+                format!(
+                    "delete marks not written by this provider (Cluster API deletes them first; \
+                     scale-down refused until replicas remove them): {}",
+                    g.foreign_marks.join(", ")
+                )
+            }),
             g.template
                 .as_ref()
                 .filter(|t| !t.labels.is_empty())

@@ -39,6 +39,15 @@ pub const LEDGER_ANNOTATION: &str = "capi-autoscaler-provider/removed";
 /// no provider's repair takes a mark back within the grace period after any provider's raise.
 pub const RAISED_ANNOTATION: &str = "capi-autoscaler-provider/raised";
 
+/// On a group object: the marks of ours a repair is taking back (`<machine>@<mark unix seconds>`),
+/// written before any of them is unmarked, guarded by the version the repair decided from. A
+/// decrement of another provider still in flight (slow, or its process stopping) was prepared
+/// against an older version: it now meets a conflict, reads this, and pays none of these marks;
+/// landing before it, it makes this write conflict instead and the repair keeps the mark, now
+/// paid. Without it, a decrement landing after the unmark would make Cluster API delete a Machine
+/// nobody marked. Entries whose Machine no longer carries that mark are dropped by the next repair.
+pub const TAKING_BACK_ANNOTATION: &str = "capi-autoscaler-provider/taking-back";
+
 /// Marks written by this provider end with this; the value starts with `unix <seconds>`.
 const MARK_SUFFIX: &str = " by capi-autoscaler-provider";
 
@@ -137,6 +146,19 @@ impl Ledger {
             .is_some_and(|t| self.contains(&mark_entry(name, t)))
     }
 
+    /// The entries whose Machine still carries that very mark (`mark_time_of`: the time of our mark
+    /// on a Machine of the group, `None` when gone or unmarked): what a repair's taking-back record
+    /// keeps once its unmarks are done.
+    pub fn still_marked(&self, mark_time_of: impl Fn(&str) -> Option<u64>) -> Ledger {
+        Ledger(
+            self.0
+                .iter()
+                .filter(|e| parse_mark_entry(e).is_some_and(|(m, t)| mark_time_of(m) == Some(t)))
+                .cloned()
+                .collect(),
+        )
+    }
+
     /// Entries that are here and not in `earlier`: removals paid since.
     pub fn paid_since(&self, earlier: &Ledger) -> usize {
         self.0.difference(&earlier.0).count()
@@ -184,20 +206,6 @@ impl Ledger {
     }
 }
 
-/// What a removal still needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Removal {
-    /// Paid already, or the Machine is being deleted: nothing to do (a retry of CA).
-    Done,
-    /// Mark the Machine, then decrement.
-    MarkAndDecrement,
-    /// Our mark is there but unpaid (or a MachinePool node without a Machine): decrement.
-    Decrement,
-    /// Our mark is paid, but a raise since made replicas cover it: refused, nothing written, until
-    /// the repair takes the mark back.
-    Absorbed,
-}
-
 /// The view of a Machine the rules need.
 #[derive(Clone, Copy, Debug)]
 pub struct MachineState<'a> {
@@ -205,6 +213,9 @@ pub struct MachineState<'a> {
     pub deleting: bool,
     /// The delete-machine annotation's value, when present.
     pub mark: Option<&'a str>,
+    /// It has a Node (`status.nodeRef`): Cluster API ranks Machines without one right after the
+    /// marked ones when it deletes.
+    pub registered: bool,
 }
 
 /// A group's Machines and replicas, as far as the rules need them.
@@ -217,6 +228,9 @@ pub struct Counts {
     pub paid: usize,
     /// Of those, the ones carrying a mark of ours without a ledger entry.
     pub unledgered: usize,
+    /// Of those, the ones carrying a mark someone else wrote (a person, another tool): Cluster API
+    /// deletes them first all the same.
+    pub foreign: usize,
 }
 
 impl Counts {
@@ -235,6 +249,8 @@ impl Counts {
                 counts.paid += 1;
             } else if m.mark.is_some_and(is_our_mark) {
                 counts.unledgered += 1;
+            } else if m.mark.is_some() {
+                counts.foreign += 1;
             }
         }
         counts
@@ -250,10 +266,14 @@ impl Counts {
         self.paid.saturating_sub(self.surplus())
     }
 
-    /// Marks of ours without a ledger entry that the surplus left after the paid marks does not
-    /// cover: owed a decrement.
+    /// Marks of ours without a ledger entry that the surplus left after the paid marks and the
+    /// marks of others does not cover: owed a decrement. (Someone else's mark is their removal;
+    /// ours without its decrement is the one to take back.)
     pub fn owed(&self) -> usize {
-        let covered = self.surplus().saturating_sub(self.paid);
+        let covered = self
+            .surplus()
+            .saturating_sub(self.paid)
+            .saturating_sub(self.foreign);
         self.unledgered.saturating_sub(covered)
     }
 }
@@ -264,50 +284,148 @@ pub fn surplus(active: usize, replicas: i32) -> usize {
     active.saturating_sub(usize::try_from(replicas).unwrap_or(0))
 }
 
-/// What removing a Machine still needs, from the objects alone.
-pub fn removal(machine: MachineState<'_>, ledger: &Ledger, counts: &Counts) -> Removal {
-    if machine.deleting {
-        Removal::Done
-    } else if ledger.pays(machine.name, machine.mark) {
-        if counts.absorbed() > 0 {
-            Removal::Absorbed
-        } else {
-            Removal::Done
-        }
-    } else if !machine.mark.is_some_and(is_our_mark) {
-        Removal::MarkAndDecrement
-    } else if counts.owed() > 0 {
-        Removal::Decrement
-    } else {
-        Removal::Done
+/// What a DeleteNodes naming some of a group's Machines writes, by Cluster API's own order: when
+/// a group has more Machines (not being deleted) than replicas, the MachineSet controller deletes
+/// every Machine carrying the delete mark first, whoever wrote it. So the call removes exactly the
+/// named Machines only if, after its writes, every marked Machine is one the replicas remove: the
+/// named ones, and marked ones the replicas as they stand already remove.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Deletion<'a> {
+    /// Write our mark on `mark` (named Machines without one), then lower replicas by `decrement`,
+    /// with the ledger entries of `pay` in the same write. Nothing to write: done already (a retry,
+    /// or replicas lowered for these Machines already, e.g. by hand just before).
+    Proceed {
+        mark: Vec<&'a str>,
+        decrement: usize,
+        pay: Vec<&'a str>,
+    },
+    /// Named Machines whose marks are paid, but a raise since made replicas cover one of the
+    /// paid marks: which marked Machine Cluster API keeps is its choice, so none is certain to go.
+    /// Refused, nothing written, until the repair takes the absorbed marks back (after the grace
+    /// period since the raise); then it is a fresh removal. A paid mark is never paid again.
+    Absorbed(Vec<&'a str>),
+    /// Other Machines carry a delete mark the replicas do not remove yet: any decrement would make
+    /// Cluster API delete one of them before or instead of a named one. Refused, nothing written.
+    OthersMarked(Vec<&'a str>),
+}
+
+/// What a DeleteNodes of `named` (Machine names of the group) writes over `replicas`, `ledger` and
+/// the group's `machines`, by [`Deletion`]'s rule. The decrement is what makes the marked
+/// Machines exactly as many as the Machines beyond replicas: a Machine already surplus (replicas
+/// lowered before the call, its removal not begun) is taken by a named one's mark instead of a
+/// decrement, and a named Machine being deleted is done.
+pub fn deletion<'a>(
+    machines: &[MachineState<'a>],
+    named: &BTreeSet<&str>,
+    replicas: i32,
+    ledger: &Ledger,
+) -> Deletion<'a> {
+    let counts = Counts::of(replicas, ledger, machines.iter().copied());
+    let active: Vec<&MachineState<'a>> = machines.iter().filter(|m| !m.deleting).collect();
+    let (named_active, others): (Vec<&MachineState<'a>>, Vec<&MachineState<'a>>) =
+        active.iter().partition(|m| named.contains(m.name));
+    let paid_named: Vec<&'a str> = named_active
+        .iter()
+        .filter(|m| ledger.pays(m.name, m.mark))
+        .map(|m| m.name)
+        .collect();
+    if counts.absorbed() > 0 && !paid_named.is_empty() {
+        return Deletion::Absorbed(paid_named);
+    }
+    let others_marked: Vec<&'a str> = others
+        .iter()
+        .filter(|m| m.mark.is_some())
+        .map(|m| m.name)
+        .collect();
+    if others_marked.len() + paid_named.len() > counts.surplus() {
+        return Deletion::OthersMarked(others_marked);
+    }
+    // Each fresh mark is one more Machine beyond replicas; marks the count does not remove yet
+    // (ours unpaid, or someone else's on a named Machine) are paid too. What the count as it
+    // stands removes (capacity cancelled, replicas lowered by hand) still goes.
+    let marked_before =
+        others_marked.len() + named_active.iter().filter(|m| m.mark.is_some()).count();
+    let fresh = named_active.iter().filter(|m| m.mark.is_none()).count();
+    let unpaid_named: Vec<&'a str> = named_active
+        .iter()
+        .filter(|m| !ledger.pays(m.name, m.mark))
+        .map(|m| m.name)
+        .collect();
+    let decrement = fresh + marked_before.saturating_sub(counts.surplus());
+    Deletion::Proceed {
+        mark: named_active
+            .iter()
+            .filter(|m| !m.mark.is_some_and(is_our_mark))
+            .map(|m| m.name)
+            .collect(),
+        decrement,
+        pay: unpaid_named.into_iter().take(decrement).collect(),
     }
 }
 
-/// Whether a Machine removal decided over a group version of `decided_replicas` and `decided_ledger`
-/// still lowers replicas when written over a version of `replicas` and `ledger`: not when that
-/// very mark was paid meanwhile (an earlier attempt whose answer was lost, or another provider),
-/// nor when replicas dropped by more than the removals paid since explain (by hand, or a writer
-/// without the ledger): Cluster API deletes the marked Machine for that drop (marked ones go first),
-/// and a second decrement would remove a node CA never drained. A raise meanwhile does not stop it.
-pub fn decrement_owed(
-    entry: &str,
-    (decided_replicas, decided_ledger): (i32, &Ledger),
-    (replicas, ledger): (i32, &Ledger),
-) -> bool {
-    let lowered = i64::from(decided_replicas) - i64::from(replicas);
-    !ledger.contains(entry) && lowered <= ledger.paid_since(decided_ledger) as i64
+/// How much of a decrement decided over `decided` (replicas and ledger) is still owed over a
+/// later version `now` of the group: less by every drop of replicas since that no removal paid
+/// since explains (by hand, a writer without the ledger). Cluster API deletes the marked Machines
+/// first for such a drop, so paying it again would remove a node CA never drained. A raise since
+/// does not change it.
+pub fn still_owed(decrement: usize, decided: (i32, &Ledger), now: (i32, &Ledger)) -> usize {
+    let lowered = i64::from(decided.0) - i64::from(now.0);
+    let unexplained = lowered - now.1.paid_since(decided.1) as i64;
+    decrement.saturating_sub(usize::try_from(unexplained).unwrap_or(0))
 }
 
-/// What removing a MachinePool node without a Machine still needs: paid once its entry is in the
-/// pool's ledger (entries leave the ledger when their id leaves `spec.providerIDList`). A pool has
-/// no deletion priority to count with: which instance a lower replica count removes is the
-/// infrastructure provider's choice, so the entry itself is the only record.
-pub fn pool_removal(entry: &str, ledger: &Ledger) -> Removal {
-    if ledger.contains(entry) {
-        Removal::Done
-    } else {
-        Removal::Decrement
+/// Why lowering replicas would remove more than capacity that never became a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cancellation<'a> {
+    /// Marked Machines the replicas do not remove yet: Cluster API deletes them first.
+    Marked(Vec<&'a str>),
+    /// Cluster API would remove `removes` Machines beyond the marked ones, and only `pending`
+    /// (unmarked, without a Node) can go without removing a registered node.
+    Registered { removes: usize, pending: usize },
+}
+
+/// Whether lowering `replicas` by `by` removes only Machines without a Node and without a mark:
+/// Cluster API removes the marked Machines first, then those without a Node (its "unhealthy"
+/// rank), then the rest, so the Machines beyond the new count must be no more than the marked
+/// ones the current count already removes plus the pending ones.
+pub fn cancellation<'a>(
+    machines: &[MachineState<'a>],
+    replicas: i32,
+    by: u32,
+) -> Result<(), Cancellation<'a>> {
+    let active: Vec<&MachineState<'a>> = machines.iter().filter(|m| !m.deleting).collect();
+    let now = surplus(active.len(), replicas);
+    let marked: Vec<&'a str> = active
+        .iter()
+        .filter(|m| m.mark.is_some())
+        .map(|m| m.name)
+        .collect();
+    if marked.len() > now {
+        return Err(Cancellation::Marked(marked));
     }
+    let pending = active
+        .iter()
+        .filter(|m| m.mark.is_none() && !m.registered)
+        .count();
+    // Machines not created yet are cancelled first: only those beyond the new count go.
+    let after = surplus(
+        active.len(),
+        replicas.saturating_sub(i32::try_from(by).unwrap_or(i32::MAX)),
+    );
+    let removes = after - marked.len();
+    if removes > pending {
+        return Err(Cancellation::Registered { removes, pending });
+    }
+    Ok(())
+}
+
+/// Whether writing `wanted` replicas over `current` keeps the group within `[min, max]`, or, from
+/// outside it (bounds changed under the group), moves it toward the range without passing it.
+pub fn within_bounds(current: i32, wanted: i32, min: i32, max: i32) -> bool {
+    let inside = |n: i32| (min..=max).contains(&n);
+    inside(wanted)
+        || (current > max && wanted < current && wanted >= min)
+        || (current < min && wanted > current && wanted <= max)
 }
 
 /// The marks to take back, none while the group was raised within `grace_secs` (by any provider:
@@ -347,11 +465,45 @@ pub fn orphans<'a>(
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_taking_back_record_keeps_only_marks_still_there_and_names_exactly_them() {
+        let record = Ledger::parse(Some("a@100,b@200,c@300,id:i-1"));
+        // a: still that mark; b: marked again later; c: unmarked (or gone); pool entries dropped.
+        let kept = record.still_marked(|m| match m {
+            "a" => Some(100),
+            "b" => Some(900),
+            _ => None,
+        });
+        assert_eq!(kept.render().as_deref(), Some("a@100"));
+        assert!(
+            kept.pays("a", Some(&our_mark(100))),
+            "the mark being taken back"
+        );
+        assert!(
+            !kept.pays("a", Some(&our_mark(101))),
+            "a fresh mark is not that one"
+        );
+        assert!(!kept.pays("b", Some(&our_mark(900))));
+        assert!(
+            !kept.pays("a", Some("yes")),
+            "another's mark is never ours to pay"
+        );
+    }
+
     fn m<'a>(name: &'a str, deleting: bool, mark: Option<&'a str>) -> MachineState<'a> {
         MachineState {
             name,
             deleting,
             mark,
+            registered: true,
+        }
+    }
+
+    /// A Machine that never got its Node.
+    fn pending(name: &'static str) -> MachineState<'static> {
+        MachineState {
+            registered: false,
+            ..m(name, false, None)
         }
     }
 
@@ -426,9 +578,22 @@ mod tests {
         assert_eq!(ledger.fresh_mark_time("m2", 50), 50);
     }
 
-    /// Paid: 3 Machines, replicas 2, m0's mark in the ledger. A retry is done, never paid again.
+    fn proceed(mark: &[&'static str], decrement: usize, pay: &[&'static str]) -> Deletion<'static> {
+        Deletion::Proceed {
+            mark: mark.to_vec(),
+            decrement,
+            pay: pay.to_vec(),
+        }
+    }
+
+    fn named(names: &[&'static str]) -> BTreeSet<&'static str> {
+        names.iter().copied().collect()
+    }
+
+    /// Paid: 3 Machines, replicas 2, m0's mark in the ledger. A retry is done, never paid again;
+    /// another node is a fresh removal; a Machine being deleted is done.
     #[test]
-    fn a_paid_mark_is_done() {
+    fn a_paid_mark_is_done_and_never_paid_again() {
         let mark = leak(our_mark(100));
         let ledger = Ledger::parse(Some("m0@100"));
         let machines = [
@@ -436,26 +601,23 @@ mod tests {
             m("m1", false, None),
             m("m2", false, None),
         ];
-        let counts = Counts::of(2, &ledger, machines);
         assert_eq!(
-            (counts.paid, counts.unledgered, counts.surplus()),
-            (1, 0, 1)
-        );
-        assert_eq!((counts.absorbed(), counts.owed()), (0, 0));
-        assert_eq!(removal(machines[0], &ledger, &counts), Removal::Done);
-        assert_eq!(
-            removal(machines[1], &ledger, &counts),
-            Removal::MarkAndDecrement
+            deletion(&machines, &named(&["m0"]), 2, &ledger),
+            proceed(&[], 0, &[])
         );
         assert_eq!(
-            removal(m("m1", false, Some("yes")), &ledger, &counts),
-            Removal::MarkAndDecrement,
-            "someone else's mark is not a payment"
+            deletion(&machines, &named(&["m1"]), 2, &ledger),
+            proceed(&["m1"], 1, &["m1"])
         );
         assert_eq!(
-            removal(m("m9", true, Some(mark)), &ledger, &counts),
-            Removal::Done,
-            "a Machine being deleted"
+            deletion(&machines, &named(&["m0", "m1"]), 2, &ledger),
+            proceed(&["m1"], 1, &["m1"]),
+            "the paid one stays paid, the other is paid once"
+        );
+        let deleting = [m("m0", true, Some(mark)), machines[1], machines[2]];
+        assert_eq!(
+            deletion(&deleting, &named(&["m0"]), 2, &ledger),
+            proceed(&[], 0, &[])
         );
     }
 
@@ -470,102 +632,210 @@ mod tests {
             m("m1", false, None),
             m("m2", false, None),
         ];
-        let counts = Counts::of(3, &ledger, machines);
-        assert_eq!((counts.absorbed(), counts.owed()), (1, 0));
-        assert_eq!(removal(machines[0], &ledger, &counts), Removal::Absorbed);
-        // Taken back by the repair, the Machine is unmarked: a fresh removal.
-        let unmarked = Counts::of(3, &ledger, [m("m0", false, None), machines[1], machines[2]]);
         assert_eq!(
-            removal(m("m0", false, None), &ledger, &unmarked),
-            Removal::MarkAndDecrement
+            deletion(&machines, &named(&["m0"]), 3, &ledger),
+            Deletion::Absorbed(vec!["m0"])
         );
-        // Two paid marks, replicas raised by one: one absorbed, which Machine CAPI keeps is its
-        // choice, so both are refused.
-        let second = leak(our_mark(110));
-        let ledger = Ledger::parse(Some("m0@100,m1@110"));
-        let two = [
-            m("m0", false, Some(mark)),
-            m("m1", false, Some(second)),
-            machines[2],
-        ];
-        let counts = Counts::of(2, &ledger, two);
-        assert_eq!((counts.surplus(), counts.absorbed()), (1, 1));
-        assert_eq!(removal(two[0], &ledger, &counts), Removal::Absorbed);
-        assert_eq!(removal(two[1], &ledger, &counts), Removal::Absorbed);
-        // Cluster API has deleted one of them: the surplus is spent, the other is absorbed still.
-        let after = [m("m0", true, Some(mark)), two[1], two[2]];
-        let counts = Counts::of(2, &ledger, after);
-        assert_eq!(removal(after[0], &ledger, &counts), Removal::Done);
-        assert_eq!(removal(after[1], &ledger, &counts), Removal::Absorbed);
+        assert_eq!(
+            deletion(&machines, &named(&["m1"]), 3, &ledger),
+            Deletion::OthersMarked(vec!["m0"]),
+            "m0's absorbed mark would go before m1"
+        );
+        let unmarked = [m("m0", false, None), machines[1], machines[2]];
+        assert_eq!(
+            deletion(&unmarked, &named(&["m0"]), 3, &ledger),
+            proceed(&["m0"], 1, &["m0"])
+        );
     }
 
-    /// Unpaid or legacy: marks of ours without an entry keep the surplus counting, so marks paid by
-    /// a version before the ledger are not paid again after an upgrade, and a leftover is paid.
+    /// Legacy and leftover: a mark of ours without an entry that replicas already remove is done
+    /// (paid by a version before the ledger); one they do not is owed its decrement.
     #[test]
-    fn unledgered_marks_keep_the_surplus_counting() {
+    fn unledgered_marks_are_paid_only_when_replicas_do_not_remove_them() {
         let mark = leak(our_mark(100));
-        let ledger = Ledger::default();
+        let none = Ledger::default();
         let machines = [
             m("m0", false, Some(mark)),
             m("m1", false, None),
             m("m2", false, None),
         ];
-        // Paid by an older version: replicas 2 make CAPI delete it.
-        let legacy = Counts::of(2, &ledger, machines);
-        assert_eq!((legacy.unledgered, legacy.owed()), (1, 0));
-        assert_eq!(removal(machines[0], &ledger, &legacy), Removal::Done);
-        // Left without its decrement: replicas unchanged, owed.
-        let leftover = Counts::of(3, &ledger, machines);
-        assert_eq!(leftover.owed(), 1);
-        assert_eq!(removal(machines[0], &ledger, &leftover), Removal::Decrement);
+        assert_eq!(
+            deletion(&machines, &named(&["m0"]), 2, &none),
+            proceed(&[], 0, &[])
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["m0"]), 3, &none),
+            proceed(&[], 1, &["m0"])
+        );
+        let counts = Counts::of(3, &none, machines);
+        assert_eq!((counts.unledgered, counts.owed()), (1, 1));
     }
 
-    /// Mixed: the surplus pays for the paid marks first (their decrements are certain), what it
-    /// leaves pays for unledgered ones.
+    /// Someone else's mark counts like any: Cluster API deletes it first. A removal of another
+    /// Machine is refused while replicas do not remove it, and proceeds once they do (or names
+    /// it itself, overwriting the mark with ours and paying for it).
+    #[test]
+    fn a_mark_someone_else_wrote_counts_and_refuses_a_removal_it_would_preempt() {
+        let none = Ledger::default();
+        let machines = [
+            m("a", false, Some("yes")),
+            m("b", false, None),
+            m("c", false, None),
+        ];
+        assert_eq!(
+            deletion(&machines, &named(&["c"]), 3, &none),
+            Deletion::OthersMarked(vec!["a"])
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["c"]), 2, &none),
+            proceed(&["c"], 1, &["c"]),
+            "replicas remove a already: c is one more"
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 3, &none),
+            proceed(&["a"], 1, &["a"])
+        );
+        let counts = Counts::of(3, &none, machines);
+        assert_eq!((counts.foreign, counts.owed()), (1, 0));
+        // Our leftover beside it: the foreign mark takes the surplus first, ours is owed.
+        let ours = leak(our_mark(100));
+        let both = [machines[0], m("b", false, Some(ours)), machines[2]];
+        let counts = Counts::of(2, &none, both);
+        assert_eq!(
+            (counts.foreign, counts.unledgered, counts.owed()),
+            (1, 1, 1)
+        );
+    }
+
+    /// Replicas lowered (by hand) before the call: what that count removes still goes, the named
+    /// Machine is one more; a drop during the call (seen on a conflict) takes the named Machine's
+    /// place, as Cluster API deletes the marked one first for it.
+    #[test]
+    fn replicas_lowered_by_someone_else_are_paid_once() {
+        let none = Ledger::default();
+        let machines = [
+            m("a", false, None),
+            m("b", false, None),
+            m("c", false, None),
+        ];
+        assert_eq!(
+            deletion(&machines, &named(&["c"]), 2, &none),
+            proceed(&["c"], 1, &["c"])
+        );
+        let decided = Ledger::parse(Some("a@1"));
+        assert_eq!(still_owed(1, (3, &decided), (3, &decided)), 1);
+        assert_eq!(still_owed(1, (3, &decided), (2, &decided)), 0, "by hand");
+        let paid_other = Ledger::parse(Some("a@1,b@2"));
+        assert_eq!(
+            still_owed(1, (3, &decided), (2, &paid_other)),
+            1,
+            "another removal paid meanwhile explains the drop"
+        );
+        assert_eq!(still_owed(2, (5, &decided), (4, &decided)), 1);
+        assert_eq!(still_owed(1, (5, &decided), (6, &decided)), 1, "a raise");
+    }
+
+    /// The surplus pays for paid marks first (their decrements are certain), what it leaves for
+    /// unledgered ones; a paid mark the surplus no longer covers refuses removals beside it.
     #[test]
     fn the_surplus_pays_for_paid_marks_first() {
-        let (a, b, c) = (
-            leak(our_mark(100)),
-            leak(our_mark(110)),
-            leak(our_mark(120)),
-        );
+        let (a, b) = (leak(our_mark(100)), leak(our_mark(110)));
         let ledger = Ledger::parse(Some("paid@100"));
         let machines = [
             m("paid", false, Some(a)),
             m("legacy", false, Some(b)),
-            m("inflight", false, Some(c)),
             m("plain", false, None),
+            m("plain2", false, None),
         ];
-        // Replicas 2: surplus 2 → the paid mark and one unledgered; the other is owed.
         let counts = Counts::of(2, &ledger, machines);
-        assert_eq!((counts.paid, counts.unledgered), (1, 2));
-        assert_eq!((counts.absorbed(), counts.owed()), (0, 1));
-        assert_eq!(removal(machines[0], &ledger, &counts), Removal::Done);
-        assert_eq!(removal(machines[1], &ledger, &counts), Removal::Decrement);
-        // Replicas 1: all paid for.
-        let counts = Counts::of(1, &ledger, machines);
         assert_eq!((counts.absorbed(), counts.owed()), (0, 0));
-        // Replicas 4: no surplus; the paid mark is absorbed, both unledgered ones owed.
-        let counts = Counts::of(4, &ledger, machines);
-        assert_eq!((counts.absorbed(), counts.owed()), (1, 2));
-        assert_eq!(removal(machines[0], &ledger, &counts), Removal::Absorbed);
-        assert_eq!(removal(machines[2], &ledger, &counts), Removal::Decrement);
+        assert_eq!(
+            deletion(&machines, &named(&["plain"]), 2, &ledger),
+            proceed(&["plain"], 1, &["plain"])
+        );
+        let counts = Counts::of(3, &ledger, machines);
+        assert_eq!((counts.absorbed(), counts.owed()), (0, 1));
+        assert_eq!(
+            deletion(&machines, &named(&["legacy"]), 3, &ledger),
+            proceed(&[], 1, &["legacy"])
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["plain"]), 3, &ledger),
+            Deletion::OthersMarked(vec!["paid", "legacy"])
+        );
+    }
+
+    /// DecreaseTargetSize: only Machines without a Node and without a mark may go for the count
+    /// written; a mark the replicas do not remove yet goes first.
+    #[test]
+    fn a_decrease_cancels_only_pending_unmarked_machines() {
+        let group = [m("a", false, None), m("b", false, None), pending("p")];
+        assert_eq!(cancellation(&group, 3, 1), Ok(()));
+        assert_eq!(
+            cancellation(&group, 3, 2),
+            Err(Cancellation::Registered {
+                removes: 2,
+                pending: 1
+            })
+        );
+        let marked = [m("a", false, Some("yes")), group[1], group[2]];
+        assert_eq!(
+            cancellation(&marked, 3, 1),
+            Err(Cancellation::Marked(vec!["a"]))
+        );
+        assert_eq!(
+            cancellation(&marked, 2, 1),
+            Ok(()),
+            "the mark is removed by the count as it stands; the pending one goes next"
+        );
+        let deleting = [m("a", true, Some("yes")), group[1], group[2]];
+        assert_eq!(cancellation(&deleting, 2, 1), Ok(()));
+        assert_eq!(
+            cancellation(&group, 5, 3),
+            Ok(()),
+            "two Machines not created yet are cancelled, then the pending one"
+        );
+        assert_eq!(
+            cancellation(&group, 5, 4),
+            Err(Cancellation::Registered {
+                removes: 2,
+                pending: 1
+            })
+        );
+    }
+
+    /// After a DecreaseTargetSize, Machines without a Node are beyond replicas, going: a named
+    /// node is one more, paid, never in their place (the cancelled capacity still goes).
+    #[test]
+    fn a_removal_beside_cancelled_capacity_is_paid() {
+        let none = Ledger::default();
+        let machines = [
+            m("a", false, None),
+            m("b", false, None),
+            pending("p1"),
+            pending("p2"),
+        ];
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 2, &none),
+            proceed(&["a"], 1, &["a"])
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 1, &none),
+            proceed(&["a"], 1, &["a"]),
+            "lowered further by hand: that still goes too"
+        );
     }
 
     #[test]
-    fn pool_nodes_are_paid_by_their_ledger_entry_in_any_spelling() {
-        let ledger = Ledger::parse(Some("id:i-9,m0@5"));
-        assert_eq!(
-            pool_removal(&pool_node_entry("aws:///zone/i-9"), &ledger),
-            Removal::Done
-        );
-        assert_eq!(
-            pool_removal(&pool_node_entry("i-8"), &ledger),
-            Removal::Decrement
-        );
-        // Pool entries are no Machine's payment, and count in no Machine counts.
-        let counts = Counts::of(1, &ledger, [m("i-9", false, None)]);
-        assert_eq!((counts.paid, counts.unledgered), (0, 0));
+    fn writes_stay_in_bounds_or_move_toward_them() {
+        assert!(within_bounds(3, 2, 1, 5));
+        assert!(!within_bounds(3, 6, 1, 5));
+        assert!(!within_bounds(1, 0, 1, 5));
+        assert!(within_bounds(7, 6, 1, 5), "above max, lowered toward it");
+        assert!(!within_bounds(7, 8, 1, 5), "above max, raised further");
+        assert!(!within_bounds(7, 0, 1, 5), "above max, past min");
+        assert!(within_bounds(0, 1, 2, 5), "below min, raised toward it");
+        assert!(!within_bounds(1, 0, 2, 5), "below min, lowered further");
     }
 
     #[test]
@@ -590,38 +860,6 @@ mod tests {
             ledger.pruned(&listed, mark_of, now - 1).render().as_deref(),
             Some("gone@100,id:i-1,kept@100,remarked@100,young@950"),
             "younger entries stay, whatever the cache shows"
-        );
-    }
-
-    #[test]
-    fn removals_paid_since_are_counted_from_the_ledger() {
-        let before = Ledger::parse(Some("a@1,id:i-1"));
-        let now = Ledger::parse(Some("a@1,b@2,c@3"));
-        assert_eq!(now.paid_since(&before), 2);
-        assert_eq!(before.paid_since(&before), 0);
-    }
-
-    #[test]
-    fn a_decrement_is_written_once_and_not_over_an_unexplained_drop() {
-        let decided = Ledger::parse(Some("a@1"));
-        let paid_other = Ledger::parse(Some("a@1,b@2"));
-        let paid_this = Ledger::parse(Some("a@1,x@9"));
-        assert!(decrement_owed("x@9", (5, &decided), (5, &decided)));
-        assert!(
-            !decrement_owed("x@9", (5, &decided), (4, &paid_this)),
-            "paid meanwhile"
-        );
-        assert!(
-            decrement_owed("x@9", (5, &decided), (4, &paid_other)),
-            "another removal paid meanwhile explains the drop"
-        );
-        assert!(
-            !decrement_owed("x@9", (5, &decided), (4, &decided)),
-            "a drop no paid removal explains: CAPI deletes the marked Machine for it"
-        );
-        assert!(
-            decrement_owed("x@9", (5, &decided), (6, &decided)),
-            "a raise meanwhile"
         );
     }
 
@@ -653,14 +891,15 @@ mod tests {
             m("unmarked", false, None),
         ];
         let none = Ledger::default();
-        // 5 active, replicas 4: surplus 1, 3 unledgered marks of ours → 2 owed.
-        let counts = Counts::of(4, &none, machines);
+        // 5 active, replicas 3: surplus 2, taken first by the foreign mark; of 3 unledgered
+        // marks of ours 1 covered, 2 owed.
+        let counts = Counts::of(3, &none, machines);
         assert_eq!(counts.owed(), 2);
         assert_eq!(
             orphans(&machines, &none, &counts, None, 1_120, 60),
             ["old", "older"]
         );
-        let paid = Counts::of(2, &none, machines);
+        let paid = Counts::of(1, &none, machines);
         assert!(
             orphans(&machines, &none, &paid, None, 1_120, 60).is_empty(),
             "all paid"

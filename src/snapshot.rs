@@ -372,6 +372,12 @@ pub struct NodeGroup {
     pub target: i32,
     pub resource: Arc<ScalableResource>,
     pub instances: Vec<Instance>,
+    /// Machines with a Node but no providerID: no instance CA sees, but Machines Cluster API
+    /// counts (and deletes) like any other.
+    pub unlisted: Vec<ObjectKey>,
+    /// Machines (not being deleted) carrying a delete mark this provider did not write: Cluster API
+    /// deletes them first all the same (see `removal::deletion`).
+    pub foreign_marks: Vec<String>,
     /// Nodes that registered: running instances, and Machines with a Node but no known providerID.
     pub registered: i32,
     pub template: Option<Arc<TemplateNode>>,
@@ -590,8 +596,9 @@ fn normalized_ids(lookup: &Lookup) -> HashMap<String, u32> {
 struct GroupMachines {
     /// Group id → the instances of its Machines.
     instances: BTreeMap<String, Vec<Instance>>,
-    /// Group id → how many of its Machines have a Node but no instance (counted as registered).
-    unlisted_registered: BTreeMap<String, i32>,
+    /// Group id → its Machines with a Node but no providerID, so no instance (counted as
+    /// registered).
+    unlisted: BTreeMap<String, Vec<ObjectKey>>,
 }
 
 impl Default for Snapshot {
@@ -1053,6 +1060,34 @@ impl<'a> Builder<'a> {
         Some(found)
     }
 
+    /// Why Cluster API would not act on the group now, with the field that says so: the paused
+    /// annotation on the object, or its Cluster's `spec.paused` (or the annotation there). A
+    /// MachineDeployment's own `spec.paused` is no such reason: it pauses rollouts, not scaling.
+    fn pause_of(&self, resource: &ScalableResource) -> Option<(&'static str, String)> {
+        if resource.paused {
+            return Some((
+                "metadata.annotations[cluster.x-k8s.io/paused]",
+                "paused (the cluster.x-k8s.io/paused annotation): Cluster API does not act on it, \
+                 not autoscaled until resumed"
+                    .to_string(),
+            ));
+        }
+        let cluster_key = ObjectKey::new(
+            resource.key.namespace.as_str(),
+            resource.cluster_name.as_str(),
+        );
+        let cluster = self.index.clusters.get(&cluster_key)?;
+        cluster.paused.then(|| {
+            (
+                "spec.clusterName",
+                format!(
+                    "Cluster {cluster_key} is paused (spec.paused or the cluster.x-k8s.io/paused \
+                     annotation): Cluster API acts on none of its groups, not autoscaled until resumed"
+                ),
+            )
+        })
+    }
+
     /// An autoscaled group whose replicas its Cluster's managed topology also sets: the topology
     /// controller would undo every scale the autoscaler makes.
     fn topology_conflict(&self, resource: &ScalableResource) -> Option<Problem> {
@@ -1182,10 +1217,9 @@ impl<'a> Builder<'a> {
             self.skip(id, "max size is 0");
             return None;
         }
-        if resource.paused {
-            let why = "paused (spec.paused or the cluster.x-k8s.io/paused annotation): not autoscaled until resumed";
+        if let Some((field, why)) = self.pause_of(resource) {
             self.problems
-                .push(Problem::new(&object, "spec.paused", why));
+                .push(Problem::new(&object, field, why.clone()));
             self.skip(id, why);
             return None;
         }
@@ -1224,6 +1258,8 @@ impl<'a> Builder<'a> {
                 target,
                 resource: Arc::clone(resource),
                 instances: Vec::new(),
+                unlisted: Vec::new(),
+                foreign_marks: Vec::new(),
                 registered: 0,
                 template: None,
                 options,
@@ -1427,7 +1463,11 @@ impl<'a> Builder<'a> {
             });
             match self.instance_of(machine) {
                 Some(instance) => found.instances.entry(group_id).or_default().push(instance),
-                None => *found.unlisted_registered.entry(group_id).or_default() += 1,
+                None => found
+                    .unlisted
+                    .entry(group_id)
+                    .or_default()
+                    .push(key.clone()),
             }
         }
         found
@@ -1485,8 +1525,10 @@ impl<'a> Builder<'a> {
                 .iter()
                 .filter(|i| i.state == InstanceState::Running)
                 .count() as i32
-                + found.unlisted_registered.get(id).copied().unwrap_or(0);
+                + found.unlisted.get(id).map_or(0, Vec::len) as i32;
             group.instances = list;
+            group.unlisted = found.unlisted.remove(id).unwrap_or_default();
+            group.foreign_marks = self.foreign_marks(&group.instances, &group.unlisted);
         }
     }
 
@@ -1692,6 +1734,7 @@ impl<'a> Builder<'a> {
             let unlisted = old.registered - running(&old.instances);
             self.mark_leaving(&mut list, group.target);
             group.registered = running(&list) + unlisted;
+            group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
             group.instances = list;
             // Nodes did not change: the labels copied from the group's Node neither.
             let copied = previous.templates.get(id)?.node_labels.clone();
@@ -1720,6 +1763,30 @@ impl<'a> Builder<'a> {
         snapshot.scope = previous.scope.clone();
         snapshot.scope_reason = previous.scope_reason.clone();
         Some(snapshot)
+    }
+
+    /// The Machines (not being deleted) of `instances` and `unlisted` carrying a delete mark this
+    /// provider did not write.
+    fn foreign_marks(&self, instances: &[Instance], unlisted: &[ObjectKey]) -> Vec<String> {
+        let delete_key = &self.settings.keys.delete_machine;
+        instances
+            .iter()
+            .filter_map(|i| i.machine.as_ref())
+            .chain(unlisted)
+            .filter(|key| {
+                self.index
+                    .machines
+                    .get(*key)
+                    .and_then(|m| m.as_ref().ok())
+                    .is_some_and(|m| {
+                        !m.deleting
+                            && m.annotations
+                                .get(delete_key)
+                                .is_some_and(|v| !crate::removal::is_our_mark(v))
+                    })
+            })
+            .map(|key| key.name.clone())
+            .collect()
     }
 
     /// Marked Machines that the replica count no longer covers are on their way out: CAPI deletes

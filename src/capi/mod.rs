@@ -193,7 +193,8 @@ pub struct ScalableResource {
     pub status_replicas: Option<i32>,
     /// MachineDeployments: the v1beta2 condition `RollingOut` is `True` (see `rollout`).
     pub rolling_out: bool,
-    /// `spec.paused` (v1beta2) or the paused annotation.
+    /// The `cluster.x-k8s.io/paused` annotation: Cluster API does not act on the object. (A
+    /// MachineDeployment's `spec.paused` pauses its rollouts only, not its scaling.)
     pub paused: bool,
     pub owners: Vec<OwnerRef>,
     pub template: MachineTemplate,
@@ -269,4 +270,6 @@ pub struct TopologyWorker {
 pub struct ClusterTopology {
     pub key: ObjectKey,
     pub workers: Vec<TopologyWorker>,
+    /// `spec.paused` or the paused annotation: Cluster API acts on none of its groups.
+    pub paused: bool,
 }

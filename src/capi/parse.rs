@@ -102,8 +102,9 @@ impl ScalableResource {
         let status_replicas = opt_i32(obj, &["status", "replicas"])?;
         let rolling_out = kind == ScalableKind::MachineDeployment
             && condition_is_true(obj, ROLLING_OUT_CONDITION)?;
-        let paused = opt_bool(obj, &["spec", "paused"])?.unwrap_or(false)
-            || meta.annotations.contains_key(PAUSED_ANNOTATION);
+        // A MachineDeployment's own `spec.paused` pauses only its rollouts: Cluster API still
+        // scales it, so it is no pause of the group.
+        let paused = meta.annotations.contains_key(PAUSED_ANNOTATION);
         let template = MachineTemplate {
             labels: string_map(obj, &["spec", "template", "metadata", "labels"])?,
             infrastructure_ref: infra_ref(obj)?,
@@ -439,6 +440,8 @@ impl ClusterTopology {
         Ok(ClusterTopology {
             key: meta.key,
             workers,
+            paused: opt_bool(obj, &["spec", "paused"])?.unwrap_or(false)
+                || meta.annotations.contains_key(PAUSED_ANNOTATION),
         })
     }
 }

@@ -333,8 +333,44 @@ fn unannotated_zero_max_paused_and_replica_less_resources_are_not_served() {
     assert!(
         s.problems
             .iter()
-            .any(|p| p.object == "MachineDeployment ns/paused" && p.field == "spec.paused")
+            .any(|p| p.object == "MachineDeployment ns/paused"
+                && p.field == "metadata.annotations[cluster.x-k8s.io/paused]")
     );
+}
+
+/// Cluster API acts on no group of a paused Cluster: none is served, each says why; resumed, all
+/// are.
+#[test]
+fn the_groups_of_a_paused_cluster_are_not_served() {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(
+            ScalableKind::MachineDeployment,
+            "md",
+            Some("0"),
+            Some("3"),
+            1,
+        ),
+    );
+    let cluster = |paused| ClusterTopology {
+        key: ObjectKey::new("ns", "c1"),
+        workers: vec![],
+        paused,
+    };
+    index.apply_cluster(cluster(true));
+    let s = index.snapshot(&settings());
+    assert!(s.groups.is_empty());
+    assert!(
+        s.skipped
+            .get("MachineDeployment/ns/md")
+            .is_some_and(|why| why.contains("Cluster ns/c1 is paused")),
+        "{:?}",
+        s.skipped
+    );
+    index.apply_cluster(cluster(false));
+    let s = index.snapshot(&settings());
+    assert!(s.groups.contains_key("MachineDeployment/ns/md"));
 }
 
 #[test]
@@ -492,6 +528,7 @@ fn a_cluster_topology_that_sets_an_autoscaled_groups_replicas_is_a_problem_on_th
     index.apply_cluster(ClusterTopology {
         key: ObjectKey::new("ns", "c1"),
         workers: vec![worker("md-0", Some(3)), worker("md-1", None)],
+        paused: false,
     });
     let s = index.snapshot(&settings());
     let topology: Vec<_> = s
@@ -1298,4 +1335,39 @@ fn a_rebuild_after_our_own_write_keeps_the_scope() {
         p.sort();
         p
     });
+}
+
+/// Marks someone else wrote are listed on the group (for `check`), ours and those of Machines being
+/// deleted are not; a Machine with a Node and no providerID is kept with the group's Machines.
+#[test]
+fn marks_the_provider_did_not_write_are_listed_and_unlisted_machines_kept() {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(ScalableKind::MachineSet, "ms", Some("0"), Some("5"), 4),
+    );
+    let delete_key = settings().keys.delete_machine.clone();
+    let marked = |name: &str, value: &str, deleting: bool| {
+        let mut m = machine(
+            name,
+            "MachineSet",
+            "ms",
+            Some(&format!("p:///{name}")),
+            true,
+        );
+        m.annotations.insert(delete_key.clone(), value.into());
+        m.deleting = deleting;
+        m
+    };
+    add_machine(&mut index, marked("by-hand", "yes", false));
+    add_machine(
+        &mut index,
+        marked("ours", &crate::removal::our_mark(5), false),
+    );
+    add_machine(&mut index, marked("going", "yes", true));
+    add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));
+    let s = index.snapshot(&settings());
+    let group = s.group("MachineSet/ns/ms").expect("served");
+    assert_eq!(group.foreign_marks, ["by-hand"]);
+    assert_eq!(group.unlisted, [ObjectKey::new("ns", "no-id")]);
 }

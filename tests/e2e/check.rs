@@ -102,8 +102,13 @@ async fn check_lists_groups_and_problems_naming_object_and_field() {
     // zero-size, no capacity anywhere
     capi.create_deployment(&Scalable::md("empty").bounds(0, 3).replicas(0), false)
         .await;
-    capi.create_deployment(&Scalable::md("paused").bounds(1, 3).spec_paused(), false)
-        .await;
+    capi.create_deployment(
+        &Scalable::md("paused")
+            .bounds(1, 3)
+            .annotation("cluster.x-k8s.io/paused", ""),
+        false,
+    )
+    .await;
     let id = |name: &str| capi.id(Kind::MachineDeployment, name);
     let object = |name: &str| format!("MachineDeployment {ns}/{name}");
 
@@ -144,7 +149,11 @@ async fn check_lists_groups_and_problems_naming_object_and_field() {
         m.contains("no cpu/memory capacity") && m.contains(MEMORY),
         "{m}"
     );
-    let m = problem(&report, &object("paused"), "spec.paused");
+    let m = problem(
+        &report,
+        &object("paused"),
+        "metadata.annotations[cluster.x-k8s.io/paused]",
+    );
     assert!(m.contains("paused"), "{m}");
     assert!(
         problems(&report)

@@ -12,3 +12,4 @@ pub mod support;
 mod autoscaler;
 mod foundation;
 mod marks;
+mod rules;

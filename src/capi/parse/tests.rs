@@ -79,6 +79,12 @@ fn cluster_topology_workers_and_their_replicas() {
             .workers
             .is_empty()
     );
+    assert!(!ClusterTopology::from_json(&plain).unwrap().paused);
+    let paused = json!({"metadata": {"name": "c2", "namespace": "ns"}, "spec": {"paused": true}});
+    assert!(ClusterTopology::from_json(&paused).unwrap().paused);
+    let annotated = json!({"metadata": {"name": "c2", "namespace": "ns",
+        "annotations": {"cluster.x-k8s.io/paused": ""}}, "spec": {}});
+    assert!(ClusterTopology::from_json(&annotated).unwrap().paused);
     let bad = json!({"metadata": {"name": "c3", "namespace": "ns"},
         "spec": {"topology": {"workers": {"machineDeployments": [{"name": "md-0", "replicas": "three"}]}}}});
     let e = ClusterTopology::from_json(&bad).unwrap_err();
@@ -314,7 +320,8 @@ fn scalable_fixtures() {
             key: ("tenants", "cc-md-gpu-8xk2p"),
             cluster: "cc",
             replicas: None,
-            paused: true,
+            // spec.paused: a rollout pause, not the group's.
+            paused: false,
             owners: vec![],
             infra: Some(infra(
                 "infrastructure.cluster.x-k8s.io",
@@ -653,8 +660,17 @@ fn scalable_field_cases() {
             Err("metadata.ownerReferences[0].name: must not be empty"),
         ),
         (
-            "spec.paused",
+            "spec.paused: a rollout pause, not the group's",
             with(base_md(), &["spec", "paused"], json!(true)),
+            ok(|r| !r.paused),
+        ),
+        (
+            "the paused annotation",
+            with(
+                base_md(),
+                &["metadata", "annotations"],
+                json!({"cluster.x-k8s.io/paused": ""}),
+            ),
             ok(|r| r.paused),
         ),
         (
@@ -663,9 +679,9 @@ fn scalable_field_cases() {
             ok(|r| !r.paused),
         ),
         (
-            "spec.paused string",
+            "spec.paused string: not read (the rollout controller's field)",
             with(base_md(), &["spec", "paused"], json!("true")),
-            Err(r#"spec.paused: expected a boolean, found "true""#),
+            ok(|r| !r.paused),
         ),
         (
             "paused annotation, empty value",

@@ -1,0 +1,712 @@
+//! The group rules as Cluster API applies them (issue 21), with the real CA and the real CAPI
+//! manager: a delete mark someone else wrote, DecreaseTargetSize beside a mark and during a
+//! rollout, replicas lowered by hand just before a DeleteNodes, a rollout-paused MachineDeployment,
+//! a paused Cluster, max lowered below replicas. Each scenario records which Machines CAPI deleted
+//! (a 100 ms watcher: seen with a deletionTimestamp, or gone).
+
+use crate::support;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kube::Client;
+use kube::api::{ListParams, Patch, PatchParams};
+use serde_json::{Value, json};
+use support::autoscaler::{self, Autoscaler, AutoscalerProcess};
+use support::capi::{Rpc, grpc_node};
+use support::capi_manager::{CapiManager, capi_manager};
+use support::procs::{self, Check, poll_until};
+use support::real_capi::{
+    CAPACITY, DELETE_MACHINE, DEPLOYMENT_NAME, MACHINES, MAX_SIZE, api, create, machine_deployment,
+    machines_with_nodes, name_of, replicas,
+};
+use support::standin::{self, StandIn};
+use support::workload::{self, PodSpec, scenario_labels};
+use support::{ProviderProcess, start_provider};
+
+const SIZE: [(&str, &str); 3] = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
+
+/// A namespace with a workload Cluster, the stand-in cloud and the `small` template.
+struct Scenario {
+    manager: &'static CapiManager,
+    client: Client,
+    ns: String,
+    standin: StandIn,
+    started: Instant,
+}
+
+/// Every Machine of the namespace seen being deleted (or gone after being seen), until dropped.
+struct Deleted {
+    seen: Arc<Mutex<(BTreeSet<String>, BTreeSet<String>)>>,
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for Deleted {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Deleted {
+    fn names(&self) -> BTreeSet<String> {
+        self.seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .clone()
+    }
+}
+
+impl Scenario {
+    async fn new() -> Scenario {
+        let manager = capi_manager();
+        let cp = manager.cp;
+        let client = cp.admin_client().await;
+        let ns = cp.fresh_namespace().await;
+        let started = Instant::now();
+        standin::workload_cluster(&client, cp, &ns, "workload").await;
+        let standin = StandIn::start(client.clone(), &ns);
+        standin::create_template(&client, &ns, "small", &SIZE).await;
+        Scenario {
+            manager,
+            client,
+            ns,
+            standin,
+            started,
+        }
+    }
+
+    /// MachineDeployment `name` with `replicas`, sized for CA; `edit` adjusts it before creation.
+    async fn group(
+        &self,
+        name: &str,
+        (min, max, replicas): (&str, &str, i64),
+        edit: impl FnOnce(&mut Value),
+    ) {
+        let mut md = machine_deployment(name, "workload", "small", min, max);
+        md["metadata"]["annotations"][format!("{CAPACITY}/labels")] =
+            json!(scenario_labels(&self.ns, &[]));
+        md["spec"]["replicas"] = json!(replicas);
+        edit(&mut md);
+        create(
+            &api(&self.client, &self.ns, "v1beta2", "MachineDeployment"),
+            &md,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("create MachineDeployment {}/{name}: {e}", self.ns));
+    }
+
+    /// The Machines of `md` once exactly `want` have Nodes.
+    async fn machines(&self, md: &str, want: usize) -> Vec<String> {
+        poll_until(
+            &format!("{want} Machines of {md} with Nodes"),
+            MACHINES,
+            Duration::from_millis(200),
+            || machines_with_nodes(&self.client, &self.ns, md, want),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .collect()
+    }
+
+    fn watch_deletions(&self) -> Deleted {
+        let seen = Arc::new(Mutex::new((BTreeSet::new(), BTreeSet::new())));
+        let record = seen.clone();
+        let machines = api(&self.client, &self.ns, "v1beta2", "Machine");
+        let task = tokio::spawn(async move {
+            loop {
+                if let Ok(list) = machines.list(&ListParams::default()).await {
+                    let mut seen = record.lock().unwrap_or_else(|e| e.into_inner());
+                    let now: BTreeSet<String> = list.items.iter().map(name_of).collect();
+                    let (all, deleted) = &mut *seen;
+                    for gone in all.difference(&now) {
+                        deleted.insert(gone.clone());
+                    }
+                    for m in &list.items {
+                        all.insert(name_of(m));
+                        if m.metadata.deletion_timestamp.is_some() {
+                            deleted.insert(name_of(m));
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .abort_handle();
+        Deleted { seen, task }
+    }
+
+    async fn provider(&self) -> ProviderProcess {
+        start_provider(
+            &[
+                "--node-group-auto-discovery",
+                &format!("clusterapi:namespace={}", self.ns),
+            ],
+            self.manager.cp.admin_kubeconfig(),
+        )
+        .await
+    }
+
+    async fn patch(&self, kind: &str, name: &str, patch: Value) {
+        api(&self.client, &self.ns, "v1beta2", kind)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap_or_else(|e| panic!("patch {kind} {}/{name}: {e}", self.ns));
+    }
+
+    /// Marks Machine `name` for deletion as a person would.
+    async fn mark_by_hand(&self, name: &str) {
+        self.patch(
+            "Machine",
+            name,
+            json!({"metadata": {"annotations": {DELETE_MACHINE: "marked by hand"}}}),
+        )
+        .await;
+    }
+
+    async fn replicas(&self, md: &str) -> Result<i64, String> {
+        replicas(&self.client, &self.ns, md).await
+    }
+
+    fn fail(
+        &self,
+        message: String,
+        provider: &ProviderProcess,
+        ca: Option<&AutoscalerProcess>,
+    ) -> ! {
+        panic!(
+            "{message}\nstand-in errors: {:?}\n--- provider log (tail) ---\n{}\n--- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
+            self.standin.errors(),
+            procs::log_tail(&provider.log, 6000),
+            ca.map(|c| c.log_tail()).unwrap_or_default(),
+            self.manager.log_tail()
+        )
+    }
+
+    /// Waits until `check` holds on the objects.
+    async fn until<T, F, Fut>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        provider: &ProviderProcess,
+        ca: Option<&AutoscalerProcess>,
+        check: F,
+    ) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Check<T>>,
+    {
+        match poll_until(what, timeout, Duration::from_millis(200), check).await {
+            Ok(t) => t,
+            Err(e) => self.fail(e, provider, ca),
+        }
+    }
+}
+
+/// How many times the provider answered `method` with `code`.
+async fn answered(provider: &ProviderProcess, method: &str, code: &str) -> u64 {
+    let text = autoscaler::http_get(&provider.metrics_address, "/metrics")
+        .await
+        .unwrap_or_default();
+    autoscaler::metric_sum(
+        &text,
+        "capi_autoscaler_provider_grpc_requests_total",
+        &[("method", method), ("code", code)],
+    ) as u64
+}
+
+/// CA's log lines about the provider's refusals, for the record (not asserted on).
+fn refusals_in(ca: &AutoscalerProcess) -> String {
+    ca.log_contents()
+        .lines()
+        .filter(|l| l.contains("FailedPrecondition") || l.contains("failed to delete"))
+        .take(3)
+        .map(|l| l.chars().take(400).collect::<String>())
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// Waits until the provider has answered `method` with FAILED_PRECONDITION `at_least` times.
+async fn refused(
+    s: &Scenario,
+    provider: &ProviderProcess,
+    ca: Option<&AutoscalerProcess>,
+    method: &str,
+    at_least: u64,
+) {
+    s.until(
+        &format!("{method} refused {at_least} times"),
+        Duration::from_secs(40),
+        provider,
+        ca,
+        || async {
+            let n = answered(provider, method, "FAILED_PRECONDITION").await;
+            if n >= at_least {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("{n} refusals"))
+            }
+        },
+    )
+    .await
+}
+
+/// Someone else's delete mark next to CA's scale-down: three Nodes, a person marked `a` (busy), CA
+/// wants the empty `c` gone. Lowering replicas would make CAPI delete `a`, so DeleteNodes is
+/// refused, nothing written, and CA retries; no Machine is deleted. Once the person lowers replicas
+/// for their mark, CAPI deletes `a`, and CA's next DeleteNodes of `c` goes through: CAPI deletes
+/// exactly `a` and `c`.
+#[tokio::test]
+async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
+    let s = Scenario::new().await;
+    s.group("fm", ("1", "5", 3), |_| {}).await;
+    let names = s.machines("fm", 3).await;
+    let (a, b, c) = (names[0].clone(), names[1].clone(), names[2].clone());
+    for (pod, node) in [("busy-a", &a), ("busy-b", &b)] {
+        workload::create_bound_pod(&s.client, &s.ns, &PodSpec::new(pod, "1500m", "1Gi"), node)
+            .await;
+    }
+    s.mark_by_hand(&a).await;
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+        .start(s.manager.cp)
+        .await;
+    refused(&s, &provider, Some(&ca), "NodeGroupDeleteNodes", 2).await;
+    assert!(deleted.names().is_empty(), "deleted {:?}", deleted.names());
+    assert_eq!(s.replicas("fm").await, Ok(3), "nothing written");
+    let refusal_log = refusals_in(&ca);
+
+    // The person lowers replicas for their mark.
+    s.patch("MachineDeployment", "fm", json!({"spec": {"replicas": 2}}))
+        .await;
+    let t = Instant::now();
+    let want: BTreeSet<String> = [a.clone(), c.clone()].into();
+    s.until(
+        "CAPI deleted a (the person's) and c (CA's), b kept",
+        Duration::from_secs(45),
+        &provider,
+        Some(&ca),
+        || async {
+            let gone = deleted.names();
+            if gone.contains(&b) {
+                return Check::Fatal(format!("b {b} deleted: {gone:?}"));
+            }
+            match s.replicas("fm").await {
+                Ok(1) if gone == want => Check::Done(()),
+                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = ca.check_alive() {
+        s.fail(e, &provider, Some(&ca));
+    }
+    procs::announce(&format!(
+        "e2e: scenario rules-foreign-mark passed in {:.1}s: DeleteNodes({c}) refused while {a} \
+         carried a mark by hand, nothing deleted; replicas lowered by hand -> CAPI deleted \
+         {:?} in {:.1}s. CA after the refusal: {refusal_log}",
+        s.started.elapsed().as_secs_f64(),
+        deleted.names(),
+        t.elapsed().as_secs_f64()
+    ));
+}
+
+/// A Machine that never gets its Node (the cloud holds it) beside a registered one marked by hand:
+/// lowering replicas would make CAPI delete the marked, registered Machine first, so CA's
+/// DeleteNodes of the unregistered node, and a DecreaseTargetSize (sent through the provider's RPC:
+/// CA sees no size to fix while the unregistered node counts), are refused and nothing is deleted.
+/// With the mark gone, CA's next attempt removes the pending Machine only.
+#[tokio::test]
+async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_node() {
+    let s = Scenario::new().await;
+    s.group("pend", ("1", "5", 2), |_| {}).await;
+    let names = s.machines("pend", 2).await;
+    for (i, node) in names.iter().enumerate() {
+        let pod = PodSpec::new(&format!("busy-{i}"), "1500m", "1Gi");
+        workload::create_bound_pod(&s.client, &s.ns, &pod, node).await;
+    }
+    s.standin.hold("small");
+    s.patch(
+        "MachineDeployment",
+        "pend",
+        json!({"spec": {"replicas": 3}}),
+    )
+    .await;
+    let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
+    let selector = ListParams::default().labels(&format!("{DEPLOYMENT_NAME}=pend"));
+    let pending = poll_until(
+        "the third Machine, held by the cloud",
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            match machine_api.list(&selector).await {
+                Ok(l) => match l.items.iter().map(name_of).find(|n| !names.contains(n)) {
+                    Some(n) => Check::Done(n),
+                    None => Check::Wait("2 Machines".into()),
+                },
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let marked = names[0].clone();
+    s.mark_by_hand(&marked).await;
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+        .flag("--max-node-provision-time=8s")
+        .start(s.manager.cp)
+        .await;
+    // CA removes the long-unregistered node through DeleteNodes (its target, 3, matches the
+    // registered plus unregistered nodes, so it sees no size to fix): refused.
+    refused(&s, &provider, Some(&ca), "NodeGroupDeleteNodes", 2).await;
+    // DecreaseTargetSize (what CA sends when the target exceeds the nodes it knows of), the same.
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let decrease = rpc.decrease(&id, -1).await;
+    match &decrease {
+        Err(e) if e.code() == tonic::Code::FailedPrecondition && e.message().contains(&marked) => {}
+        other => s.fail(
+            format!("DecreaseTargetSize beside {marked}: {other:?}"),
+            &provider,
+            Some(&ca),
+        ),
+    }
+    let deletes_refused = answered(&provider, "NodeGroupDeleteNodes", "FAILED_PRECONDITION").await;
+    assert!(deleted.names().is_empty(), "deleted {:?}", deleted.names());
+    assert_eq!(s.replicas("pend").await, Ok(3), "nothing written");
+    let refusal_log = refusals_in(&ca);
+
+    s.patch(
+        "Machine",
+        &marked,
+        json!({"metadata": {"annotations": {DELETE_MACHINE: null}}}),
+    )
+    .await;
+    let t = Instant::now();
+    s.until(
+        "CA removed the pending Machine only",
+        Duration::from_secs(45),
+        &provider,
+        Some(&ca),
+        || async {
+            let gone = deleted.names();
+            if gone.iter().any(|g| names.contains(g)) {
+                return Check::Fatal(format!("a registered Machine deleted: {gone:?}"));
+            }
+            match s.replicas("pend").await {
+                Ok(2) if gone == BTreeSet::from([pending.clone()]) => Check::Done(()),
+                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = ca.check_alive() {
+        s.fail(e, &provider, Some(&ca));
+    }
+    procs::announce(&format!(
+        "e2e: scenario rules-decrease-beside-mark passed in {:.1}s: with {marked} marked by hand, \
+         CA's DeleteNodes of the unregistered node refused {deletes_refused} times and \
+         DecreaseTargetSize refused, nothing deleted; mark removed -> CAPI deleted {:?} in {:.1}s. CA after the \
+         refusals: {refusal_log}",
+        s.started.elapsed().as_secs_f64(),
+        deleted.names(),
+        t.elapsed().as_secs_f64()
+    ));
+}
+
+/// DecreaseTargetSize while the MachineDeployment rolls out with maxUnavailable 1 (the new
+/// Machine held by the cloud) is refused and writes nothing: the MachineDeployment controller would
+/// shrink the old MachineSet, a registered node, while the pending new one stays. CAPI's own
+/// rollout meanwhile deletes at most what maxUnavailable allows it.
+#[tokio::test]
+async fn decrease_target_size_during_a_rollout_is_refused() {
+    let s = Scenario::new().await;
+    standin::create_template(&s.client, &s.ns, "small-v2", &SIZE).await;
+    s.group("roll", ("1", "5", 2), |md| {
+        md["spec"]["rollout"] =
+            json!({"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 1}}});
+    })
+    .await;
+    let old = s.machines("roll", 2).await;
+    s.standin.hold("small-v2");
+    // The template changed and replicas raised together: 3 wanted, 2 registered, the new
+    // Machine held by the cloud. Replicas above the registered nodes: the old rule let a decrease
+    // through, and the MachineDeployment controller would have shrunk the old MachineSet.
+    s.patch(
+        "MachineDeployment",
+        "roll",
+        json!({"spec": {"replicas": 3, "template": {"spec": {"infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2")}}}}),
+    )
+    .await;
+    let provider = s.provider().await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    s.until(
+        "the provider serves the rollout (min raised to the target, 3)",
+        Duration::from_secs(30),
+        &provider,
+        None,
+        || {
+            let mut rpc = rpc.clone();
+            let id = id.clone();
+            async move {
+                let groups = rpc.groups().await;
+                match groups.iter().find(|g| g.id == id) {
+                    Some(g) if g.min_size == 3 => Check::Done(()),
+                    other => Check::Wait(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await;
+    let refusal = match rpc.decrease(&id, -1).await {
+        Err(e) if e.code() == tonic::Code::FailedPrecondition => e.message().to_string(),
+        other => s.fail(
+            format!("DecreaseTargetSize during the rollout: {other:?}"),
+            &provider,
+            None,
+        ),
+    };
+    assert!(refusal.contains("rolling out"), "{refusal}");
+    assert_eq!(s.replicas("roll").await, Ok(3), "nothing written");
+    s.standin.release("small-v2");
+    procs::announce(&format!(
+        "e2e: scenario rules-decrease-during-rollout passed in {:.1}s: old Machines {old:?}; \
+         DecreaseTargetSize refused: {refusal}",
+        s.started.elapsed().as_secs_f64(),
+    ));
+}
+
+/// Replicas lowered by hand (3 -> 2) just before a DeleteNodes of `c`: the provider decides from
+/// the live objects (the group read and its Machines listed before deciding, not the cache, which
+/// may still show 3), so the person's lower count and CA's removal are each paid once: CAPI deletes
+/// `c` and exactly one other Machine, replicas 1, whether or not CAPI had begun deleting a Machine
+/// for the person's count when the call came.
+#[tokio::test]
+async fn replicas_lowered_by_hand_just_before_delete_nodes_cost_one_machine_each() {
+    let s = Scenario::new().await;
+    s.group("hand", ("1", "5", 3), |_| {}).await;
+    let names = s.machines("hand", 3).await;
+    let c = names[2].clone();
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let machine = api(&s.client, &s.ns, "v1beta2", "Machine")
+        .get(&c)
+        .await
+        .unwrap_or_else(|e| panic!("get Machine {c}: {e}"));
+    let node = grpc_node(
+        machine.data["spec"]["providerID"]
+            .as_str()
+            .unwrap_or_default(),
+        machine.data["status"]["nodeRef"]["name"]
+            .as_str()
+            .unwrap_or_default(),
+    );
+    s.patch(
+        "MachineDeployment",
+        "hand",
+        json!({"spec": {"replicas": 2}}),
+    )
+    .await;
+    let t = Instant::now();
+    if let Err(e) = rpc.delete_nodes(&id, vec![node]).await {
+        s.fail(format!("DeleteNodes({c}): {e}"), &provider, None);
+    }
+    let after = t.elapsed();
+    let written = s.replicas("hand").await;
+    let outcome = s
+        .until(
+            "c and one other Machine deleted, replicas 1",
+            Duration::from_secs(40),
+            &provider,
+            None,
+            || async {
+                let gone = deleted.names();
+                let left: BTreeSet<String> = names
+                    .iter()
+                    .filter(|n| !gone.contains(*n))
+                    .cloned()
+                    .collect();
+                if gone.len() > 2 {
+                    return Check::Fatal(format!("more than two Machines deleted: {gone:?}"));
+                }
+                match s.replicas("hand").await {
+                    Ok(1) if gone.contains(&c) && left.len() == 1 => Check::Done((1, gone)),
+                    r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
+                }
+            },
+        )
+        .await;
+    procs::announce(&format!(
+        "e2e: scenario rules-lowered-by-hand passed in {:.1}s: DeleteNodes({c}) {:.0} ms after \
+         the hand-lowering to 2 wrote replicas {written:?}; CAPI deleted {:?}, replicas {}",
+        s.started.elapsed().as_secs_f64(),
+        after.as_secs_f64() * 1000.0,
+        outcome.1,
+        outcome.0
+    ));
+}
+
+/// A MachineDeployment whose rollouts are paused (`spec.paused`, what `clusterctl alpha rollout
+/// pause` sets) is still scaled by CAPI (its existing MachineSet), so it stays a node group: a pod
+/// that fits no Node makes CA raise it from 1 to 2, and CAPI creates the Machine.
+#[tokio::test]
+async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
+    let s = Scenario::new().await;
+    s.group("rp", ("1", "3", 1), |_| {}).await;
+    let first = s.machines("rp", 1).await;
+    workload::create_bound_pod(
+        &s.client,
+        &s.ns,
+        &PodSpec::new("busy", "1500m", "1Gi"),
+        &first[0],
+    )
+    .await;
+    s.patch("MachineDeployment", "rp", json!({"spec": {"paused": true}}))
+        .await;
+    let provider = s.provider().await;
+    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+        .start(s.manager.cp)
+        .await;
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    let t = Instant::now();
+    let machines = s
+        .until(
+            "CA raised rp to 2 and CAPI made its Machine with a Node",
+            Duration::from_secs(60),
+            &provider,
+            Some(&ca),
+            || async {
+                match s.replicas("rp").await {
+                    Ok(2) => machines_with_nodes(&s.client, &s.ns, "rp", 2).await,
+                    r => Check::Wait(format!("replicas {r:?}")),
+                }
+            },
+        )
+        .await;
+    let paused = api(&s.client, &s.ns, "v1beta2", "MachineDeployment")
+        .get("rp")
+        .await
+        .map(|md| md.data["spec"]["paused"].clone());
+    assert_eq!(paused.ok(), Some(json!(true)), "still rollout-paused");
+    if let Err(e) = ca.check_alive() {
+        s.fail(e, &provider, Some(&ca));
+    }
+    procs::announce(&format!(
+        "e2e: scenario rules-rollout-paused passed in {:.1}s: pod -> replicas 2, Machines \
+         {machines:?} with Nodes in {:.1}s",
+        s.started.elapsed().as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    ));
+}
+
+/// A paused Cluster: CAPI acts on none of its groups, so none is served and CA does not scale one
+/// for a pending pod over 6 loops; unpaused, CA raises it and CAPI creates the Machine.
+#[tokio::test]
+async fn the_groups_of_a_paused_cluster_are_not_served_until_it_resumes() {
+    let s = Scenario::new().await;
+    s.patch("Cluster", "workload", json!({"spec": {"paused": true}}))
+        .await;
+    s.group("pc", ("0", "3", 0), |_| {}).await;
+    let provider = s.provider().await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+        .start(s.manager.cp)
+        .await;
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    ca.wait_loops(6, Duration::from_secs(40)).await;
+    assert!(rpc.ids_in(&s.ns).await.is_empty(), "no group served");
+    assert_eq!(
+        s.replicas("pc").await,
+        Ok(0),
+        "CA scaled a paused Cluster's group"
+    );
+    s.patch("Cluster", "workload", json!({"spec": {"paused": false}}))
+        .await;
+    let t = Instant::now();
+    s.until(
+        "resumed: CA raised pc to 1, its Machine with a Node",
+        Duration::from_secs(60),
+        &provider,
+        Some(&ca),
+        || async {
+            match s.replicas("pc").await {
+                Ok(1) => machines_with_nodes(&s.client, &s.ns, "pc", 1).await,
+                r => Check::Wait(format!("replicas {r:?}")),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = ca.check_alive() {
+        s.fail(e, &provider, Some(&ca));
+    }
+    procs::announce(&format!(
+        "e2e: scenario rules-paused-cluster passed in {:.1}s: 6 CA loops with the Cluster paused, \
+         nothing served or scaled; resumed -> Machine with its Node in {:.1}s",
+        s.started.elapsed().as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    ));
+}
+
+/// Max lowered below replicas (3 Machines, max 1, min 1): CA's removals move replicas toward the
+/// range, so they are allowed: CA removes the two empty Nodes and CAPI deletes exactly their
+/// Machines, the busy one stays, replicas 1.
+#[tokio::test]
+async fn max_lowered_below_replicas_lets_cluster_autoscaler_bring_the_group_back() {
+    let s = Scenario::new().await;
+    s.group("over", ("1", "5", 3), |_| {}).await;
+    let names = s.machines("over", 3).await;
+    let busy = names[1].clone();
+    workload::create_bound_pod(
+        &s.client,
+        &s.ns,
+        &PodSpec::new("busy", "1500m", "1Gi"),
+        &busy,
+    )
+    .await;
+    s.patch(
+        "MachineDeployment",
+        "over",
+        json!({"metadata": {"annotations": {MAX_SIZE: "1"}}}),
+    )
+    .await;
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+        .start(s.manager.cp)
+        .await;
+    let t = Instant::now();
+    let want: BTreeSet<String> = names.iter().filter(|n| **n != busy).cloned().collect();
+    s.until(
+        "CA removed the two empty Nodes, replicas 1",
+        Duration::from_secs(60),
+        &provider,
+        Some(&ca),
+        || async {
+            let gone = deleted.names();
+            if gone.contains(&busy) {
+                return Check::Fatal(format!("the busy Machine {busy} deleted"));
+            }
+            match s.replicas("over").await {
+                Ok(1) if gone == want => Check::Done(()),
+                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = ca.check_alive() {
+        s.fail(e, &provider, Some(&ca));
+    }
+    procs::announce(&format!(
+        "e2e: scenario rules-above-max passed in {:.1}s: CAPI deleted {:?} in {:.1}s, {busy} kept",
+        s.started.elapsed().as_secs_f64(),
+        deleted.names(),
+        t.elapsed().as_secs_f64()
+    ));
+}
