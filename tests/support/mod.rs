@@ -30,6 +30,7 @@ pub mod pki;
 pub mod procs;
 pub mod provider;
 pub mod real_capi;
+pub mod real_scenario;
 pub mod reconciler;
 pub mod render;
 pub mod scenario;
