@@ -8,8 +8,7 @@
 //!
 //! Elsewhere on real CAPI (tests/real_capi/autoscaler.rs): scale from zero by the template's
 //! capacity and back, the node CA chose under every MachineSet deletion order (the old
-//! empty-node-by-its-mark scenario, stronger), a drain, no removal during a rollout. On the
-//! imitation still: the MachinePool scenario (tests/autoscaler_machine_pool.rs says why).
+//! empty-node-by-its-mark scenario, stronger), a drain, no removal during a rollout.
 
 pub mod support;
 
@@ -20,6 +19,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
+use kube::api::{DynamicObject, PostParams};
+use serde_json::json;
 use support::capi::{Capi, Kind, apply_cluster_role, shipped_cluster_role};
 use support::pki::{self, Ca};
 use support::procs::{self, Check, poll_until};
@@ -160,6 +161,113 @@ async fn min_size_is_respected() {
         deletions.is_empty(),
         &format!("no Machine deleted: {deletions:?}"),
     );
+    s.passed();
+}
+
+/// A MachinePool group on the stand-in's machine pool: scaled up from zero for a pod (replicas
+/// through the scale subresource; the stand-in cloud adds an instance to its pool's
+/// providerIDList, CAPI's MachinePool controller copies it into the MachinePool's and links its
+/// Node), then back down when the pod goes: replicas 0, the instance dropped, its Node deleted.
+#[tokio::test]
+async fn machine_pool_scales_up_and_down() {
+    let mut s = RealScenario::new("machinepool").await;
+    let pools = Api::<DynamicObject>::namespaced_with(
+        s.client.clone(),
+        &s.ns,
+        &standin::resource(standin::MACHINE_POOL_KIND),
+    );
+    let infra = DynamicObject::new("pool", &standin::resource(standin::MACHINE_POOL_KIND))
+        .data(json!({"spec": {}}));
+    if let Err(e) = pools.create(&PostParams::default(), &infra).await {
+        s.fail(&format!("create {} pool: {e}", standin::MACHINE_POOL_KIND));
+    }
+    let mut mp = RealScenario::capacity(s.md("pool", "unused", 0, 3, 0), "2", "4Gi");
+    mp["kind"] = json!("MachinePool");
+    mp["spec"] = json!({
+        "clusterName": CLUSTER,
+        "replicas": 0,
+        "template": {"spec": {
+            "clusterName": CLUSTER,
+            "version": standin::KUBERNETES_VERSION,
+            "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
+            "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, "pool"),
+        }},
+    });
+    let machine_pools = s.capi.api(Kind::MachinePool);
+    if let Err(e) = support::real_capi::create(&machine_pools, &mp).await {
+        s.fail(&format!("create MachinePool pool: {e}"));
+    }
+    s.start_provider(&[]).await;
+    s.start_ca(s.autoscaler()).await;
+
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    wait_pool(&s, 1, UP).await;
+    let node = workload::wait_bound(&s.client, &s.ns, "web", UP).await;
+    let linked = poll_until(
+        "CAPI lists the instance in the MachinePool and links its Node",
+        UP,
+        Duration::from_millis(200),
+        || {
+            let (api, node) = (&machine_pools, &node);
+            async move {
+                let mp = match api.get("pool").await {
+                    Ok(mp) => mp,
+                    Err(e) => return Check::Wait(e.to_string()),
+                };
+                let ids = mp.data["spec"]["providerIDList"].clone();
+                let refs: Vec<&str> = mp.data["status"]["nodeRefs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|r| r["name"].as_str())
+                    .collect();
+                if ids.as_array().map_or(0, Vec::len) == 1 && refs == [node.as_str()] {
+                    Check::Done(())
+                } else {
+                    Check::Wait(format!("providerIDList {ids}, nodeRefs {refs:?}"))
+                }
+            }
+        },
+    )
+    .await;
+    if let Err(e) = linked {
+        s.fail(&e);
+    }
+
+    workload::delete_pod(&s.client, &s.ns, "web").await;
+    wait_pool(&s, 0, DOWN).await;
+    s.wait_nodes(&[]).await;
+    let gone = Api::<Node>::all(s.client.clone())
+        .get_opt(&node)
+        .await
+        .ok()
+        .flatten();
+    s.check(gone.is_none(), &format!("Node {node} is gone"));
+    let emptied = poll_until(
+        "CAPI drops the instance from the MachinePool",
+        DOWN,
+        Duration::from_millis(200),
+        || {
+            let api = &machine_pools;
+            async move {
+                match api.get("pool").await {
+                    Ok(mp) => {
+                        let ids = &mp.data["spec"]["providerIDList"];
+                        if ids.as_array().is_none_or(Vec::is_empty) {
+                            Check::Done(())
+                        } else {
+                            Check::Wait(format!("providerIDList {ids}"))
+                        }
+                    }
+                    Err(e) => Check::Wait(e.to_string()),
+                }
+            }
+        },
+    )
+    .await;
+    if let Err(e) = emptied {
+        s.fail(&e);
+    }
     s.passed();
 }
 
@@ -706,6 +814,27 @@ async fn wait_pod_event(s: &RealScenario, pod: &str, reason: &str) {
                 Check::Done(())
             } else {
                 Check::Wait(format!("reasons {reasons:?}"))
+            }
+        },
+    )
+    .await;
+    if let Err(e) = result {
+        s.fail(&e);
+    }
+}
+
+/// Waits until MachinePool `pool`'s `spec.replicas` is `want`.
+async fn wait_pool(s: &RealScenario, want: i64, timeout: Duration) {
+    let capi = &s.capi;
+    let result = poll_until(
+        &format!("MachinePool pool replicas = {want}"),
+        timeout,
+        Duration::from_millis(100),
+        || async move {
+            match capi.api(Kind::MachinePool).get("pool").await {
+                Ok(mp) if mp.data["spec"]["replicas"] == json!(want) => Check::Done(()),
+                Ok(mp) => Check::Wait(format!("replicas {}", mp.data["spec"]["replicas"])),
+                Err(e) => Check::Wait(e.to_string()),
             }
         },
     )
