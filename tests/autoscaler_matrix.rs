@@ -11,6 +11,9 @@ pub mod support;
 
 use std::time::Instant;
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Api;
+
 use support::autoscaler::{default_version, versions};
 use support::real_scenario::{RealScenario, scale_up_and_down};
 
@@ -28,6 +31,9 @@ async fn every_pinned_autoscaler_scales_up_from_zero_and_down_through_real_capi(
                 let started = Instant::now();
                 let name = format!("matrix-{version}-{capi_version}");
                 let mut s = RealScenario::new(&name).await;
+                if capi_version == "v1beta1" {
+                    served_by_conversion(&s).await;
+                }
                 let args = ["--capi-version", capi_version];
                 let times = scale_up_and_down(&mut s, &args, |ca| ca.version(&version)).await;
                 s.passed();
@@ -53,4 +59,27 @@ async fn every_pinned_autoscaler_scales_up_from_zero_and_down_through_real_capi(
         support::procs::announce(&format!("e2e: matrix {label}, real CAPI: {line}"));
     }
     assert!(failed.is_empty(), "cells failed:\n{}", failed.join("\n"));
+}
+
+/// Fails unless MachineDeployments are stored at v1beta2 and served at v1beta1 through CAPI's
+/// conversion webhook, as in a management cluster upgraded to CAPI 1.14.
+async fn served_by_conversion(s: &RealScenario) {
+    let crds: Api<CustomResourceDefinition> = Api::all(s.client.clone());
+    let crd = crds
+        .get(&format!("machinedeployments.{}", support::CAPI_GROUP))
+        .await
+        .unwrap_or_else(|e| s.fail(&format!("get the MachineDeployment CRD: {e}")));
+    let versions: Vec<(String, bool, bool)> = crd
+        .spec
+        .versions
+        .iter()
+        .map(|v| (v.name.clone(), v.served, v.storage))
+        .collect();
+    let strategy = crd.spec.conversion.map(|c| c.strategy).unwrap_or_default();
+    s.check(
+        strategy == "Webhook"
+            && versions.contains(&("v1beta1".into(), true, false))
+            && versions.contains(&("v1beta2".into(), true, true)),
+        &format!("v1beta1 served through the conversion webhook ({strategy}), v1beta2 stored: {versions:?}"),
+    );
 }

@@ -1,6 +1,16 @@
 //! A test-only stand-in for Cluster API's controllers and for the kubelets, in one namespace.
 //!
-//! No CAPI controller and no kubelet run in the tests, so this small reconciler plays their parts,
+//! The imitation. The real-CA scenarios (tests/autoscaler.rs), the CA version matrix
+//! (tests/autoscaler_matrix.rs) and tests/real_capi/ run the real Cluster API manager instead
+//! (`capi_manager`, `real_scenario`). This one is left (not moved yet) in tests/e2e/rollout.rs, the
+//! fault tests (tests/faults.rs), the model test (tests/model.rs) and the scenarios of
+//! tests/topology.rs and tests/migration.rs, with its own tests in tests/e2e/reconciler.rs. (The
+//! renamed-group and v1beta1-only binaries, where real Cluster API cannot run, use no controllers.)
+//! It is kinder than Cluster API: it lists scalable resources before Machines, deletes marked
+//! Machines first and then the newest (CAPI's default order is Random, ties by name), never drains,
+//! and has no webhooks, preflight checks, MachineHealthChecks or conversion.
+//!
+//! Where it runs, no CAPI controller and no kubelet do, so this small reconciler plays their parts,
 //! close enough for the provider and for cluster-autoscaler:
 //!
 //! - **MachineDeployment → MachineSet**: one MachineSet `<md>-<hash>` per MachineDeployment (an
