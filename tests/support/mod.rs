@@ -31,6 +31,7 @@ pub mod procs;
 pub mod provider;
 pub mod real_capi;
 pub mod real_capi_scenario;
+pub mod real_scenario;
 pub mod reconciler;
 pub mod render;
 pub mod scenario;

@@ -1,18 +1,19 @@
 //! A test-only imitation of Cluster API's controllers and of the kubelets, in one namespace.
 //!
 //! Where it still runs, and why: the real Cluster API v1.14.2 manager (`capi_manager`, with the
-//! stand-in cloud and kubelets of `standin`) now runs `make demo` (examples/demo.rs),
-//! tests/topology.rs, tests/migration.rs and tests/real_capi*/ (issue 20). This imitation still runs
-//! the real-CA scenarios of tests/autoscaler.rs and tests/autoscaler_matrix.rs, tests/faults.rs,
-//! tests/model.rs and tests/e2e/ (rollout, and its own tests in e2e/reconciler.rs) until they move
-//! too; and it stays for good where real CAPI cannot run: CRDs under a renamed `CAPI_GROUP`
-//! (tests/e2e_renamed/) and v1beta1-only CRDs (tests/e2e_v1beta1/: no older CAPI is served by the
-//! module proxy). It is kinder than CAPI: it lists scalable resources before Machines (a lowered
-//! replica count is always seen with its mark), deletes marked Machines first and then the newest
-//! (CAPI: Random, ties by name), never drains and has no webhooks, preflight checks or
-//! MachineHealthChecks.
+//! stand-in cloud and kubelets of `standin`) now runs `make demo` (examples/demo.rs), the real-CA
+//! scenarios (tests/autoscaler.rs), the CA version matrix (tests/autoscaler_matrix.rs),
+//! tests/topology.rs, tests/migration.rs and tests/real_capi*/ (issue 20). This imitation is left, not
+//! moved yet, in tests/e2e/rollout.rs, the fault tests (tests/faults.rs) and the model test
+//! (tests/model.rs), with its own tests in tests/e2e/reconciler.rs. (The renamed-group and
+//! v1beta1-only binaries, where real Cluster API cannot run, use no controllers.) It is kinder than
+//! Cluster API: it lists scalable resources before Machines (a lowered replica count is always seen
+//! with its mark), deletes marked Machines first and then the newest (CAPI's default order is
+//! Random, ties by name), never drains, and has no webhooks, preflight checks, MachineHealthChecks
+//! or conversion.
 //!
-//! It plays their parts close enough for the provider and for cluster-autoscaler:
+//! Where it runs, no CAPI controller and no kubelet do, so this small reconciler plays their parts,
+//! close enough for the provider and for cluster-autoscaler:
 //!
 //! - **MachineDeployment → MachineSet**: one MachineSet `<md>-<hash>` per MachineDeployment (an
 //!   existing MachineSet the MachineDeployment controls is adopted instead), ownerReference

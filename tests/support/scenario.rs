@@ -1,6 +1,8 @@
-//! One end-to-end scenario with the real cluster-autoscaler: its own namespace on the shared control
-//! plane, the test reconciler (CAPI controllers and kubelets), this provider limited to the namespace
-//! by auto-discovery, and a CA process pointed at it.
+//! One end-to-end scenario with the real cluster-autoscaler on the imitation of Cluster API: its own
+//! namespace on the shared control plane, the test reconciler (CAPI controllers and kubelets), this
+//! provider limited to the namespace by auto-discovery, and a CA process pointed at it. Used where
+//! the real manager does not run yet (tests/topology.rs, tests/migration.rs); the real-CA scenarios
+//! with the real manager use `real_scenario`.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -274,59 +276,4 @@ impl Scenario {
             self.started.elapsed().as_secs_f64()
         ));
     }
-}
-
-/// Times of [`scale_up_and_down`].
-#[derive(Clone, Copy, Debug)]
-pub struct UpAndDown {
-    /// Pod created → replicas raised.
-    pub up: Duration,
-    /// Pod created → pod bound to the new Node.
-    pub bound: Duration,
-    /// Pod deleted → replicas back to 0 and the Node gone.
-    pub down: Duration,
-}
-
-/// The core CA cycle on a zero-size MachineDeployment `md-a` (2 CPUs, 4Gi by annotations): a pod
-/// that fits only it makes CA scale it up from zero; the pod is bound to the new Node; once the pod
-/// is deleted CA removes the empty Node through DeleteNodes, and its Machine goes for its mark.
-/// Starts the provider and `ca` (built from [`Scenario::autoscaler`] by the caller's `configure`).
-pub async fn scale_up_and_down(
-    s: &mut Scenario,
-    configure: impl FnOnce(Autoscaler) -> Autoscaler,
-) -> UpAndDown {
-    use super::workload::PodSpec;
-    let md = Scenario::capacity(s.md("md-a", 0, 3, 0), "2", "4Gi");
-    s.capi.create_deployment(&md, false).await;
-    s.start_provider(&[]).await;
-    let ca = configure(s.autoscaler());
-    s.start_ca(ca).await;
-
-    let t0 = Instant::now();
-    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
-    s.wait_replicas(Kind::MachineDeployment, "md-a", 1, Duration::from_secs(60))
-        .await;
-    let up = t0.elapsed();
-    let node = workload::wait_bound(&s.client, &s.ns, "web", Duration::from_secs(60)).await;
-    let bound = t0.elapsed();
-    let nodes = workload::scenario_nodes(&s.client, &s.ns)
-        .await
-        .unwrap_or_else(|e| s.fail(&e));
-    s.check(
-        nodes == vec![node.clone()],
-        &format!("one Node, the pod's: {nodes:?}"),
-    );
-
-    let t1 = Instant::now();
-    workload::delete_pod(&s.client, &s.ns, "web").await;
-    s.wait_replicas(Kind::MachineDeployment, "md-a", 0, Duration::from_secs(90))
-        .await;
-    s.wait_nodes(&[]).await;
-    let down = t1.elapsed();
-    let deleted = s.reconciler.deleted_marked();
-    s.check(
-        deleted == vec![node.clone()],
-        &format!("the Machine of {node} was deleted for its mark: {deleted:?}"),
-    );
-    UpAndDown { up, bound, down }
 }

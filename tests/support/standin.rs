@@ -9,6 +9,10 @@
 //!   `status.nodeInfo` say what its Nodes have (the scale-from-zero contract), 2 CPUs / 4Gi / 110
 //!   pods when absent;
 //! - `StandInMachine`: cloned from the template by CAPI for each Machine;
+//! - `StandInMachinePool`: the instance group behind a MachinePool; the stand-in keeps its
+//!   `spec.providerIDList` at the MachinePool's `spec.replicas` (new entries last, the newest dropped
+//!   first: a cloud's choice, not CAPI's), a Ready Node per entry, `status.replicas` and
+//!   `status.ready`, which is what CAPI v1.14's MachinePool controller reads;
 //! - `StandInCluster`: the infrastructure cluster, `status.initialization.provisioned` from the start
 //!   (without one, Cluster API never sets the Cluster's `InfrastructureReady` condition True, and
 //!   MachineHealthChecks never evaluate its Machines);
@@ -54,6 +58,7 @@ pub const TEMPLATE_KIND: &str = "StandInMachineTemplate";
 pub const MACHINE_KIND: &str = "StandInMachine";
 pub const CONTROL_PLANE_KIND: &str = "StandInControlPlane";
 pub const CLUSTER_KIND: &str = "StandInCluster";
+pub const MACHINE_POOL_KIND: &str = "StandInMachinePool";
 /// The Kubernetes version of the stand-in's control plane and kubelets (the test kube-apiserver's).
 pub const KUBERNETES_VERSION: &str = "v1.36.2";
 /// Label on every Node the stand-in makes: the namespace of its machine.
@@ -262,8 +267,10 @@ fn cluster_unready(status: &Value) -> Option<String> {
 
 #[derive(Default)]
 struct State {
-    /// Machines whose Node was made (never made twice).
+    /// Machines (and pool instances) whose Node was made (never made twice).
     nodes_made: BTreeSet<String>,
+    /// Instances made so far per machine pool: the next one's number.
+    pool_instances: BTreeMap<String, u32>,
     /// Templates whose machines the cloud does not provision (yet).
     held: BTreeSet<String>,
     actions: Vec<(Instant, String)>,
@@ -365,9 +372,118 @@ impl Worker {
             }
             Err(e) => self.error(format!("list {MACHINE_KIND}s in {}: {e}", self.ns)),
         }
+        if let Err(e) = self.pools().await {
+            self.error(e);
+        }
         if let Err(e) = self.finish_deleted_pods().await {
             self.error(e);
         }
+    }
+
+    /// Keeps each machine pool at the replicas of the MachinePool that refers to it.
+    async fn pools(&self) -> Result<(), String> {
+        let pools: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &resource(MACHINE_POOL_KIND));
+        let pools = pools
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| format!("list {MACHINE_POOL_KIND}s in {}: {e}", self.ns))?;
+        if pools.items.is_empty() {
+            return Ok(());
+        }
+        let ar = capi_resource(CAPI_GROUP, "v1beta2", "MachinePool", "machinepools");
+        let machine_pools =
+            Api::<DynamicObject>::namespaced_with(self.client.clone(), &self.ns, &ar)
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| format!("list MachinePools in {}: {e}", self.ns))?;
+        for pool in pools.items {
+            let name = pool.metadata.name.clone().unwrap_or_default();
+            let want = machine_pools.items.iter().find_map(|mp| {
+                let reference = &mp.data["spec"]["template"]["spec"]["infrastructureRef"];
+                (reference["kind"] == MACHINE_POOL_KIND && reference["name"] == name.as_str())
+                    .then(|| mp.data["spec"]["replicas"].as_u64())
+                    .flatten()
+            });
+            if pool.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            if let Some(want) = want {
+                self.pool(&pool, usize::try_from(want).unwrap_or(0)).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings machine pool `pool` to `want` instances, each with its Ready Node, and reports them.
+    async fn pool(&self, pool: &DynamicObject, want: usize) -> Result<(), String> {
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &resource(MACHINE_POOL_KIND));
+        let mut ids: Vec<String> = pool.data["spec"]["providerIDList"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect();
+        if ids.len() != want {
+            let before = ids.len();
+            ids.truncate(want);
+            while ids.len() < want {
+                let n = {
+                    let mut state = lock(&self.state);
+                    let next = state.pool_instances.entry(name.clone()).or_insert(0);
+                    *next += 1;
+                    *next
+                };
+                ids.push(provider_id(&self.ns, &format!("{name}-{n}")));
+            }
+            api.patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": {"providerIDList": ids}})),
+            )
+            .await
+            .map_err(|e| format!("set the providerIDList of {MACHINE_POOL_KIND} {name}: {e}"))?;
+            self.act(format!(
+                "{MACHINE_POOL_KIND} {name}: {before} -> {} instances",
+                ids.len()
+            ));
+        }
+        for id in &ids {
+            let Some(node_name) = id.rsplit('/').next() else {
+                continue;
+            };
+            if lock(&self.state).nodes_made.contains(node_name) {
+                continue;
+            }
+            let node = ready_node(node_name, id, &self.ns, &Value::Null)?;
+            match Api::<Node>::all(self.client.clone())
+                .create(&PostParams::default(), &node)
+                .await
+            {
+                Ok(_) => self.act(format!("Node {node_name} Ready ({id})")),
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(format!("create Node {node_name}: {e}")),
+            }
+            lock(&self.state).nodes_made.insert(node_name.to_string());
+        }
+        let status = json!({
+            "replicas": ids.len(),
+            "ready": true,
+            "initialization": {"provisioned": true},
+        });
+        let current = &pool.data["status"];
+        if current["replicas"] != status["replicas"] || current["ready"] != json!(true) {
+            api.patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "status": status })),
+            )
+            .await
+            .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))?;
+        }
+        Ok(())
     }
 
     /// Gives a machine its providerID, its provisioned status and its Ready Node.

@@ -1,0 +1,502 @@
+//! One end-to-end scenario with the real cluster-autoscaler and the real Cluster API manager (the one
+//! of this test binary, `capi_manager`): its own namespace with a Cluster of the stand-in, the
+//! stand-in cloud and kubelets, this provider limited to the namespace by auto-discovery, and a CA
+//! process pointed at it. Every Machine CAPI deletes is recorded with whether it carried the
+//! delete-machine mark at that moment, from a watch (not a poll: a Machine whose deletion is quick
+//! is still seen).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use tokio::task::AbortHandle;
+
+use super::autoscaler::{Autoscaler, AutoscalerProcess};
+use super::capi::{Capi, Kind};
+use super::capi_manager::{CapiManager, capi_manager};
+use super::control_plane::ControlPlane;
+use super::procs::{self, Check, poll_until};
+use super::real_capi::{CAPACITY, DELETE_MACHINE, MAX_SIZE, MIN_SIZE, api, create};
+use super::standin::{self, StandIn};
+use super::workload::{self, scenario_labels};
+use super::{CAPI_GROUP, ProviderProcess, start_provider};
+
+/// The Cluster every scenario's groups belong to (unless a scenario makes another).
+pub const CLUSTER: &str = "workload";
+
+/// A Machine CAPI began to delete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deletion {
+    pub machine: String,
+    /// The Node of its `status.nodeRef` (the stand-in names Nodes after their Machines).
+    pub node: Option<String>,
+    /// Whether it carried `cluster.x-k8s.io/delete-machine` when its deletion began.
+    pub marked: bool,
+}
+
+pub struct RealScenario {
+    pub name: String,
+    pub manager: &'static CapiManager,
+    pub cp: &'static ControlPlane,
+    pub client: Client,
+    pub ns: String,
+    /// The Cluster API objects at v1beta2 (the storage version).
+    pub capi: Capi,
+    pub standin: StandIn,
+    pub provider: Option<ProviderProcess>,
+    pub ca: Option<AutoscalerProcess>,
+    deletions: Arc<Mutex<BTreeMap<String, Deletion>>>,
+    watch: AbortHandle,
+    started: Instant,
+}
+
+impl Drop for RealScenario {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+impl RealScenario {
+    /// A fresh namespace on the real manager's control plane with Cluster [`CLUSTER`] ready (its
+    /// infrastructure provisioned, control plane initialized, remote connection up) and the stand-in
+    /// running.
+    pub async fn new(name: &str) -> RealScenario {
+        let started = Instant::now();
+        let manager = capi_manager();
+        let cp = manager.cp;
+        let client = cp.admin_client().await;
+        let ns = cp.fresh_namespace().await;
+        standin::workload_cluster(&client, cp, &ns, CLUSTER).await;
+        let standin = StandIn::start(client.clone(), &ns);
+        let capi = Capi::new(client.clone(), &ns, CAPI_GROUP, "v1beta2");
+        let deletions = Arc::new(Mutex::new(BTreeMap::new()));
+        let watch = watch_deletions(api(&client, &ns, "v1beta2", "Machine"), deletions.clone());
+        eprintln!("e2e: scenario {name} in namespace {ns} (real CAPI)");
+        RealScenario {
+            name: name.into(),
+            manager,
+            cp,
+            client,
+            ns,
+            capi,
+            standin,
+            provider: None,
+            ca: None,
+            deletions,
+            watch,
+            started,
+        }
+    }
+
+    /// A stand-in machine template whose Nodes have `cpu` and `memory` (110 pods), in its status
+    /// (the scale-from-zero contract) unless `in_status` is false: then the template says nothing
+    /// and the stand-in's Nodes get its default 2 CPUs / 4Gi.
+    pub async fn template(&self, name: &str, cpu: &str, memory: &str, in_status: bool) {
+        let size = [("cpu", cpu), ("memory", memory), ("pods", "110")];
+        let size: &[(&str, &str)] = if in_status { &size } else { &[] };
+        standin::create_template(&self.client, &self.ns, name, size).await;
+    }
+
+    /// A v1beta2 MachineDeployment of [`CLUSTER`] on stand-in template `template`, with autoscaler
+    /// bounds, `replicas` and the scenario label on its Nodes' template (capacity annotation
+    /// `labels`).
+    pub fn md(&self, name: &str, template: &str, min: i64, max: i64, replicas: i64) -> Value {
+        json!({
+            "apiVersion": format!("{CAPI_GROUP}/v1beta2"),
+            "kind": "MachineDeployment",
+            "metadata": {"name": name, "annotations": {
+                MIN_SIZE: min.to_string(),
+                MAX_SIZE: max.to_string(),
+                format!("{CAPACITY}/labels"): scenario_labels(&self.ns, &[]),
+            }},
+            "spec": {
+                "clusterName": CLUSTER,
+                "replicas": replicas,
+                "selector": {"matchLabels": {}},
+                "template": {"spec": {
+                    "clusterName": CLUSTER,
+                    "version": standin::KUBERNETES_VERSION,
+                    "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
+                    "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, template),
+                }},
+            },
+        })
+    }
+
+    /// Capacity annotations on MachineDeployment `md`: cpu, memory and 110 pods.
+    pub fn capacity(mut md: Value, cpu: &str, memory: &str) -> Value {
+        let annotations = &mut md["metadata"]["annotations"];
+        annotations[format!("{CAPACITY}/cpu")] = json!(cpu);
+        annotations[format!("{CAPACITY}/memory")] = json!(memory);
+        annotations[format!("{CAPACITY}/maxPods")] = json!("110");
+        md
+    }
+
+    /// `md` with annotation `key: value`.
+    pub fn annotation(mut md: Value, key: &str, value: &str) -> Value {
+        md["metadata"]["annotations"][key] = json!(value);
+        md
+    }
+
+    /// Extra template labels (`k=v`) besides the scenario label.
+    pub fn labels(&self, mut md: Value, extra: &[&str]) -> Value {
+        md["metadata"]["annotations"][format!("{CAPACITY}/labels")] =
+            json!(scenario_labels(&self.ns, extra));
+        md
+    }
+
+    /// Creates MachineDeployment `md` (through CAPI's webhooks).
+    pub async fn create_md(&self, md: &Value) {
+        let mds = api(&self.client, &self.ns, "v1beta2", "MachineDeployment");
+        if let Err(e) = create(&mds, md).await {
+            self.fail(&format!(
+                "create MachineDeployment {}/{}: {e}",
+                self.ns, md["metadata"]["name"]
+            ));
+        }
+    }
+
+    /// Starts the provider limited to this namespace (plus `args`) with the admin identity.
+    pub async fn start_provider(&mut self, args: &[&str]) -> &ProviderProcess {
+        let kubeconfig = self.cp.admin_kubeconfig().to_path_buf();
+        self.start_provider_as(&kubeconfig, args).await
+    }
+
+    /// Starts the provider limited to this namespace (plus `args`) with the identity of `kubeconfig`.
+    pub async fn start_provider_as(
+        &mut self,
+        kubeconfig: &Path,
+        args: &[&str],
+    ) -> &ProviderProcess {
+        let discovery = format!("clusterapi:namespace={}", self.ns);
+        let mut all = vec!["--node-group-auto-discovery", discovery.as_str()];
+        all.extend_from_slice(args);
+        let provider = start_provider(&all, kubeconfig).await;
+        self.provider.insert(provider)
+    }
+
+    /// CA's defaults for this scenario, pointed at the running provider.
+    pub fn autoscaler(&self) -> Autoscaler {
+        let provider = self
+            .provider
+            .as_ref()
+            .expect("start the provider before CA");
+        Autoscaler::new(&self.ns, &provider.address)
+    }
+
+    /// Starts `ca` (see [`RealScenario::autoscaler`]).
+    pub async fn start_ca(&mut self, ca: Autoscaler) -> &mut AutoscalerProcess {
+        let process = ca.start(self.cp).await;
+        self.ca.insert(process)
+    }
+
+    /// Every Machine CAPI began to delete so far, by name.
+    pub fn deletions(&self) -> Vec<Deletion> {
+        lock(&self.deletions).values().cloned().collect()
+    }
+
+    /// The Nodes of the Machines CAPI deleted that carried the mark, sorted.
+    pub fn deleted_marked(&self) -> Vec<String> {
+        let mut nodes: Vec<String> = self
+            .deletions()
+            .into_iter()
+            .filter(|d| d.marked)
+            .map(|d| d.node.unwrap_or(d.machine))
+            .collect();
+        nodes.sort();
+        nodes
+    }
+
+    /// Fails unless every Machine CAPI deleted carried the mark (CAPI deleted none on its own).
+    pub fn check_every_deletion_marked(&self) {
+        let unmarked: Vec<Deletion> = self.deletions().into_iter().filter(|d| !d.marked).collect();
+        self.check(
+            unmarked.is_empty(),
+            &format!("CAPI deleted Machines without the mark: {unmarked:?}"),
+        );
+    }
+
+    /// The provider, CA and manager logs and the stand-in's record, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        if let Some(ca) = &self.ca {
+            out.push_str(&format!(
+                "--- cluster-autoscaler {} log {} (tail) ---\n{}\n",
+                ca.version,
+                ca.log.display(),
+                ca.log_tail()
+            ));
+        }
+        if let Some(p) = &self.provider {
+            out.push_str(&format!(
+                "--- provider log {} (tail) ---\n{}\n",
+                p.log.display(),
+                procs::log_tail(&p.log, 6000)
+            ));
+        }
+        out.push_str(&format!(
+            "--- CAPI manager log {} (tail) ---\n{}\n",
+            self.manager.log.display(),
+            self.manager.log_tail()
+        ));
+        let actions = self.standin.actions();
+        let last = &actions[actions.len().saturating_sub(20)..];
+        out.push_str(&format!(
+            "stand-in errors: {:?}; last actions: {:?}\ndeletions: {:?}\n",
+            self.standin.errors(),
+            last.iter().map(|(_, a)| a).collect::<Vec<_>>(),
+            self.deletions()
+        ));
+        out
+    }
+
+    /// Panics with `message` and the logs.
+    pub fn fail(&self, message: &str) -> ! {
+        panic!("scenario {}: {message}\n{}", self.name, self.logs())
+    }
+
+    /// Asserts `cond`, else fails with `message` and the logs.
+    pub fn check(&self, cond: bool, message: &str) {
+        if !cond {
+            self.fail(message);
+        }
+    }
+
+    /// MachineDeployment `md`'s `spec.replicas` now.
+    pub async fn replicas(&self, md: &str) -> i64 {
+        self.capi.replicas(Kind::MachineDeployment, md).await
+    }
+
+    /// Waits until `spec.replicas` of MachineDeployment `md` is `want`.
+    pub async fn wait_replicas(&self, md: &str, want: i64, timeout: Duration) {
+        let capi = &self.capi;
+        let result = poll_until(
+            &format!("MachineDeployment {}/{md} replicas = {want}", self.ns),
+            timeout,
+            Duration::from_millis(100),
+            || async move {
+                match capi.api(Kind::MachineDeployment).get(md).await {
+                    Ok(o) if o.data["spec"]["replicas"] == json!(want) => Check::Done(()),
+                    Ok(o) => Check::Wait(format!("replicas {}", o.data["spec"]["replicas"])),
+                    Err(e) => Check::Wait(e.to_string()),
+                }
+            },
+        )
+        .await;
+        if let Err(e) = result {
+            self.fail(&e);
+        }
+    }
+
+    /// Waits until the scenario's Nodes are exactly `want` (by name).
+    pub async fn wait_nodes(&self, want: &[String]) {
+        let want: BTreeSet<String> = want.iter().cloned().collect();
+        let (client, ns) = (&self.client, &self.ns);
+        let result = poll_until(
+            "the scenario's Nodes",
+            Duration::from_secs(90),
+            Duration::from_millis(100),
+            || {
+                let want = want.clone();
+                async move {
+                    let got: BTreeSet<String> = match workload::scenario_nodes(client, ns).await {
+                        Ok(names) => names.into_iter().collect(),
+                        Err(e) => return Check::Wait(e),
+                    };
+                    if got == want {
+                        Check::Done(())
+                    } else {
+                        Check::Wait(format!("Nodes {got:?}, want {want:?}"))
+                    }
+                }
+            },
+        )
+        .await;
+        if let Err(e) = result {
+            self.fail(&e);
+        }
+    }
+
+    /// Waits until the scenario has `n` Ready Nodes whose Machines CAPI linked (node ref set);
+    /// returns their names, oldest first.
+    pub async fn wait_node_count(&self, n: usize) -> Vec<String> {
+        let (client, capi) = (&self.client, &self.capi);
+        let ns = &self.ns;
+        let result = poll_until(
+            &format!("{n} Nodes with their Machines"),
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            || async move {
+                let names = match workload::scenario_nodes(client, ns).await {
+                    Ok(names) => names,
+                    Err(e) => return Check::Wait(e),
+                };
+                if names.len() != n {
+                    return Check::Wait(format!("Nodes {names:?}"));
+                }
+                let linked: BTreeSet<String> =
+                    match capi.api(Kind::Machine).list(&Default::default()).await {
+                        Ok(l) => l
+                            .items
+                            .iter()
+                            .filter_map(|m| m.data["status"]["nodeRef"]["name"].as_str())
+                            .map(String::from)
+                            .collect(),
+                        Err(e) => return Check::Wait(e.to_string()),
+                    };
+                if names.iter().all(|n| linked.contains(n)) {
+                    Check::Done(names)
+                } else {
+                    Check::Wait(format!("Nodes {names:?}, linked by CAPI {linked:?}"))
+                }
+            },
+        )
+        .await;
+        let names = result.unwrap_or_else(|e| self.fail(&e));
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let mut aged = Vec::new();
+        for name in names {
+            let node = nodes
+                .get(&name)
+                .await
+                .unwrap_or_else(|e| self.fail(&e.to_string()));
+            aged.push((node.metadata.creation_timestamp.map(|t| t.0), name));
+        }
+        aged.sort();
+        aged.into_iter().map(|(_, n)| n).collect()
+    }
+
+    /// The names of the Machines in the namespace that are not being deleted.
+    pub async fn machine_names(&self) -> Vec<String> {
+        self.capi
+            .api(Kind::Machine)
+            .list(&Default::default())
+            .await
+            .unwrap_or_else(|e| self.fail(&e.to_string()))
+            .items
+            .into_iter()
+            .filter(|m| m.metadata.deletion_timestamp.is_none())
+            .filter_map(|m| m.metadata.name)
+            .collect()
+    }
+
+    /// Waits for `n` full CA loops (from CA's own activity metric).
+    pub async fn wait_loops(&mut self, n: u32) {
+        let ca = self.ca.as_mut().expect("CA is running");
+        ca.wait_loops(n, Duration::from_secs(30 + 5 * u64::from(n)))
+            .await;
+    }
+
+    /// Prints the scenario's wall time.
+    pub fn passed(self) {
+        procs::announce(&format!(
+            "e2e: scenario {} passed in {:.1}s (real CAPI)",
+            self.name,
+            self.started.elapsed().as_secs_f64()
+        ));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Watches the Machines of `machines` and records each the first time it is seen being deleted
+/// (or, should the watch miss that, gone), with its mark at that moment.
+fn watch_deletions(
+    machines: Api<kube::api::DynamicObject>,
+    into: Arc<Mutex<BTreeMap<String, Deletion>>>,
+) -> AbortHandle {
+    tokio::spawn(async move {
+        let mut events = watcher(machines, watcher::Config::default()).boxed();
+        while let Some(event) = events.next().await {
+            let (object, gone) = match event {
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => (o, false),
+                Ok(watcher::Event::Delete(o)) => (o, true),
+                _ => continue,
+            };
+            if !gone && object.metadata.deletion_timestamp.is_none() {
+                continue;
+            }
+            let machine = object.metadata.name.clone().unwrap_or_default();
+            let marked = object
+                .metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(DELETE_MACHINE));
+            let node = object.data["status"]["nodeRef"]["name"]
+                .as_str()
+                .map(String::from);
+            lock(&into).entry(machine.clone()).or_insert(Deletion {
+                machine,
+                node,
+                marked,
+            });
+        }
+    })
+    .abort_handle()
+}
+
+/// Times of [`scale_up_and_down`].
+#[derive(Clone, Copy, Debug)]
+pub struct UpAndDown {
+    /// Pod created → replicas raised.
+    pub up: Duration,
+    /// Pod created → pod bound to the new Node.
+    pub bound: Duration,
+    /// Pod deleted → replicas back to 0, the Node gone.
+    pub down: Duration,
+}
+
+/// The core CA cycle on a zero-size MachineDeployment `md-a` (2 CPUs, 4Gi by capacity annotations;
+/// the stand-in template says nothing): a pod that fits only it makes CA scale it up from zero; CAPI
+/// makes the Machine, the stand-in its Node, the scheduler binds the pod there; once the pod is
+/// deleted CA removes the empty Node through DeleteNodes, and CAPI deletes exactly that Machine (it
+/// carried the mark) and its Node. Starts the provider (plus `provider_args`) and `ca` (built from
+/// [`RealScenario::autoscaler`] by the caller's `configure`).
+pub async fn scale_up_and_down(
+    s: &mut RealScenario,
+    provider_args: &[&str],
+    configure: impl FnOnce(Autoscaler) -> Autoscaler,
+) -> UpAndDown {
+    use super::workload::PodSpec;
+    s.template("md-a-tmpl", "2", "4Gi", false).await;
+    let md = RealScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 3, 0), "2", "4Gi");
+    s.create_md(&md).await;
+    s.start_provider(provider_args).await;
+    let ca = configure(s.autoscaler());
+    s.start_ca(ca).await;
+
+    let t0 = Instant::now();
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    s.wait_replicas("md-a", 1, Duration::from_secs(60)).await;
+    let up = t0.elapsed();
+    let node = workload::wait_bound(&s.client, &s.ns, "web", Duration::from_secs(60)).await;
+    let bound = t0.elapsed();
+    let nodes = workload::scenario_nodes(&s.client, &s.ns)
+        .await
+        .unwrap_or_else(|e| s.fail(&e));
+    s.check(
+        nodes == vec![node.clone()],
+        &format!("one Node, the pod's: {nodes:?}"),
+    );
+
+    let t1 = Instant::now();
+    workload::delete_pod(&s.client, &s.ns, "web").await;
+    s.wait_replicas("md-a", 0, Duration::from_secs(90)).await;
+    s.wait_nodes(&[]).await;
+    let down = t1.elapsed();
+    let deleted = s.deleted_marked();
+    s.check(
+        deleted == vec![node.clone()],
+        &format!("CAPI deleted the Machine of {node} for its mark: {deleted:?}"),
+    );
+    s.check_every_deletion_marked();
+    UpAndDown { up, bound, down }
+}
