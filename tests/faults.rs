@@ -417,8 +417,9 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         }
     };
 
-    // DeleteNodes: the mark is answered; the decrement that follows is held.
-    proxy.hold_after_next_answer();
+    // DeleteNodes: the group read, its Machines listed and the mark answered; the decrement that
+    // follows is held.
+    proxy.hold_after_answers(3);
     let removal = delete_nodes(
         &rpc,
         &id,
