@@ -100,6 +100,9 @@ enum Hold {
     /// number, passes; then, after as many more answers as the third number says (each to a
     /// request sent after the previous answer), [`Hold::NextRequest`].
     AfterAnswer(u64, u64, u32),
+    /// Like [`Hold::AfterAnswer`], then the answers to the requests sent from then on are held
+    /// (as by [`StallProxy::hold_answers`]).
+    AnswersAfter(u64, u64, u32),
     /// The connection that sends the next request is held (requests only).
     NextRequest,
     /// This connection's requests are held until [`StallProxy::resume`].
@@ -241,6 +244,16 @@ impl StallProxy {
     pub fn hold_answers(&self) {
         let epoch = self.shared.new_epoch();
         self.shared.down.send_replace(Gate::AnswersFrom(epoch));
+    }
+
+    /// Like [`hold_answers`](Self::hold_answers), from the request the provider sends after
+    /// `answers` answers (each to a request sent after the previous one) on connections that exist
+    /// now: DeleteNodes' group read and Machine list pass, its mark reaches the apiserver and its
+    /// answer is held.
+    pub fn hold_answers_after(&self, answers: u32) {
+        let epoch = self.shared.new_epoch();
+        let existing = self.shared.next_connection.load(Ordering::SeqCst);
+        *lock(&self.shared.hold) = Hold::AnswersAfter(epoch, existing, answers.max(1));
     }
 
     /// Requests (client→server) held; answers and watch events still reach the provider.
@@ -490,6 +503,18 @@ fn on_answer(shared: &ProxyShared, connection: &Connection) {
         } else {
             Hold::NextRequest
         };
+    } else if let Hold::AnswersAfter(epoch, existing, left) = &*hold
+        && request_epoch >= *epoch
+        && connection.id < *existing
+    {
+        if *left > 1 {
+            *hold = Hold::AnswersAfter(shared.new_epoch(), *existing, left - 1);
+        } else {
+            *hold = Hold::Off;
+            shared
+                .down
+                .send_replace(Gate::AnswersFrom(shared.new_epoch()));
+        }
     }
 }
 
