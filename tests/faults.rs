@@ -417,8 +417,9 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         }
     };
 
-    // DeleteNodes: the mark is answered; the decrement that follows is held.
-    proxy.hold_after_next_answer();
+    // DeleteNodes: the group read, its Machines listed and the mark answered; the decrement that
+    // follows is held.
+    proxy.hold_after_answers(3);
     let removal = delete_nodes(
         &rpc,
         &id,
@@ -627,7 +628,8 @@ async fn kill_between_mark_and_decrement(
 ) -> Instant {
     let capi = &env.capi;
     let (proxy, provider, rpc) = proxied_provider(env, &[]).await;
-    proxy.hold_answers();
+    // The provider reads the group and lists its Machines before it marks: those answers pass.
+    proxy.hold_answers_after(2);
     let call = {
         let rpc = rpc.clone();
         let id = id.to_string();

@@ -261,7 +261,6 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
 /// carried no mark and that CA had not named (md-down-…-52v2r, md-down-…-455s7): invariant 3 broken. Both are the provider's to fix
 /// (src/, issue 20); run it with `--ignored` to reproduce.
 #[tokio::test]
-#[ignore = "fails 4 in 9 on the real CAPI manager: a DeleteNodes outliving its replica's SIGTERM (issue 20)"]
 async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
     let mut s = RealCapiScenario::new("ha-standalone-rollout").await;
     s.create_md("md-down", 1, 6, 6, "2").await;

@@ -97,8 +97,12 @@ struct Connection {
 enum Hold {
     Off,
     /// The answer to a request sent in this epoch or later, on a connection older than the second
-    /// number, passes; then [`Hold::NextRequest`].
-    AfterAnswer(u64, u64),
+    /// number, passes; then, after as many more answers as the third number says (each to a
+    /// request sent after the previous answer), [`Hold::NextRequest`].
+    AfterAnswer(u64, u64, u32),
+    /// Like [`Hold::AfterAnswer`], then the answers to the requests sent from then on are held
+    /// (as by [`StallProxy::hold_answers`]).
+    AnswersAfter(u64, u64, u32),
     /// The connection that sends the next request is held (requests only).
     NextRequest,
     /// This connection's requests are held until [`StallProxy::resume`].
@@ -242,6 +246,16 @@ impl StallProxy {
         self.shared.down.send_replace(Gate::AnswersFrom(epoch));
     }
 
+    /// Like [`hold_answers`](Self::hold_answers), from the request the provider sends after
+    /// `answers` answers (each to a request sent after the previous one) on connections that exist
+    /// now: DeleteNodes' group read and Machine list pass, its mark reaches the apiserver and its
+    /// answer is held.
+    pub fn hold_answers_after(&self, answers: u32) {
+        let epoch = self.shared.new_epoch();
+        let existing = self.shared.next_connection.load(Ordering::SeqCst);
+        *lock(&self.shared.hold) = Hold::AnswersAfter(epoch, existing, answers.max(1));
+    }
+
     /// Requests (client→server) held; answers and watch events still reach the provider.
     pub fn hold_requests(&self) {
         self.shared.up.send_replace(Gate::Closed);
@@ -261,9 +275,16 @@ impl StallProxy {
     /// connections that exist now count: on a connection opened later, the first bytes after the
     /// TLS handshake are session tickets and settings, not an answer.
     pub fn hold_after_next_answer(&self) {
+        self.hold_after_answers(1);
+    }
+
+    /// Like [`hold_after_next_answer`](Self::hold_after_next_answer), for the request the provider
+    /// sends after `answers` answers, each to a request sent after the previous one (DeleteNodes:
+    /// the group read, the Machines listed and the mark answered, then the decrement).
+    pub fn hold_after_answers(&self, answers: u32) {
         let epoch = self.shared.new_epoch();
         let existing = self.shared.next_connection.load(Ordering::SeqCst);
-        *lock(&self.shared.hold) = Hold::AfterAnswer(epoch, existing);
+        *lock(&self.shared.hold) = Hold::AfterAnswer(epoch, existing, answers.max(1));
     }
 
     /// Whether a connection's requests are held now.
@@ -472,11 +493,28 @@ fn on_request(shared: &ProxyShared, connection: &Arc<Connection>) {
 fn on_answer(shared: &ProxyShared, connection: &Connection) {
     let mut hold = lock(&shared.hold);
     let request_epoch = connection.request_epoch.load(Ordering::SeqCst);
-    if let Hold::AfterAnswer(epoch, existing) = &*hold
+    if let Hold::AfterAnswer(epoch, existing, left) = &*hold
         && request_epoch >= *epoch
         && connection.id < *existing
     {
-        *hold = Hold::NextRequest;
+        *hold = if *left > 1 {
+            // The next answer counts only once a request was sent after this one.
+            Hold::AfterAnswer(shared.new_epoch(), *existing, left - 1)
+        } else {
+            Hold::NextRequest
+        };
+    } else if let Hold::AnswersAfter(epoch, existing, left) = &*hold
+        && request_epoch >= *epoch
+        && connection.id < *existing
+    {
+        if *left > 1 {
+            *hold = Hold::AnswersAfter(shared.new_epoch(), *existing, left - 1);
+        } else {
+            *hold = Hold::Off;
+            shared
+                .down
+                .send_replace(Gate::AnswersFrom(shared.new_epoch()));
+        }
     }
 }
 
