@@ -25,7 +25,7 @@ use support::capi::{Capi, Kind, apply_cluster_role, shipped_cluster_role};
 use support::pki::{self, Ca};
 use support::procs::{self, Check, poll_until};
 use support::provider::start_provider_tls;
-use support::real_scenario::{CLUSTER, RealScenario, scale_up_and_down};
+use support::real_capi_scenario::{CLUSTER, RealCapiScenario, scale_up_and_down};
 use support::standin;
 use support::workload::{self, PodSpec};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
@@ -43,7 +43,7 @@ const TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
 /// deletes that Machine, which carried the mark, replicas back to 0.
 #[tokio::test]
 async fn scale_up_from_zero_with_capacity_annotations_and_back_down() {
-    let mut s = RealScenario::new("scale-from-zero-annotations").await;
+    let mut s = RealCapiScenario::new("scale-from-zero-annotations").await;
     let times = scale_up_and_down(&mut s, &[], |ca| ca).await;
     let reasons = workload::pod_event_reasons(&s.client, &s.ns, "web").await;
     s.check(
@@ -58,11 +58,11 @@ async fn scale_up_from_zero_with_capacity_annotations_and_back_down() {
 /// a pod that needs 3 CPUs scales the 4-CPU template group, not the 2-CPU annotated one.
 #[tokio::test]
 async fn scale_up_from_zero_with_infrastructure_template_capacity() {
-    let mut s = RealScenario::new("scale-from-zero-infra-template").await;
+    let mut s = RealCapiScenario::new("scale-from-zero-infra-template").await;
     s.template("md-big-tmpl", "4", "8Gi", true).await;
     s.template("md-small-tmpl", "2", "4Gi", false).await;
     s.create_md(&s.md("md-big", "md-big-tmpl", 0, 3, 0)).await;
-    let small = RealScenario::capacity(s.md("md-small", "md-small-tmpl", 0, 3, 0), "2", "4Gi");
+    let small = RealCapiScenario::capacity(s.md("md-small", "md-small-tmpl", 0, 3, 0), "2", "4Gi");
     s.create_md(&small).await;
     s.start_provider(&[]).await;
     s.start_ca(s.autoscaler()).await;
@@ -83,7 +83,7 @@ async fn scale_up_from_zero_with_infrastructure_template_capacity() {
 /// CA does not scale it (its replicas stay 0 over several loops) and says so on the pod.
 #[tokio::test]
 async fn no_scale_up_without_a_template() {
-    let mut s = RealScenario::new("no-template").await;
+    let mut s = RealCapiScenario::new("no-template").await;
     s.template("md-blank-tmpl", "2", "4Gi", false).await;
     s.create_md(&s.md("md-blank", "md-blank-tmpl", 0, 3, 0))
         .await;
@@ -108,9 +108,9 @@ async fn no_scale_up_without_a_template() {
 /// further, however many loops pass, and reports the rest as not triggering a scale-up.
 #[tokio::test]
 async fn max_size_is_respected() {
-    let mut s = RealScenario::new("max-respected").await;
+    let mut s = RealCapiScenario::new("max-respected").await;
     s.template("md-a-tmpl", "2", "4Gi", true).await;
-    let md = RealScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 2, 0), "2", "4Gi");
+    let md = RealCapiScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 2, 0), "2", "4Gi");
     s.create_md(&md).await;
     s.start_provider(&[]).await;
     s.start_ca(s.autoscaler()).await;
@@ -139,9 +139,9 @@ async fn max_size_is_respected() {
 /// is marked or deleted and replicas are unchanged.
 #[tokio::test]
 async fn min_size_is_respected() {
-    let mut s = RealScenario::new("min-respected").await;
+    let mut s = RealCapiScenario::new("min-respected").await;
     s.template("md-a-tmpl", "2", "4Gi", true).await;
-    let md = RealScenario::capacity(s.md("md-a", "md-a-tmpl", 1, 3, 1), "2", "4Gi");
+    let md = RealCapiScenario::capacity(s.md("md-a", "md-a-tmpl", 1, 3, 1), "2", "4Gi");
     s.create_md(&md).await;
     s.wait_node_count(1).await;
     s.start_provider(&[]).await;
@@ -156,7 +156,7 @@ async fn min_size_is_respected() {
     );
     let marked = s.capi.marked_machines().await;
     s.check(marked.is_empty(), &format!("no Machine marked: {marked:?}"));
-    let deletions = s.deletions();
+    let deletions = s.deletions.all();
     s.check(
         deletions.is_empty(),
         &format!("no Machine deleted: {deletions:?}"),
@@ -170,7 +170,7 @@ async fn min_size_is_respected() {
 /// Node), then back down when the pod goes: replicas 0, the instance dropped, its Node deleted.
 #[tokio::test]
 async fn machine_pool_scales_up_and_down() {
-    let mut s = RealScenario::new("machinepool").await;
+    let mut s = RealCapiScenario::new("machinepool").await;
     let pools = Api::<DynamicObject>::namespaced_with(
         s.client.clone(),
         &s.ns,
@@ -181,7 +181,7 @@ async fn machine_pool_scales_up_and_down() {
     if let Err(e) = pools.create(&PostParams::default(), &infra).await {
         s.fail(&format!("create {} pool: {e}", standin::MACHINE_POOL_KIND));
     }
-    let mut mp = RealScenario::capacity(s.md("pool", "unused", 0, 3, 0), "2", "4Gi");
+    let mut mp = RealCapiScenario::capacity(s.md("pool", "unused", 0, 3, 0), "2", "4Gi");
     mp["kind"] = json!("MachinePool");
     mp["spec"] = json!({
         "clusterName": CLUSTER,
@@ -281,13 +281,14 @@ async fn machine_pool_scales_up_and_down() {
 /// each round trip can let CAPI replace the Machine, so how many were made before is CA's timing.)
 #[tokio::test]
 async fn unprovisioned_machine_is_given_up_and_another_group_scales() {
-    let mut s = RealScenario::new("provision-failure").await;
+    let mut s = RealCapiScenario::new("provision-failure").await;
     s.template("md-broken-tmpl", "2", "4Gi", true).await;
     s.template("md-spare-tmpl", "4", "8Gi", true).await;
     s.standin.hold("md-broken-tmpl");
     // The broken group is the better fit (least waste), so CA tries it first.
-    let broken = RealScenario::capacity(s.md("md-broken", "md-broken-tmpl", 0, 3, 0), "2", "4Gi");
-    let spare = RealScenario::capacity(s.md("md-spare", "md-spare-tmpl", 0, 3, 0), "4", "8Gi");
+    let broken =
+        RealCapiScenario::capacity(s.md("md-broken", "md-broken-tmpl", 0, 3, 0), "2", "4Gi");
+    let spare = RealCapiScenario::capacity(s.md("md-spare", "md-spare-tmpl", 0, 3, 0), "4", "8Gi");
     s.create_md(&broken).await;
     s.create_md(&spare).await;
     s.start_provider(&[]).await;
@@ -331,8 +332,9 @@ async fn unprovisioned_machine_is_given_up_and_another_group_scales() {
     if let Err(e) = left {
         s.fail(&e);
     }
-    let made = |s: &RealScenario| -> BTreeSet<String> {
-        s.deletions()
+    let made = |s: &RealCapiScenario| -> BTreeSet<String> {
+        s.deletions
+            .all()
             .into_iter()
             .map(|d| d.machine)
             .filter(|m| m.starts_with("md-broken"))
@@ -391,11 +393,12 @@ async fn unprovisioned_machine_is_given_up_and_another_group_scales() {
 #[tokio::test]
 async fn a_second_clusters_groups_are_never_touched_while_the_first_scales() {
     const PROVISION: Duration = Duration::from_secs(15);
-    let mut s = RealScenario::new("two-clusters").await;
+    let mut s = RealCapiScenario::new("two-clusters").await;
     standin::workload_cluster(&s.client, s.cp, &s.ns, "other").await;
     s.template("md-other-tmpl", "2", "4Gi", true).await;
     s.standin.hold("md-other-tmpl");
-    let mut other = RealScenario::capacity(s.md("md-other", "md-other-tmpl", 0, 5, 2), "2", "4Gi");
+    let mut other =
+        RealCapiScenario::capacity(s.md("md-other", "md-other-tmpl", 0, 5, 2), "2", "4Gi");
     other["spec"]["clusterName"] = "other".into();
     other["spec"]["template"]["spec"]["clusterName"] = "other".into();
     s.create_md(&other).await;
@@ -423,7 +426,7 @@ async fn a_second_clusters_groups_are_never_touched_while_the_first_scales() {
     .await
     .unwrap_or_else(|e| s.fail(&e));
     s.template("md-a-tmpl", "2", "4Gi", true).await;
-    let md = RealScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 3, 0), "2", "4Gi");
+    let md = RealCapiScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 3, 0), "2", "4Gi");
     s.create_md(&md).await;
     let cluster = format!("{}/{CLUSTER}", s.ns);
     s.start_provider(&["--cluster", &cluster]).await;
@@ -480,14 +483,14 @@ async fn a_second_clusters_groups_are_never_touched_while_the_first_scales() {
 /// (the expensive one is the tighter fit, so least-waste would have picked it).
 #[tokio::test]
 async fn price_expander_chooses_the_cheaper_group() {
-    let mut s = RealScenario::new("price-expander").await;
+    let mut s = RealCapiScenario::new("price-expander").await;
     s.template("md-dear-tmpl", "2", "4Gi", true).await;
     s.template("md-cheap-tmpl", "4", "8Gi", true).await;
-    let dear = RealScenario::capacity(s.md("md-dear", "md-dear-tmpl", 0, 3, 0), "2", "4Gi");
-    let cheap = RealScenario::capacity(s.md("md-cheap", "md-cheap-tmpl", 0, 3, 0), "4", "8Gi");
-    s.create_md(&RealScenario::annotation(dear, PRICE, "2.0"))
+    let dear = RealCapiScenario::capacity(s.md("md-dear", "md-dear-tmpl", 0, 3, 0), "2", "4Gi");
+    let cheap = RealCapiScenario::capacity(s.md("md-cheap", "md-cheap-tmpl", 0, 3, 0), "4", "8Gi");
+    s.create_md(&RealCapiScenario::annotation(dear, PRICE, "2.0"))
         .await;
-    s.create_md(&RealScenario::annotation(cheap, PRICE, "0.1"))
+    s.create_md(&RealCapiScenario::annotation(cheap, PRICE, "0.1"))
         .await;
     s.start_provider(&[]).await;
     s.start_ca(s.autoscaler().flag("--expander=price")).await;
@@ -508,13 +511,13 @@ async fn price_expander_chooses_the_cheaper_group() {
 /// one-per-node pods, two nodes each.
 #[tokio::test]
 async fn balance_similar_node_groups_spreads_over_zones() {
-    let mut s = RealScenario::new("balance-zones").await;
+    let mut s = RealCapiScenario::new("balance-zones").await;
     for (md, zone) in [("md-zone-a", "zone-a"), ("md-zone-b", "zone-b")] {
         let label = format!("topology.kubernetes.io/zone={zone}");
         let template = format!("{md}-tmpl");
         s.template(&template, "2", "4Gi", true).await;
         let group = s.labels(s.md(md, &template, 0, 4, 0), &[label.as_str()]);
-        s.create_md(&RealScenario::capacity(group, "2", "4Gi"))
+        s.create_md(&RealCapiScenario::capacity(group, "2", "4Gi"))
             .await;
     }
     s.start_provider(&[]).await;
@@ -536,12 +539,12 @@ async fn balance_similar_node_groups_spreads_over_zones() {
 /// the other keeps its.
 #[tokio::test]
 async fn per_group_scale_down_unneeded_time() {
-    let mut s = RealScenario::new("per-group-unneeded-time").await;
+    let mut s = RealCapiScenario::new("per-group-unneeded-time").await;
     s.template("md-fast-tmpl", "2", "4Gi", true).await;
     s.template("md-slow-tmpl", "2", "4Gi", true).await;
-    let fast = RealScenario::capacity(s.md("md-fast", "md-fast-tmpl", 0, 3, 1), "2", "4Gi");
-    let slow = RealScenario::capacity(s.md("md-slow", "md-slow-tmpl", 0, 3, 1), "2", "4Gi");
-    s.create_md(&RealScenario::annotation(fast, OPTION_UNNEEDED, "2s"))
+    let fast = RealCapiScenario::capacity(s.md("md-fast", "md-fast-tmpl", 0, 3, 1), "2", "4Gi");
+    let slow = RealCapiScenario::capacity(s.md("md-slow", "md-slow-tmpl", 0, 3, 1), "2", "4Gi");
+    s.create_md(&RealCapiScenario::annotation(fast, OPTION_UNNEEDED, "2s"))
         .await;
     s.create_md(&slow).await;
     let nodes = s.wait_node_count(2).await;
@@ -575,12 +578,12 @@ async fn per_group_scale_down_unneeded_time() {
 /// template cannot scale from zero, but CA still scales the group described by annotations.
 #[tokio::test]
 async fn unreadable_template_does_not_stop_other_groups() {
-    let mut s = RealScenario::new("rbac-template").await;
+    let mut s = RealCapiScenario::new("rbac-template").await;
     s.template("md-infra-tmpl", "8", "16Gi", true).await;
     s.template("md-annotated-tmpl", "2", "4Gi", false).await;
     s.create_md(&s.md("md-infra", "md-infra-tmpl", 0, 3, 0))
         .await;
-    let annotated = RealScenario::capacity(
+    let annotated = RealCapiScenario::capacity(
         s.md("md-annotated", "md-annotated-tmpl", 0, 3, 0),
         "2",
         "4Gi",
@@ -618,9 +621,9 @@ async fn unreadable_template_does_not_stop_other_groups() {
 /// back within the grace period plus a repair interval.
 #[tokio::test]
 async fn restarts_in_the_middle_of_a_scale_down_lose_nothing() {
-    let mut s = RealScenario::new("restart-mid-scale-down").await;
+    let mut s = RealCapiScenario::new("restart-mid-scale-down").await;
     s.template("md-a-tmpl", "2", "4Gi", true).await;
-    let md = RealScenario::capacity(s.md("md-a", "md-a-tmpl", 1, 4, 4), "2", "4Gi");
+    let md = RealCapiScenario::capacity(s.md("md-a", "md-a-tmpl", 1, 4, 4), "2", "4Gi");
     s.create_md(&md).await;
     s.wait_node_count(4).await;
     s.start_provider(&[]).await;
@@ -722,9 +725,9 @@ async fn restarts_in_the_middle_of_a_scale_down_lose_nothing() {
 /// scale-up from zero goes through.
 #[tokio::test]
 async fn autoscaler_over_mutual_tls() {
-    let mut s = RealScenario::new("mtls").await;
+    let mut s = RealCapiScenario::new("mtls").await;
     s.template("md-a-tmpl", "2", "4Gi", true).await;
-    let md = RealScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 3, 0), "2", "4Gi");
+    let md = RealCapiScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 3, 0), "2", "4Gi");
     s.create_md(&md).await;
     let dir = procs::work_dir().join(format!("mtls-{}", s.ns));
     std::fs::create_dir_all(&dir).expect("create the mTLS directory");
@@ -775,7 +778,7 @@ async fn autoscaler_over_mutual_tls() {
 // ---------------------------------------------------------------------------------------------------
 
 /// Waits until exactly `n` of `pods` are bound.
-async fn wait_bound_count(s: &RealScenario, pods: &[&str], n: usize) {
+async fn wait_bound_count(s: &RealCapiScenario, pods: &[&str], n: usize) {
     let (client, ns) = (&s.client, &s.ns);
     let result = poll_until(
         &format!("{n} pods bound"),
@@ -802,7 +805,7 @@ async fn wait_bound_count(s: &RealScenario, pods: &[&str], n: usize) {
 }
 
 /// Waits until pod `pod` has an Event with `reason`.
-async fn wait_pod_event(s: &RealScenario, pod: &str, reason: &str) {
+async fn wait_pod_event(s: &RealCapiScenario, pod: &str, reason: &str) {
     let (client, ns) = (&s.client, &s.ns);
     let result = poll_until(
         &format!("Event {reason} on {pod}"),
@@ -824,7 +827,7 @@ async fn wait_pod_event(s: &RealScenario, pod: &str, reason: &str) {
 }
 
 /// Waits until MachinePool `pool`'s `spec.replicas` is `want`.
-async fn wait_pool(s: &RealScenario, want: i64, timeout: Duration) {
+async fn wait_pool(s: &RealCapiScenario, want: i64, timeout: Duration) {
     let capi = &s.capi;
     let result = poll_until(
         &format!("MachinePool pool replicas = {want}"),

@@ -15,7 +15,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::Api;
 
 use support::autoscaler::{default_version, versions};
-use support::real_scenario::{RealScenario, scale_up_and_down};
+use support::real_capi_scenario::{RealCapiScenario, scale_up_and_down};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_pinned_autoscaler_scales_up_from_zero_and_down_through_real_capi() {
@@ -30,7 +30,7 @@ async fn every_pinned_autoscaler_scales_up_from_zero_and_down_through_real_capi(
             tokio::spawn(async move {
                 let started = Instant::now();
                 let name = format!("matrix-{version}-{capi_version}");
-                let mut s = RealScenario::new(&name).await;
+                let mut s = RealCapiScenario::new(&name).await;
                 if capi_version == "v1beta1" {
                     served_by_conversion(&s).await;
                 }
@@ -63,7 +63,7 @@ async fn every_pinned_autoscaler_scales_up_from_zero_and_down_through_real_capi(
 
 /// Fails unless MachineDeployments are stored at v1beta2 and served at v1beta1 through CAPI's
 /// conversion webhook, as in a management cluster upgraded to CAPI 1.14.
-async fn served_by_conversion(s: &RealScenario) {
+async fn served_by_conversion(s: &RealCapiScenario) {
     let crds: Api<CustomResourceDefinition> = Api::all(s.client.clone());
     let crd = crds
         .get(&format!("machinedeployments.{}", support::CAPI_GROUP))

@@ -31,9 +31,8 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use serde_json::Value;
 use support::autoscaler::{self, Autoscaler, http_get, metric_sum};
-use support::capi::DEFAULT_CLUSTER;
 use support::procs::{self, Check, poll_until};
-use support::real_capi_scenario::RealCapiScenario;
+use support::real_capi_scenario::{CLUSTER, RealCapiScenario};
 use support::render;
 use support::workload::{self, PodSpec};
 
@@ -175,8 +174,8 @@ async fn moving_from_the_in_tree_chart_keeps_one_leader_at_every_moment() {
         &old_values,
         &format!(
             "cloudProvider: clusterapi\nclusterAPIMode: kubeconfig-incluster\n\
-             clusterAPIKubeconfigSecret: {DEFAULT_CLUSTER}-kubeconfig\n\
-             autoDiscovery:\n  clusterName: {DEFAULT_CLUSTER}\n  namespace: {ns}\n\
+             clusterAPIKubeconfigSecret: {CLUSTER}-kubeconfig\n\
+             autoDiscovery:\n  clusterName: {CLUSTER}\n  namespace: {ns}\n\
              image:\n  tag: v{version}\n",
             ns = s.ns,
             version = autoscaler::default_version()
@@ -218,7 +217,8 @@ async fn moving_from_the_in_tree_chart_keeps_one_leader_at_every_moment() {
     );
 
     // A group at zero that only the new stack will scale (pods come once it leads).
-    s.create_md("md-0", 0, 2, 0, "2").await;
+    s.template("md-0", "2", "4Gi", true).await;
+    s.create_md(&s.md("md-0", "md-0", 0, 2, 0)).await;
     autoscaler::ensure_scheduler(s.cp);
     let timings: Vec<String> = Autoscaler::new(&s.ns, "").flags;
 

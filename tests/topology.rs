@@ -86,7 +86,8 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
         "each CA runs under its own pod's hostname (its Lease identity) in a UTS namespace: run as root"
     );
     let mut s = RealCapiScenario::new(name).await;
-    s.create_md("md-a", 1, 6, 6, "2").await;
+    s.template("md-a", "2", "4Gi", true).await;
+    s.create_md(&s.md("md-a", "md-a", 1, 6, 6)).await;
     let nodes = s.wait_machines_with_nodes("md-a", 6).await;
     // The first by name are busy: a decrement without a mark makes CAPI (deletion order Random,
     // ties by name) delete the first, so a double decrement would take a busy node.
@@ -260,9 +261,11 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
 #[tokio::test]
 async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
     let mut s = RealCapiScenario::new("ha-standalone-rollout").await;
-    s.create_md("md-down", 1, 6, 6, "2").await;
+    s.template("md-down", "2", "4Gi", true).await;
+    s.create_md(&s.md("md-down", "md-down", 1, 6, 6)).await;
     // md-up's Nodes have 4 CPUs: the 3-CPU pods fit only them.
-    s.create_md("md-up", 0, 4, 0, "4").await;
+    s.template("md-up", "4", "4Gi", true).await;
+    s.create_md(&s.md("md-up", "md-up", 0, 4, 0)).await;
     let nodes = s.wait_machines_with_nodes("md-down", 6).await;
     let busy = nodes[..2].to_vec();
     occupy(&s, &busy).await;

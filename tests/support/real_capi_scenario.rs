@@ -1,10 +1,11 @@
-//! One scenario with the real cluster-autoscaler on the real Cluster API manager (`capi_manager`): its
-//! own namespace with a Cluster of the stand-in (`standin::workload_cluster`), the stand-in cloud and
-//! kubelets, MachineDeployments on stand-in templates, this provider limited to the namespace, and a
-//! record of every Machine deletion taken from a watch ([`MachineDeletions`]), which is how a test
-//! knows whether CAPI deleted a Machine that carried no delete mark.
+//! One scenario with the real cluster-autoscaler on the real Cluster API manager (the one of this
+//! test binary, `capi_manager`): its own namespace with Cluster [`CLUSTER`] of the stand-in
+//! (`standin::workload_cluster`), the stand-in cloud and kubelets, MachineDeployments on stand-in
+//! templates, this provider limited to the namespace by auto-discovery, a CA process pointed at it,
+//! and a record of every Machine deletion taken from a watch ([`MachineDeletions`]), which is how a
+//! test knows whether CAPI deleted a Machine that carried no delete mark.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,21 +14,31 @@ use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{DynamicObject, ListParams, WatchEvent, WatchParams};
 use kube::{Api, Client};
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::task::AbortHandle;
 
 use super::autoscaler::{Autoscaler, AutoscalerProcess};
-use super::capi::{Capi, DEFAULT_CLUSTER, Kind};
+use super::capi::{Capi, Kind};
 use super::capi_manager::{CapiManager, capi_manager};
 use super::control_plane::ControlPlane;
 use super::procs::{self, Check, poll_until};
-use super::real_capi::{self, DELETE_MACHINE};
+use super::real_capi::{self, CAPACITY, DELETE_MACHINE, MAX_SIZE, MIN_SIZE, api, create};
 use super::standin::{self, StandIn};
 use super::workload::{self, scenario_labels};
 use super::{CAPI_GROUP, ProviderProcess, start_provider};
 
-/// Capacity annotation prefix (only `labels` is used: the size is the stand-in template's status).
-const CAPACITY: &str = "capacity.cluster-autoscaler.kubernetes.io";
+/// The Cluster every scenario's groups belong to (unless a scenario makes another).
+pub const CLUSTER: &str = "workload";
+
+/// A Machine CAPI began to delete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deletion {
+    pub machine: String,
+    /// The Node of its `status.nodeRef` (the stand-in names Nodes after their Machines).
+    pub node: Option<String>,
+    /// Whether it carried `cluster.x-k8s.io/delete-machine` when its deletion began.
+    pub marked: bool,
+}
 
 pub struct RealCapiScenario {
     pub name: String,
@@ -35,7 +46,7 @@ pub struct RealCapiScenario {
     pub cp: &'static ControlPlane,
     pub client: Client,
     pub ns: String,
-    /// The namespace's Cluster API objects, read at v1beta2.
+    /// The namespace's Cluster API objects at v1beta2 (the storage version).
     pub capi: Capi,
     pub standin: StandIn,
     pub deletions: MachineDeletions,
@@ -45,15 +56,16 @@ pub struct RealCapiScenario {
 }
 
 impl RealCapiScenario {
-    /// A fresh namespace on the real-CAPI control plane with Cluster [`DEFAULT_CLUSTER`] ready, the
-    /// stand-in running and Machine deletions recorded.
+    /// A fresh namespace on the real manager's control plane with Cluster [`CLUSTER`] ready (its
+    /// infrastructure provisioned, control plane initialized, remote connection up), the stand-in
+    /// running and Machine deletions recorded.
     pub async fn new(name: &str) -> RealCapiScenario {
         let started = Instant::now();
         let manager = capi_manager();
         let cp = manager.cp;
         let client = cp.admin_client().await;
         let ns = cp.fresh_namespace().await;
-        standin::workload_cluster(&client, cp, &ns, DEFAULT_CLUSTER).await;
+        standin::workload_cluster(&client, cp, &ns, CLUSTER).await;
         let standin = StandIn::start(client.clone(), &ns);
         let capi = Capi::new(client.clone(), &ns, CAPI_GROUP, "v1beta2");
         let deletions = MachineDeletions::start(&capi).await;
@@ -73,28 +85,78 @@ impl RealCapiScenario {
         }
     }
 
-    /// Creates a stand-in template `name` whose Nodes have `cpu` CPUs, 4Gi and 110 pods (in its
-    /// status, the scale-from-zero contract) and MachineDeployment `name` on it with bounds and
-    /// `replicas`; its template nodes carry the scenario label (the labels annotation), as the
-    /// stand-in's Nodes do.
-    pub async fn create_md(&self, name: &str, min: i64, max: i64, replicas: i64, cpu: &str) {
-        let size = [("cpu", cpu), ("memory", "4Gi"), ("pods", "110")];
-        standin::create_template(&self.client, &self.ns, name, &size).await;
-        let mut md = real_capi::machine_deployment(
-            name,
-            DEFAULT_CLUSTER,
-            name,
-            &min.to_string(),
-            &max.to_string(),
-        );
-        md["spec"]["replicas"] = json!(replicas);
+    /// A stand-in machine template whose Nodes have `cpu` and `memory` (110 pods), in its status
+    /// (the scale-from-zero contract) unless `in_status` is false: then the template says nothing
+    /// and the stand-in's Nodes get its default 2 CPUs / 4Gi.
+    pub async fn template(&self, name: &str, cpu: &str, memory: &str, in_status: bool) {
+        let size = [("cpu", cpu), ("memory", memory), ("pods", "110")];
+        let size: &[(&str, &str)] = if in_status { &size } else { &[] };
+        standin::create_template(&self.client, &self.ns, name, size).await;
+    }
+
+    /// A v1beta2 MachineDeployment of [`CLUSTER`] on stand-in template `template`, with autoscaler
+    /// bounds, `replicas` and the scenario label on its Nodes' template (capacity annotation
+    /// `labels`).
+    pub fn md(&self, name: &str, template: &str, min: i64, max: i64, replicas: i64) -> Value {
+        json!({
+            "apiVersion": format!("{CAPI_GROUP}/v1beta2"),
+            "kind": "MachineDeployment",
+            "metadata": {"name": name, "annotations": {
+                MIN_SIZE: min.to_string(),
+                MAX_SIZE: max.to_string(),
+                format!("{CAPACITY}/labels"): scenario_labels(&self.ns, &[]),
+            }},
+            "spec": {
+                "clusterName": CLUSTER,
+                "replicas": replicas,
+                "selector": {"matchLabels": {}},
+                "template": {"spec": {
+                    "clusterName": CLUSTER,
+                    "version": standin::KUBERNETES_VERSION,
+                    "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
+                    "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, template),
+                }},
+            },
+        })
+    }
+
+    /// Capacity annotations on MachineDeployment `md`: cpu, memory and 110 pods.
+    pub fn capacity(mut md: Value, cpu: &str, memory: &str) -> Value {
+        let annotations = &mut md["metadata"]["annotations"];
+        annotations[format!("{CAPACITY}/cpu")] = json!(cpu);
+        annotations[format!("{CAPACITY}/memory")] = json!(memory);
+        annotations[format!("{CAPACITY}/maxPods")] = json!("110");
+        md
+    }
+
+    /// `md` with annotation `key: value`.
+    pub fn annotation(mut md: Value, key: &str, value: &str) -> Value {
+        md["metadata"]["annotations"][key] = json!(value);
+        md
+    }
+
+    /// Extra template labels (`k=v`) besides the scenario label.
+    pub fn labels(&self, mut md: Value, extra: &[&str]) -> Value {
         md["metadata"]["annotations"][format!("{CAPACITY}/labels")] =
-            json!(scenario_labels(&self.ns, &[]));
-        real_capi::create(&self.capi.api(Kind::MachineDeployment), &md)
-            .await
-            .unwrap_or_else(|e| {
-                self.fail(&format!("create MachineDeployment {}/{name}: {e}", self.ns))
-            });
+            json!(scenario_labels(&self.ns, extra));
+        md
+    }
+
+    /// Creates MachineDeployment `md` (through CAPI's webhooks).
+    pub async fn create_md(&self, md: &Value) {
+        let mds = api(&self.client, &self.ns, "v1beta2", "MachineDeployment");
+        if let Err(e) = create(&mds, md).await {
+            self.fail(&format!(
+                "create MachineDeployment {}/{}: {e}",
+                self.ns, md["metadata"]["name"]
+            ));
+        }
+    }
+
+    /// Starts the provider limited to this namespace (plus `args`) with the admin identity.
+    pub async fn start_provider(&mut self, args: &[&str]) -> &ProviderProcess {
+        let kubeconfig = self.cp.admin_kubeconfig().to_path_buf();
+        self.start_provider_as(&kubeconfig, args).await
     }
 
     /// Starts the provider limited to this namespace (plus `args`) with the identity of `kubeconfig`.
@@ -110,19 +172,49 @@ impl RealCapiScenario {
         self.provider.insert(provider)
     }
 
-    /// Starts the provider limited to this namespace (plus `args`) with the admin identity.
-    pub async fn start_provider(&mut self, args: &[&str]) -> &ProviderProcess {
-        let kubeconfig = self.cp.admin_kubeconfig().to_path_buf();
-        self.start_provider_as(&kubeconfig, args).await
+    /// CA's defaults for this scenario, pointed at the running provider.
+    pub fn autoscaler(&self) -> Autoscaler {
+        let provider = self
+            .provider
+            .as_ref()
+            .expect("start the provider before CA");
+        Autoscaler::new(&self.ns, &provider.address)
     }
 
-    /// Starts `ca`.
+    /// Starts `ca` (see [`RealCapiScenario::autoscaler`]).
     pub async fn start_ca(&mut self, ca: Autoscaler) -> &mut AutoscalerProcess {
         let process = ca.start(self.cp).await;
         self.ca.insert(process)
     }
 
-    /// The provider, CA, stand-in and CAPI manager logs, for failure messages.
+    /// The Nodes of the Machines CAPI deleted that carried the mark, sorted.
+    pub fn deleted_marked(&self) -> Vec<String> {
+        let mut nodes: Vec<String> = self
+            .deletions
+            .all()
+            .into_iter()
+            .filter(|d| d.marked)
+            .map(|d| d.node.unwrap_or(d.machine))
+            .collect();
+        nodes.sort();
+        nodes
+    }
+
+    /// Fails unless every Machine CAPI deleted carried the mark (CAPI deleted none on its own).
+    pub fn check_every_deletion_marked(&self) {
+        let unmarked: Vec<Deletion> = self
+            .deletions
+            .all()
+            .into_iter()
+            .filter(|d| !d.marked)
+            .collect();
+        self.check(
+            unmarked.is_empty(),
+            &format!("CAPI deleted Machines without the mark: {unmarked:?}"),
+        );
+    }
+
+    /// The provider, CA and manager logs and the stand-in's record, for failure messages.
     pub fn logs(&self) -> String {
         let mut out = String::new();
         if let Some(ca) = &self.ca {
@@ -141,11 +233,17 @@ impl RealCapiScenario {
             ));
         }
         out.push_str(&format!(
-            "stand-in errors: {:?}\nMachine deletions seen: {:?}\n--- CAPI manager log {} (tail) ---\n{}\n",
-            self.standin.errors(),
-            self.deletions.seen(),
+            "--- CAPI manager log {} (tail) ---\n{}\n",
             self.manager.log.display(),
             self.manager.log_tail()
+        ));
+        let actions = self.standin.actions();
+        let last = &actions[actions.len().saturating_sub(20)..];
+        out.push_str(&format!(
+            "stand-in errors: {:?}; last actions: {:?}\ndeletions: {:?}\n",
+            self.standin.errors(),
+            last.iter().map(|(_, a)| a).collect::<Vec<_>>(),
+            self.deletions.all()
         ));
         out
     }
@@ -162,19 +260,23 @@ impl RealCapiScenario {
         }
     }
 
-    /// Waits until `spec.replicas` of MachineDeployment `name` is `want`.
-    pub async fn wait_replicas(&self, name: &str, want: i64, timeout: Duration) {
+    /// MachineDeployment `md`'s `spec.replicas` now.
+    pub async fn replicas(&self, md: &str) -> i64 {
+        self.capi.replicas(Kind::MachineDeployment, md).await
+    }
+
+    /// Waits until `spec.replicas` of MachineDeployment `md` is `want`.
+    pub async fn wait_replicas(&self, md: &str, want: i64, timeout: Duration) {
         let capi = &self.capi;
         let result = poll_until(
-            &format!("MachineDeployment {}/{name} replicas = {want}", self.ns),
+            &format!("MachineDeployment {}/{md} replicas = {want}", self.ns),
             timeout,
             Duration::from_millis(100),
             || async move {
-                let got = capi.replicas(Kind::MachineDeployment, name).await;
-                if got == want {
-                    Check::Done(())
-                } else {
-                    Check::Wait(format!("replicas {got}"))
+                match capi.api(Kind::MachineDeployment).get(md).await {
+                    Ok(o) if o.data["spec"]["replicas"] == json!(want) => Check::Done(()),
+                    Ok(o) => Check::Wait(format!("replicas {}", o.data["spec"]["replicas"])),
+                    Err(e) => Check::Wait(e.to_string()),
                 }
             },
         )
@@ -182,6 +284,105 @@ impl RealCapiScenario {
         if let Err(e) = result {
             self.fail(&e);
         }
+    }
+
+    /// Waits until the scenario's Nodes are exactly `want` (by name).
+    pub async fn wait_nodes(&self, want: &[String]) {
+        let want: BTreeSet<String> = want.iter().cloned().collect();
+        let (client, ns) = (&self.client, &self.ns);
+        let result = poll_until(
+            "the scenario's Nodes",
+            Duration::from_secs(90),
+            Duration::from_millis(100),
+            || {
+                let want = want.clone();
+                async move {
+                    let got: BTreeSet<String> = match workload::scenario_nodes(client, ns).await {
+                        Ok(names) => names.into_iter().collect(),
+                        Err(e) => return Check::Wait(e),
+                    };
+                    if got == want {
+                        Check::Done(())
+                    } else {
+                        Check::Wait(format!("Nodes {got:?}, want {want:?}"))
+                    }
+                }
+            },
+        )
+        .await;
+        if let Err(e) = result {
+            self.fail(&e);
+        }
+    }
+
+    /// Waits until the scenario has `n` Ready Nodes whose Machines CAPI linked (node ref set);
+    /// returns their names, oldest first.
+    pub async fn wait_node_count(&self, n: usize) -> Vec<String> {
+        let (client, capi) = (&self.client, &self.capi);
+        let ns = &self.ns;
+        let result = poll_until(
+            &format!("{n} Nodes with their Machines"),
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            || async move {
+                let names = match workload::scenario_nodes(client, ns).await {
+                    Ok(names) => names,
+                    Err(e) => return Check::Wait(e),
+                };
+                if names.len() != n {
+                    return Check::Wait(format!("Nodes {names:?}"));
+                }
+                let linked: BTreeSet<String> =
+                    match capi.api(Kind::Machine).list(&Default::default()).await {
+                        Ok(l) => l
+                            .items
+                            .iter()
+                            .filter_map(|m| m.data["status"]["nodeRef"]["name"].as_str())
+                            .map(String::from)
+                            .collect(),
+                        Err(e) => return Check::Wait(e.to_string()),
+                    };
+                if names.iter().all(|n| linked.contains(n)) {
+                    Check::Done(names)
+                } else {
+                    Check::Wait(format!("Nodes {names:?}, linked by CAPI {linked:?}"))
+                }
+            },
+        )
+        .await;
+        let names = result.unwrap_or_else(|e| self.fail(&e));
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let mut aged = Vec::new();
+        for name in names {
+            let node = nodes
+                .get(&name)
+                .await
+                .unwrap_or_else(|e| self.fail(&e.to_string()));
+            aged.push((node.metadata.creation_timestamp.map(|t| t.0), name));
+        }
+        aged.sort();
+        aged.into_iter().map(|(_, n)| n).collect()
+    }
+
+    /// The names of the Machines in the namespace that are not being deleted.
+    pub async fn machine_names(&self) -> Vec<String> {
+        self.capi
+            .api(Kind::Machine)
+            .list(&Default::default())
+            .await
+            .unwrap_or_else(|e| self.fail(&e.to_string()))
+            .items
+            .into_iter()
+            .filter(|m| m.metadata.deletion_timestamp.is_none())
+            .filter_map(|m| m.metadata.name)
+            .collect()
+    }
+
+    /// Waits for `n` full CA loops (from CA's own activity metric).
+    pub async fn wait_loops(&mut self, n: u32) {
+        let ca = self.ca.as_mut().expect("CA is running");
+        ca.wait_loops(n, Duration::from_secs(30 + 5 * u64::from(n)))
+            .await;
     }
 
     /// Waits until MachineDeployment `md` has exactly `n` Machines not being deleted, each with its
@@ -199,37 +400,6 @@ impl RealCapiScenario {
         .unwrap_or_else(|e| self.fail(&e))
         .into_iter()
         .collect()
-    }
-
-    /// Waits until the scenario's Nodes are exactly `want` (by name): CAPI deleted the others.
-    pub async fn wait_nodes(&self, want: &[String]) {
-        let mut want = want.to_vec();
-        want.sort();
-        let (client, ns) = (&self.client, &self.ns);
-        let result = poll_until(
-            "the scenario's Nodes",
-            Duration::from_secs(90),
-            Duration::from_millis(100),
-            || {
-                let want = want.clone();
-                async move {
-                    let mut got = match workload::scenario_nodes(client, ns).await {
-                        Ok(names) => names,
-                        Err(e) => return Check::Wait(e),
-                    };
-                    got.sort();
-                    if got == want {
-                        Check::Done(())
-                    } else {
-                        Check::Wait(format!("Nodes {got:?}, want {want:?}"))
-                    }
-                }
-            },
-        )
-        .await;
-        if let Err(e) = result {
-            self.fail(&e);
-        }
     }
 
     /// Waits until no Machine of the namespace is being deleted and every Machine CAPI deleted is
@@ -256,8 +426,8 @@ impl RealCapiScenario {
                     ));
                 }
                 let nodes: Api<Node> = Api::all(client.clone());
-                for name in deletions.seen().keys() {
-                    match nodes.get_opt(name).await {
+                for name in deletions.all().into_iter().map(|d| d.machine) {
+                    match nodes.get_opt(&name).await {
                         Ok(None) => {}
                         Ok(Some(_)) => return Check::Wait(format!("Node {name} still there")),
                         Err(e) => return Check::Wait(e.to_string()),
@@ -284,16 +454,14 @@ impl RealCapiScenario {
 
 #[derive(Default)]
 struct Deletions {
-    /// Machine name → whether it carried delete-machine when first seen being deleted.
-    seen: BTreeMap<String, bool>,
     /// In order of first sight.
-    order: Vec<String>,
+    seen: Vec<Deletion>,
     /// Re-lists after the watch expired (a deletion could have been missed in between).
     gaps: usize,
 }
 
-/// Every Machine of a namespace seen with a `deletionTimestamp`, and whether it then carried the
-/// delete-machine annotation: from a watch resumed from the last resourceVersion (each update is
+/// Every Machine of a namespace seen with a `deletionTimestamp` (or, should the watch miss that,
+/// gone), and whether it then carried the delete-machine annotation: from a watch resumed from the last resourceVersion (each update is
 /// seen, however fast CAPI finishes the deletion; a Machine's finalizer keeps it until CAPI removed
 /// its Node). Stopped when dropped.
 pub struct MachineDeletions {
@@ -311,20 +479,27 @@ fn lock(state: &Mutex<Deletions>) -> std::sync::MutexGuard<'_, Deletions> {
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn record(state: &Mutex<Deletions>, m: &DynamicObject) {
-    if m.metadata.deletion_timestamp.is_none() {
+/// Records `m` the first time it is seen being deleted or `gone`, with its mark at that moment.
+fn record(state: &Mutex<Deletions>, m: &DynamicObject, gone: bool) {
+    if !gone && m.metadata.deletion_timestamp.is_none() {
         return;
     }
-    let name = m.metadata.name.clone().unwrap_or_default();
+    let machine = m.metadata.name.clone().unwrap_or_default();
     let marked = m
         .metadata
         .annotations
         .as_ref()
         .is_some_and(|a| a.contains_key(DELETE_MACHINE));
+    let node = m.data["status"]["nodeRef"]["name"]
+        .as_str()
+        .map(String::from);
     let mut s = lock(state);
-    if !s.seen.contains_key(&name) {
-        s.seen.insert(name.clone(), marked);
-        s.order.push(name);
+    if !s.seen.iter().any(|d| d.machine == machine) {
+        s.seen.push(Deletion {
+            machine,
+            node,
+            marked,
+        });
     }
 }
 
@@ -337,7 +512,7 @@ impl MachineDeletions {
             .await
             .expect("list the Machines to watch");
         for m in &list.items {
-            record(&state, m);
+            record(&state, m, false);
         }
         let mut rv = list.metadata.resource_version.clone().unwrap_or_default();
         let shared = Arc::clone(&state);
@@ -355,11 +530,13 @@ impl MachineDeletions {
                 let mut expired = false;
                 while let Some(event) = stream.next().await {
                     match event {
-                        Ok(WatchEvent::Added(o))
-                        | Ok(WatchEvent::Modified(o))
-                        | Ok(WatchEvent::Deleted(o)) => {
+                        Ok(WatchEvent::Added(o)) | Ok(WatchEvent::Modified(o)) => {
                             rv = o.metadata.resource_version.clone().unwrap_or_default();
-                            record(&shared, &o);
+                            record(&shared, &o, false);
+                        }
+                        Ok(WatchEvent::Deleted(o)) => {
+                            rv = o.metadata.resource_version.clone().unwrap_or_default();
+                            record(&shared, &o, true);
                         }
                         Ok(WatchEvent::Bookmark(b)) => rv = b.metadata.resource_version,
                         Ok(WatchEvent::Error(status)) => {
@@ -374,7 +551,7 @@ impl MachineDeletions {
                         Ok(list) => {
                             lock(&shared).gaps += 1;
                             for m in &list.items {
-                                record(&shared, m);
+                                record(&shared, m, false);
                             }
                             rv = list.metadata.resource_version.unwrap_or_default();
                         }
@@ -387,26 +564,91 @@ impl MachineDeletions {
         MachineDeletions { state, task }
     }
 
-    /// Every Machine seen being deleted → whether it carried delete-machine then.
-    pub fn seen(&self) -> BTreeMap<String, bool> {
+    /// Every Machine seen being deleted, in the order their deletion was seen.
+    pub fn all(&self) -> Vec<Deletion> {
         lock(&self.state).seen.clone()
     }
 
     /// The Machines deleted with the delete mark, in the order their deletion was seen.
     pub fn marked(&self) -> Vec<String> {
-        let s = lock(&self.state);
-        s.order.iter().filter(|n| s.seen[*n]).cloned().collect()
+        self.names(true)
     }
 
     /// The Machines deleted without the delete mark (a replica count lowered without its mark, or
     /// a MachineSet CAPI deleted whole).
     pub fn unmarked(&self) -> Vec<String> {
+        self.names(false)
+    }
+
+    fn names(&self, marked: bool) -> Vec<String> {
         let s = lock(&self.state);
-        s.order.iter().filter(|n| !s.seen[*n]).cloned().collect()
+        s.seen
+            .iter()
+            .filter(|d| d.marked == marked)
+            .map(|d| d.machine.clone())
+            .collect()
     }
 
     /// How often the watch had to re-list: a deletion may have been missed in between.
     pub fn gaps(&self) -> usize {
         lock(&self.state).gaps
     }
+}
+
+/// Times of [`scale_up_and_down`].
+#[derive(Clone, Copy, Debug)]
+pub struct UpAndDown {
+    /// Pod created → replicas raised.
+    pub up: Duration,
+    /// Pod created → pod bound to the new Node.
+    pub bound: Duration,
+    /// Pod deleted → replicas back to 0, the Node gone.
+    pub down: Duration,
+}
+
+/// The core CA cycle on a zero-size MachineDeployment `md-a` (2 CPUs, 4Gi by capacity annotations;
+/// the stand-in template says nothing): a pod that fits only it makes CA scale it up from zero; CAPI
+/// makes the Machine, the stand-in its Node, the scheduler binds the pod there; once the pod is
+/// deleted CA removes the empty Node through DeleteNodes, and CAPI deletes exactly that Machine (it
+/// carried the mark) and its Node. Starts the provider (plus `provider_args`) and `ca` (built from
+/// [`RealCapiScenario::autoscaler`] by the caller's `configure`).
+pub async fn scale_up_and_down(
+    s: &mut RealCapiScenario,
+    provider_args: &[&str],
+    configure: impl FnOnce(Autoscaler) -> Autoscaler,
+) -> UpAndDown {
+    use super::workload::PodSpec;
+    s.template("md-a-tmpl", "2", "4Gi", false).await;
+    let md = RealCapiScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 3, 0), "2", "4Gi");
+    s.create_md(&md).await;
+    s.start_provider(provider_args).await;
+    let ca = configure(s.autoscaler());
+    s.start_ca(ca).await;
+
+    let t0 = Instant::now();
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    s.wait_replicas("md-a", 1, Duration::from_secs(60)).await;
+    let up = t0.elapsed();
+    let node = workload::wait_bound(&s.client, &s.ns, "web", Duration::from_secs(60)).await;
+    let bound = t0.elapsed();
+    let nodes = workload::scenario_nodes(&s.client, &s.ns)
+        .await
+        .unwrap_or_else(|e| s.fail(&e));
+    s.check(
+        nodes == vec![node.clone()],
+        &format!("one Node, the pod's: {nodes:?}"),
+    );
+
+    let t1 = Instant::now();
+    workload::delete_pod(&s.client, &s.ns, "web").await;
+    s.wait_replicas("md-a", 0, Duration::from_secs(90)).await;
+    s.wait_nodes(&[]).await;
+    let down = t1.elapsed();
+    let deleted = s.deleted_marked();
+    s.check(
+        deleted == vec![node.clone()],
+        &format!("CAPI deleted the Machine of {node} for its mark: {deleted:?}"),
+    );
+    s.check_every_deletion_marked();
+    UpAndDown { up, bound, down }
 }
