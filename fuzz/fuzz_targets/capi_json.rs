@@ -187,8 +187,8 @@ fn parse_all(obj: &Value, keys: &Keys) {
         Ok(c) => assert!(!c.key.name.is_empty()),
         Err(e) => check_error(e, obj),
     }
-    let node = Node::from_json(obj);
-    assert_eq!(node, Node::from_json(obj));
+    let node = Node::from_json(keys, obj);
+    assert_eq!(node, Node::from_json(keys, obj));
     match &node {
         Ok(n) => {
             assert_eq!(obj["metadata"]["name"].as_str().unwrap_or_default(), n.name);
