@@ -455,18 +455,21 @@ impl Actuator {
             .collect()
     }
 
+    /// The time of our mark on Machine `name` of `group`, as cached (`None`: gone, unmarked, or
+    /// marked by someone else): what ledger and taking-back entries are matched against.
+    fn cached_mark_time(&self, group: &NodeGroup, name: &str) -> Option<u64> {
+        let delete_key = &self.store.settings().keys.delete_machine;
+        self.store
+            .cached_machine(&ObjectKey::new(group.resource.key.namespace.as_str(), name))
+            .and_then(|m| m.annotations.get(delete_key).and_then(|v| our_mark_time(v)))
+    }
+
     /// The ledger as the next write leaves it: entries that need no record any more dropped (see
     /// [`Ledger::pruned`]; a Machine's mark as cached), `entry` added.
     fn next_ledger(&self, group: &NodeGroup, state: &GroupState, entries: &[String]) -> Ledger {
-        let delete_key = &self.store.settings().keys.delete_machine;
-        let namespace = &group.resource.key.namespace;
         let mut ledger = state.ledger.pruned(
             &state.listed,
-            |name| {
-                self.store
-                    .cached_machine(&ObjectKey::new(namespace.as_str(), name))
-                    .and_then(|m| m.annotations.get(delete_key).and_then(|v| our_mark_time(v)))
-            },
+            |name| self.cached_mark_time(group, name),
             now_unix(),
         );
         for entry in entries {
@@ -1163,16 +1166,11 @@ impl Actuator {
         live: &GroupState,
         confirmed: &[(ObjectKey, String)],
     ) -> Result<(), ActuatorError> {
-        let delete_key = &self.store.settings().keys.delete_machine;
-        let namespace = &group.resource.key.namespace;
-        let mark_time_of = |name: &str| {
-            self.store
-                .cached_machine(&ObjectKey::new(namespace.as_str(), name))
-                .and_then(|m| m.annotations.get(delete_key).and_then(|v| our_mark_time(v)))
-        };
-        let mut record = live.taking_back.still_marked(mark_time_of);
+        let mut record = live
+            .taking_back
+            .still_marked(|name| self.cached_mark_time(group, name));
         for (key, _) in confirmed {
-            if let Some(t) = mark_time_of(&key.name) {
+            if let Some(t) = self.cached_mark_time(group, &key.name) {
                 record.insert(mark_entry(&key.name, t));
             }
         }
