@@ -133,6 +133,46 @@ fn check_no_unmarked_deletion(s: &RealCapiScenario) {
     );
 }
 
+/// Waits until the namespace's Cluster API objects have stopped changing for 2 s: CAPI has written
+/// the statuses of what it made. The proxy's holds count the answers the provider gets, and watch
+/// events that share its connection would count as answers.
+async fn wait_quiet(s: &RealCapiScenario) {
+    const QUIET: Duration = Duration::from_secs(2);
+    let deadline = Instant::now() + CONVERGE;
+    let mut last: Option<Vec<String>> = None;
+    let mut since = Instant::now();
+    loop {
+        let mut versions = Vec::new();
+        for kind in [
+            Kind::MachineDeployment,
+            Kind::MachineSet,
+            Kind::Machine,
+            Kind::MachinePool,
+        ] {
+            match s.capi.api(kind).list(&Default::default()).await {
+                Ok(l) => versions.extend(
+                    l.items
+                        .into_iter()
+                        .map(|o| o.metadata.resource_version.unwrap_or_default()),
+                ),
+                Err(e) => versions.push(e.to_string()),
+            }
+        }
+        if last.as_ref() == Some(&versions) {
+            if since.elapsed() >= QUIET {
+                return;
+            }
+        } else {
+            last = Some(versions);
+            since = Instant::now();
+        }
+        if Instant::now() > deadline {
+            s.fail("the namespace's Cluster API objects never stayed unchanged for 2 s");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 fn discovery(s: &RealCapiScenario) -> String {
     format!("clusterapi:namespace={}", s.ns)
 }
@@ -527,6 +567,7 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
 
     // DeleteNodes: the group read, its Machines listed and the mark answered; the decrement that
     // follows is held.
+    wait_quiet(&s).await;
     proxy.hold_after_answers(3);
     let removal = delete_nodes(&rpc, &id, vec![victim_node], Duration::from_secs(10)).await;
     s.check(
@@ -566,6 +607,7 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
     );
 
     // IncreaseSize: its write is held.
+    wait_quiet(&s).await;
     proxy.hold_next_request();
     let increase = increase_size(&rpc, &id, 1, Duration::from_secs(10)).await;
     s.check(
@@ -774,6 +816,7 @@ async fn kill_between_mark_and_decrement(
     let node = node_of(s, machine).await;
     let (proxy, provider, rpc) = proxied_provider(s, &[]).await;
     // The provider reads the group and lists its Machines before it marks: those answers pass.
+    wait_quiet(s).await;
     proxy.hold_answers_after(2);
     let call = {
         let rpc = rpc.clone();
@@ -814,6 +857,8 @@ async fn kill_between_mark_and_decrement(
 #[derive(Default)]
 struct Workload {
     codes: Vec<(&'static str, Code)>,
+    /// Per operation and refusal, how often each message came (the numbers in it blanked).
+    refusals: BTreeMap<(&'static str, String), BTreeMap<String, usize>>,
     ok_since_mark: usize,
 }
 
@@ -890,6 +935,18 @@ async fn ca_client(
                 log.ok_since_mark += 1;
             }
             log.codes.push((what, code));
+            if let Err(status) = &result {
+                let message: String = status
+                    .message()
+                    .chars()
+                    .map(|c| if c.is_ascii_digit() { '#' } else { c })
+                    .collect();
+                *log.refusals
+                    .entry((what, format!("{code:?}")))
+                    .or_default()
+                    .entry(message)
+                    .or_insert(0) += 1;
+            }
         }
         // CA acts once per loop (10 s by default); faster here, but slow enough for CAPI to act on
         // most removals before the next scale-up.
@@ -1086,6 +1143,22 @@ async fn apiserver_killed_and_stopped_during_scale_operations_keeps_bounds_and_m
     check_no_unmarked_deletion(&s);
     let marked_deletions = s.deletions.marked().len();
     let codes = log.lock().unwrap_or_else(|e| e.into_inner()).codes.clone();
+    let refusals = log
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .refusals
+        .clone();
+    for ((op, code), messages) in &refusals {
+        eprintln!("faults: apiserver workload: {op} {code}: {messages:?}");
+    }
+    // A raise soon after a removal, before CAPI acted on the lower count, absorbs a paid mark: the
+    // removals refused for that until the repair took the mark back.
+    let absorbed: usize = refusals
+        .values()
+        .flat_map(|m| m.iter())
+        .filter(|(message, _)| message.contains("absorbed"))
+        .map(|(_, n)| n)
+        .sum();
     let mut by_op: BTreeMap<&str, Vec<Code>> = BTreeMap::new();
     for (op, code) in &codes {
         by_op.entry(op).or_default().push(*code);
@@ -1112,7 +1185,7 @@ async fn apiserver_killed_and_stopped_during_scale_operations_keeps_bounds_and_m
         "faults: kube-apiserver SIGKILL + restart ({:.1}s to ready) after {ops_before_kill} operations, \
          SIGSTOP {}s ({ops_during_stop} operations answered meanwhile), the real CAPI manager alive throughout; \
          {} operations in all {:?}; {versions} versions within bounds; {marked_deletions} Machines deleted by CAPI \
-         for their mark, none unmarked (watch re-lists: {}); final replicas {finals:?}; converged {:.1}s after the \
+         for their mark, none unmarked (watch re-lists: {}); {absorbed} removals refused as absorbed by a raise; final replicas {finals:?}; converged {:.1}s after the \
          workload; passed in {:.1}s",
         restart.as_secs_f64(),
         STOP.as_secs(),

@@ -458,12 +458,16 @@ struct Deletions {
     seen: Vec<Deletion>,
     /// Re-lists after the watch expired (a deletion could have been missed in between).
     gaps: usize,
+    /// Every Machine seen and not yet gone, as last seen: a Machine gone between two lists (the
+    /// watch expired, e.g. across an apiserver restart) is recorded from its last sight.
+    known: std::collections::BTreeMap<String, Deletion>,
 }
 
 /// Every Machine of a namespace seen with a `deletionTimestamp` (or, should the watch miss that,
 /// gone), and whether it then carried the delete-machine annotation: from a watch resumed from the last resourceVersion (each update is
 /// seen, however fast CAPI finishes the deletion; a Machine's finalizer keeps it until CAPI removed
-/// its Node). Stopped when dropped.
+/// its Node). When the watch cannot resume (an apiserver restarted with a fresh watch cache) it
+/// re-lists, and a Machine gone in between is recorded as last seen. Stopped when dropped.
 pub struct MachineDeletions {
     state: Arc<Mutex<Deletions>>,
     task: AbortHandle,
@@ -479,11 +483,9 @@ fn lock(state: &Mutex<Deletions>) -> std::sync::MutexGuard<'_, Deletions> {
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Records `m` the first time it is seen being deleted or `gone`, with its mark at that moment.
+/// Remembers `m` as last seen; records it the first time it is seen being deleted or `gone`, with
+/// its mark at that moment.
 fn record(state: &Mutex<Deletions>, m: &DynamicObject, gone: bool) {
-    if !gone && m.metadata.deletion_timestamp.is_none() {
-        return;
-    }
     let machine = m.metadata.name.clone().unwrap_or_default();
     let marked = m
         .metadata
@@ -493,13 +495,43 @@ fn record(state: &Mutex<Deletions>, m: &DynamicObject, gone: bool) {
     let node = m.data["status"]["nodeRef"]["name"]
         .as_str()
         .map(String::from);
+    let last = Deletion {
+        machine: machine.clone(),
+        node,
+        marked,
+    };
     let mut s = lock(state);
-    if !s.seen.iter().any(|d| d.machine == machine) {
-        s.seen.push(Deletion {
-            machine,
-            node,
-            marked,
-        });
+    if gone {
+        s.known.remove(&machine);
+    } else {
+        s.known.insert(machine.clone(), last.clone());
+    }
+    if (gone || m.metadata.deletion_timestamp.is_some())
+        && !s.seen.iter().any(|d| d.machine == machine)
+    {
+        s.seen.push(last);
+    }
+}
+
+/// After a re-list: the Machines seen before and not listed now went while the watch was away;
+/// each is recorded from its last sight.
+fn record_vanished(state: &Mutex<Deletions>, listed: &[DynamicObject]) {
+    let names: BTreeSet<String> = listed
+        .iter()
+        .filter_map(|m| m.metadata.name.clone())
+        .collect();
+    let mut s = lock(state);
+    let vanished: Vec<Deletion> = s
+        .known
+        .values()
+        .filter(|d| !names.contains(&d.machine))
+        .cloned()
+        .collect();
+    for d in vanished {
+        s.known.remove(&d.machine);
+        if !s.seen.iter().any(|x| x.machine == d.machine) {
+            s.seen.push(d);
+        }
     }
 }
 
@@ -550,6 +582,7 @@ impl MachineDeletions {
                     match api.list(&ListParams::default()).await {
                         Ok(list) => {
                             lock(&shared).gaps += 1;
+                            record_vanished(&shared, &list.items);
                             for m in &list.items {
                                 record(&shared, m, false);
                             }
