@@ -29,10 +29,13 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --all-targets -- -D warnings
 
-# Builds (or finds in the cache) etcd, kube-apiserver and the Cluster API CRDs, then the real Cluster API
-# core manager with its 13 CRDs (tests/upstream/capi, a Go module of its own); prints both cache dirs.
+# Builds (or finds in the cache) etcd, kube-apiserver and the Cluster API CRDs, then each pinned real
+# Cluster API core manager with its 13 CRDs: tests/upstream/capi (v1.14.2, a Go module of its own) and
+# every subdirectory there with a go.mod (v1.13: v1.13.6); prints the cache dirs.
 upstream:
 	@start=$$(date +%s); bash tests/upstream/build.sh; nice bash tests/upstream/capi/build.sh; \
+	for pin in tests/upstream/capi/*/go.mod; do \
+	  nice bash tests/upstream/capi/build.sh "$$(basename "$$(dirname "$$pin")")"; done; \
 	echo "upstream: ok after $$(( $$(date +%s) - start ))s" >&2
 
 # Unit tests only: no control plane.

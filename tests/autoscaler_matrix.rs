@@ -6,16 +6,24 @@
 //! cluster upgraded to CAPI 1.14). CA 1.33 reads only the legacy wire fields, 1.35+ only the new
 //! ones, 1.34.5 both: every cell must pass. The cells run side by side; the table of results and
 //! times is printed before the verdict.
+//!
+//! Beside it the Cluster API matrix: every Cluster API release pinned in tests/upstream/capi (v1.14.2,
+//! v1.13.6), each its real manager on a control plane of its own, with the default (newest) CA, in
+//! two cells: a scale-up from zero whose node size only the infrastructure template's
+//! `status.capacity` gives, and the removal of an empty Node beside a busy one.
 
 pub mod support;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
 
 use support::autoscaler::{default_version, versions};
+use support::capi_manager::{CapiManager, capi_manager_of, pinned_releases};
 use support::real_capi_scenario::{RealCapiScenario, scale_up_and_down};
+use support::workload::{self, PodSpec};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_pinned_autoscaler_scales_up_from_zero_and_down_through_real_capi() {
@@ -82,4 +90,173 @@ async fn served_by_conversion(s: &RealCapiScenario) {
             && versions.contains(&("v1beta2".into(), true, true)),
         &format!("v1beta1 served through the conversion webhook ({strategy}), v1beta2 stored: {versions:?}"),
     );
+}
+
+/// A cell of the Cluster API matrix.
+#[derive(Clone, Copy, Debug)]
+enum CapiCell {
+    ScaleUpFromZero,
+    EmptyNodeScaleDown,
+}
+
+impl CapiCell {
+    fn label(self) -> &'static str {
+        match self {
+            CapiCell::ScaleUpFromZero => "scale-up from zero",
+            CapiCell::EmptyNodeScaleDown => "empty-node scale-down",
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_pinned_cluster_api_release_scales_up_from_zero_and_removes_an_empty_node() {
+    // The managers start side by side, off the runtime's workers (a start blocks its thread).
+    let starts: Vec<_> = pinned_releases()
+        .into_iter()
+        .map(|pin| tokio::task::spawn_blocking(move || capi_manager_of(pin.as_deref())))
+        .collect();
+    let mut managers: Vec<&'static CapiManager> = Vec::new();
+    for start in starts {
+        managers.push(start.await.expect("a Cluster API manager starts"));
+    }
+    let mut cells = Vec::new();
+    for manager in managers {
+        for cell in [CapiCell::ScaleUpFromZero, CapiCell::EmptyNodeScaleDown] {
+            let label = format!("CAPI {} {}", manager.version, cell.label());
+            cells.push((
+                label,
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let name = format!("capi-matrix-{}-{cell:?}", manager.version);
+                    let s = RealCapiScenario::on(&name, manager).await;
+                    let phases = match cell {
+                        CapiCell::ScaleUpFromZero => scale_up_from_template_capacity(s).await,
+                        CapiCell::EmptyNodeScaleDown => remove_the_empty_node(s).await,
+                    };
+                    (phases, started.elapsed())
+                }),
+            ));
+        }
+    }
+    let mut failed = Vec::new();
+    for (label, cell) in cells {
+        let line = match cell.await {
+            Ok((phases, wall)) => format!("pass ({phases}, wall {:.1}s)", wall.as_secs_f64()),
+            Err(e) => {
+                failed.push(format!("{label}: {e}"));
+                "FAIL".to_string()
+            }
+        };
+        support::procs::announce(&format!(
+            "e2e: matrix {label}, CA {}: {line}",
+            default_version()
+        ));
+    }
+    assert!(failed.is_empty(), "cells failed:\n{}", failed.join("\n"));
+}
+
+/// A group at zero whose size only its stand-in template's `status.capacity` gives (2 CPUs, 4Gi, 110
+/// pods; no capacity annotations): its `spec.replicas` defaulted to 0 by CAPI's webhook from the
+/// min-size annotation, a pending pod that fits only it makes CA raise it to 1, CAPI makes the
+/// Machine, the stand-in its Node of the template's size, and the scheduler binds the pod there.
+/// Returns its phase times.
+async fn scale_up_from_template_capacity(mut s: RealCapiScenario) -> String {
+    s.template("small", "2", "4Gi", true).await;
+    let mut md = s.md("pool", "small", 0, 3, 0);
+    if let Some(spec) = md["spec"].as_object_mut() {
+        spec.remove("replicas");
+    }
+    s.create_md(&md).await;
+    let defaulted = s.replicas("pool").await;
+    s.check(
+        defaulted == 0,
+        &format!("CAPI's webhook defaults replicas to the min size 0: {defaulted}"),
+    );
+    s.start_provider(&[]).await;
+    let ca = s.autoscaler();
+    s.start_ca(ca).await;
+
+    let t0 = Instant::now();
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
+    s.wait_replicas("pool", 1, Duration::from_secs(90)).await;
+    let up = t0.elapsed();
+    let machines = s.wait_machines_with_nodes("pool", 1).await;
+    let node = workload::wait_bound(&s.client, &s.ns, "web", Duration::from_secs(90)).await;
+    let bound = t0.elapsed();
+    s.check(
+        machines == vec![node.clone()],
+        &format!("the pod runs on the Node of pool's one Machine: {node}, Machines {machines:?}"),
+    );
+    let capacity = Api::<Node>::all(s.client.clone())
+        .get(&node)
+        .await
+        .unwrap_or_else(|e| s.fail(&format!("get Node {node}: {e}")))
+        .status
+        .and_then(|st| st.capacity)
+        .unwrap_or_default();
+    let size: Vec<Option<&str>> = ["cpu", "memory", "pods"]
+        .iter()
+        .map(|r| capacity.get(*r).map(|q| q.0.as_str()))
+        .collect();
+    s.check(
+        size == [Some("2"), Some("4Gi"), Some("110")],
+        &format!("Node {node} has the template's capacity: {size:?}"),
+    );
+    s.check(
+        s.deletions.all().is_empty(),
+        &format!("nothing deleted: {:?}", s.deletions.all()),
+    );
+    s.passed();
+    format!(
+        "pod -> replicas 1 {:.1}s, pod -> bound {:.1}s",
+        up.as_secs_f64(),
+        bound.as_secs_f64()
+    )
+}
+
+/// A group of two Nodes (min 1; size from the template's status) where a pod uses 75% of one and the
+/// other is empty: CA removes the empty one through this provider, and CAPI deletes exactly its
+/// Machine (carrying the mark) and Node; replicas 2 → 1, the busy Node and its pod stay. Returns its
+/// phase times.
+async fn remove_the_empty_node(mut s: RealCapiScenario) -> String {
+    s.template("small", "2", "4Gi", true).await;
+    let md = s.md("pool", "small", 1, 3, 2);
+    s.create_md(&md).await;
+    let machines = s.wait_machines_with_nodes("pool", 2).await;
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("busy", "1500m", "1Gi")).await;
+    let busy = workload::wait_bound(&s.client, &s.ns, "busy", Duration::from_secs(90)).await;
+    let empty: Vec<String> = machines.into_iter().filter(|m| *m != busy).collect();
+    s.check(
+        empty.len() == 1,
+        &format!("one Machine's Node besides the busy {busy}: {empty:?}"),
+    );
+    s.start_provider(&[]).await;
+    let ca = s.autoscaler();
+    s.start_ca(ca).await;
+
+    let t0 = Instant::now();
+    s.wait_replicas("pool", 1, Duration::from_secs(120)).await;
+    let lowered = t0.elapsed();
+    s.wait_nodes(std::slice::from_ref(&busy)).await;
+    s.wait_deletions_done().await;
+    let gone = t0.elapsed();
+    let deleted = s.deleted_marked();
+    s.check(
+        deleted == empty,
+        &format!(
+            "CAPI deleted the empty Node's Machine for its mark: {deleted:?}, empty {empty:?}"
+        ),
+    );
+    s.check_every_deletion_marked();
+    let still = workload::node_of(&s.client, &s.ns, "busy").await;
+    s.check(
+        still.as_deref() == Some(busy.as_str()),
+        &format!("the busy pod stays on {busy}: {still:?}"),
+    );
+    s.passed();
+    format!(
+        "CA start -> replicas 1 {:.1}s, -> Machine and Node gone {:.1}s",
+        lowered.as_secs_f64(),
+        gone.as_secs_f64()
+    )
 }

@@ -74,17 +74,20 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Starts the control plane's kube-scheduler unless it runs already (once per test binary).
+/// Starts the control plane's kube-scheduler unless it runs already (once per control plane).
 pub fn ensure_scheduler(cp: &ControlPlane) {
-    static STARTED: OnceLock<Result<(), String>> = OnceLock::new();
-    let result = STARTED.get_or_init(|| {
-        spawn_scheduler(
+    static STARTED: std::sync::Mutex<Vec<(String, Result<(), String>)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut started = lock(&STARTED);
+    if !started.iter().any(|(server, _)| *server == cp.server) {
+        let result = spawn_scheduler(
             &cp.upstream.join("bin"),
             &cp.dir.join("kube-scheduler.log"),
             cp.admin_kubeconfig(),
-        )
-    });
-    if let Err(e) = result {
+        );
+        started.push((cp.server.clone(), result));
+    }
+    if let Some((_, Err(e))) = started.iter().find(|(server, _)| *server == cp.server) {
         panic!("{e}");
     }
 }

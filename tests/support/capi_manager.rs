@@ -1,4 +1,5 @@
-//! The real Cluster API core manager (`sigs.k8s.io/cluster-api/core`, pinned in tests/upstream/capi)
+//! The real Cluster API core manager (`sigs.k8s.io/cluster-api/core` v1.14.2 pinned in
+//! tests/upstream/capi, or another release pinned in a subdirectory there: [`capi_manager_of`])
 //! on a control plane of its own kind ([`Setup::real_capi`]), wired as `clusterctl init` wires it into
 //! a management cluster, except that every webhook is reached by URL on 127.0.0.1 instead of through
 //! a Service:
@@ -6,14 +7,15 @@
 //! - all 13 core CRDs of the module, each with the conversion webhook (strategy `Webhook`,
 //!   `https://127.0.0.1:<port>/convert`, the serving CA as `caBundle`), so v1beta1 ↔ v1beta2 is
 //!   CAPI's own conversion;
-//! - the module's Mutating- and ValidatingWebhookConfigurations (core/config/webhook/manifests.yaml:
+//! - the module's Mutating- and ValidatingWebhookConfigurations (core/config/webhook/manifests.yaml,
+//!   config/webhook/ before v1.14:
 //!   names, rules and paths as shipped, `capi-` prefix as clusterctl's kustomization gives them), so
 //!   defaulting and validation are CAPI's own;
 //! - the manager process (`--leader-elect=false`, MachinePool on, ClusterTopology off), up when its
 //!   `/readyz` (the webhook server's TLS check) answers ok.
 //!
-//! One manager per test binary, started on first use with the control plane and stopped when the
-//! binary ends; a fault test may kill it (SIGKILL) and restart it. Infrastructure and control plane
+//! One manager per test binary (plus one per further release asked for, each on its own control
+//! plane), started on first use with the control plane and stopped when the binary ends; a fault test may kill it (SIGKILL) and restart it. Infrastructure and control plane
 //! objects are the stand-in's (`standin`).
 //!
 //! The manager's webhook server listens on every interface (the module has no flag for its host);
@@ -33,7 +35,7 @@ use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 
-use super::control_plane::{ControlPlane, Setup, control_plane};
+use super::control_plane::{ControlPlane, Setup, control_plane, named_control_plane};
 use super::crds;
 use super::pki::{self, Ca};
 use super::procs::{self, Check, poll_until};
@@ -60,7 +62,7 @@ pub struct ManagerTimings {
 /// The running manager of this test binary.
 pub struct CapiManager {
     pub cp: &'static ControlPlane,
-    /// The Cluster API version built (`v1.14.2`).
+    /// The Cluster API version built (`v1.14.2`, `v1.13.6`).
     pub version: String,
     /// The cache directory of tests/upstream/capi/build.sh (bin/, crds/, webhook/).
     pub cache: PathBuf,
@@ -83,24 +85,74 @@ static MANAGER: OnceLock<Result<CapiManager, String>> = OnceLock::new();
 /// The real CAPI manager of this test binary (and its control plane), started on first use. Blocks
 /// while starting; other tests wait for the same start.
 pub fn capi_manager() -> &'static CapiManager {
-    let started = MANAGER.get_or_init(|| {
-        let cp = control_plane(Setup::real_capi());
-        std::thread::Builder::new()
-            .name("e2e-capi-manager".into())
-            .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .map_err(|e| format!("build a tokio runtime: {e}"))?;
-                runtime.block_on(start(cp))
-            })
-            .map_err(|e| format!("spawn the CAPI manager thread: {e}"))
-            .and_then(|t| {
-                t.join()
-                    .unwrap_or_else(|_| Err("the CAPI manager start panicked".into()))
-            })
-            .inspect_err(|_| procs::mark_failed())
-    });
+    let started = MANAGER.get_or_init(|| start_on_thread(control_plane(Setup::real_capi()), None));
+    started_or_panic(started)
+}
+
+/// The Cluster API releases pinned in tests/upstream/capi: `None` for its go.mod (the default, the
+/// release [`capi_manager`] runs), then each subdirectory with a go.mod of its own (`Some("v1.13")`),
+/// by name. Which version each pins is read from the build (`CapiManager::version`), not here.
+pub fn pinned_releases() -> Vec<Option<String>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/capi");
+    let mut pins: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("go.mod").is_file())
+        .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(String::from))
+        .collect();
+    pins.sort();
+    std::iter::once(None)
+        .chain(pins.into_iter().map(Some))
+        .collect()
+}
+
+/// The real CAPI manager of pinned release `pin` (see [`pinned_releases`]), started on first use:
+/// for the default release the one of [`capi_manager`]; for another a manager on a control plane of
+/// its own (`named_control_plane("capi-<pin>")`: two releases' CRDs cannot share one), wired the
+/// same way (its own CRDs, webhooks and conversion).
+pub fn capi_manager_of(pin: Option<&str>) -> &'static CapiManager {
+    let Some(pin) = pin else {
+        return capi_manager();
+    };
+    type Started = &'static Result<CapiManager, String>;
+    static OTHERS: Mutex<Vec<(String, Started)>> = Mutex::new(Vec::new());
+    // Held while starting: a second caller for the same release waits for the same start.
+    let mut others = OTHERS.lock().unwrap_or_else(|e| e.into_inner());
+    let started = match others.iter().find(|(p, _)| p == pin) {
+        Some((_, started)) => *started,
+        None => {
+            let cp = named_control_plane(&format!("capi-{pin}"), Setup::real_capi());
+            let started: Started = Box::leak(Box::new(start_on_thread(cp, Some(pin))));
+            others.push((pin.to_string(), started));
+            started
+        }
+    };
+    drop(others);
+    started_or_panic(started)
+}
+
+/// Starts the manager of `pin` on a thread of its own with its own runtime (the caller may be inside
+/// a runtime, and nothing runtime-bound may outlive the start).
+fn start_on_thread(cp: &'static ControlPlane, pin: Option<&str>) -> Result<CapiManager, String> {
+    let pin = pin.map(String::from);
+    std::thread::Builder::new()
+        .name("e2e-capi-manager".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| format!("build a tokio runtime: {e}"))?;
+            runtime.block_on(start(cp, pin.as_deref()))
+        })
+        .map_err(|e| format!("spawn the CAPI manager thread: {e}"))
+        .and_then(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err("the CAPI manager start panicked".into()))
+        })
+        .inspect_err(|_| procs::mark_failed())
+}
+
+fn started_or_panic(started: &'static Result<CapiManager, String>) -> &'static CapiManager {
     match started {
         Ok(manager) => manager,
         Err(e) => panic!("the real Cluster API manager did not start:\n{e}"),
@@ -197,10 +249,16 @@ async fn spawn_healthy(
 /// Runs tests/upstream/capi/build.sh (builds on first use, else answers at once) and returns its
 /// cache dir.
 pub fn capi_dir() -> Result<PathBuf, String> {
+    capi_dir_of(None)
+}
+
+/// [`capi_dir`] of pinned release `pin` (see [`pinned_releases`]).
+pub fn capi_dir_of(pin: Option<&str>) -> Result<PathBuf, String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/capi/build.sh");
     let out = Command::new("nice")
         .arg("bash")
         .arg(&script)
+        .args(pin)
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()
@@ -219,9 +277,9 @@ pub fn capi_dir() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-async fn start(cp: &'static ControlPlane) -> Result<CapiManager, String> {
+async fn start(cp: &'static ControlPlane, pin: Option<&str>) -> Result<CapiManager, String> {
     let t_lookup = Instant::now();
-    let cache = capi_dir()?;
+    let cache = capi_dir_of(pin)?;
     let lookup = t_lookup.elapsed();
     let read = |name: &str| {
         std::fs::read_to_string(cache.join(name))
@@ -234,7 +292,10 @@ async fn start(cp: &'static ControlPlane) -> Result<CapiManager, String> {
         .and_then(|s| s.parse().ok())
         .map(Duration::from_secs);
 
-    let dir = procs::work_dir().join("capi-manager");
+    let dir = procs::work_dir().join(match pin {
+        None => "capi-manager".to_string(),
+        Some(pin) => format!("capi-manager-{pin}"),
+    });
     std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     let cert_dir = dir.join("serving-certs");
     std::fs::create_dir_all(&cert_dir)

@@ -1,11 +1,12 @@
-//! One real control plane (etcd + kube-apiserver, Cluster API CRDs) per test binary.
+//! One real control plane (etcd + kube-apiserver, Cluster API CRDs) per test binary, and on request
+//! further ones beside it ([`named_control_plane`]).
 
 use std::io::Write as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authorization::v1::{
@@ -30,7 +31,8 @@ pub enum CrdSet {
     /// Only v1beta1, as storage (for the v1beta1 code paths without conversion).
     V1beta1,
     /// None at start: the real Cluster API manager's 13 CRDs, with its conversion webhook, are
-    /// installed by `capi_manager` together with the manager (CAPI v1.14.2, tests/upstream/capi).
+    /// installed by `capi_manager` together with the manager (a release pinned in
+    /// tests/upstream/capi; v1.14.2 by default).
     RealCapi,
 }
 
@@ -106,30 +108,65 @@ static CONTROL_PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
 /// The control plane of this test binary, started on first use with `setup`. Every later call must
 /// ask for the same setup. Blocks while starting (other tests wait for the same start).
 pub fn control_plane(setup: Setup) -> &'static ControlPlane {
-    let started = CONTROL_PLANE.get_or_init(|| {
-        // Start on a thread of its own with its own runtime: the caller may be inside a runtime,
-        // and nothing runtime-bound may outlive the start.
-        std::thread::Builder::new()
-            .name("e2e-control-plane".into())
-            .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .map_err(|e| format!("build a tokio runtime: {e}"))?;
-                runtime.block_on(start(setup))
-            })
-            .map_err(|e| format!("spawn the control-plane thread: {e}"))
-            .and_then(|t| {
-                t.join()
-                    .unwrap_or_else(|_| Err("the control-plane start panicked".into()))
-            })
-            .inspect_err(|_| procs::mark_failed())
-    });
+    let started = CONTROL_PLANE.get_or_init(|| start_on_thread(setup, "control-plane"));
+    started_with(started, setup)
+}
+
+/// A further control plane of this test binary beside [`control_plane`]'s, for what one control
+/// plane cannot hold twice (the CRDs of two Cluster API releases share their names): named `name`
+/// (its files in the work directory's `control-plane-<name>`), started on first use with `setup`,
+/// stopped with the binary like the first. Every later call for `name` must ask for the same setup.
+pub fn named_control_plane(name: &str, setup: Setup) -> &'static ControlPlane {
+    type Started = &'static Result<ControlPlane, String>;
+    static NAMED: Mutex<Vec<(String, Started)>> = Mutex::new(Vec::new());
+    // Held while starting: a second caller for the same name waits for the same start.
+    let mut named = NAMED.lock().unwrap_or_else(|e| e.into_inner());
+    let started = match named.iter().find(|(n, _)| n == name) {
+        Some((_, started)) => *started,
+        None => {
+            let started: Started = Box::leak(Box::new(start_on_thread(
+                setup,
+                &format!("control-plane-{name}"),
+            )));
+            named.push((name.to_string(), started));
+            started
+        }
+    };
+    drop(named);
+    started_with(started, setup)
+}
+
+/// Starts a control plane with files in the work directory's `dir_name`, on a thread of its own
+/// with its own runtime: the caller may be inside a runtime, and nothing runtime-bound may outlive
+/// the start.
+fn start_on_thread(setup: Setup, dir_name: &str) -> Result<ControlPlane, String> {
+    let dir = procs::work_dir().join(dir_name);
+    std::thread::Builder::new()
+        .name("e2e-control-plane".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| format!("build a tokio runtime: {e}"))?;
+            runtime.block_on(start(setup, dir))
+        })
+        .map_err(|e| format!("spawn the control-plane thread: {e}"))
+        .and_then(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err("the control-plane start panicked".into()))
+        })
+        .inspect_err(|_| procs::mark_failed())
+}
+
+fn started_with(
+    started: &'static Result<ControlPlane, String>,
+    setup: Setup,
+) -> &'static ControlPlane {
     match started {
         Ok(cp) => {
             assert_eq!(
                 cp.setup, setup,
-                "one control plane per test binary: it was started with {:?}",
+                "a control plane has one setup: this one was started with {:?}",
                 cp.setup
             );
             cp
@@ -301,7 +338,7 @@ pub fn upstream_dir() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-async fn start(setup: Setup) -> Result<ControlPlane, String> {
+async fn start(setup: Setup, dir: PathBuf) -> Result<ControlPlane, String> {
     let t0 = Instant::now();
     let upstream = upstream_dir()?;
     let t_upstream = t0.elapsed();
@@ -311,7 +348,6 @@ async fn start(setup: Setup) -> Result<ControlPlane, String> {
         .trim()
         .to_string();
 
-    let dir = procs::work_dir().join("control-plane");
     let api = start_apiserver(&bin, &dir, "e2e", "10.0.0.0/24", &[]).await?;
     let ApiServer {
         server,

@@ -60,8 +60,12 @@ impl RealCapiScenario {
     /// infrastructure provisioned, control plane initialized, remote connection up), the stand-in
     /// running and Machine deletions recorded.
     pub async fn new(name: &str) -> RealCapiScenario {
+        RealCapiScenario::on(name, capi_manager()).await
+    }
+
+    /// [`RealCapiScenario::new`] on `manager` (e.g. another pinned release: `capi_manager_of`).
+    pub async fn on(name: &str, manager: &'static CapiManager) -> RealCapiScenario {
         let started = Instant::now();
-        let manager = capi_manager();
         let cp = manager.cp;
         let client = cp.admin_client().await;
         let ns = cp.fresh_namespace().await;
@@ -69,7 +73,10 @@ impl RealCapiScenario {
         let standin = StandIn::start(client.clone(), &ns);
         let capi = Capi::new(client.clone(), &ns, CAPI_GROUP, "v1beta2");
         let deletions = MachineDeletions::start(&capi).await;
-        eprintln!("e2e: scenario {name} in namespace {ns} (real Cluster API)");
+        eprintln!(
+            "e2e: scenario {name} in namespace {ns} (real Cluster API {})",
+            manager.version
+        );
         RealCapiScenario {
             name: name.into(),
             manager,
@@ -445,9 +452,10 @@ impl RealCapiScenario {
     /// Prints the scenario's wall time.
     pub fn passed(self) {
         procs::announce(&format!(
-            "e2e: scenario {} passed in {:.1}s (real Cluster API)",
+            "e2e: scenario {} passed in {:.1}s (real Cluster API {})",
             self.name,
-            self.started.elapsed().as_secs_f64()
+            self.started.elapsed().as_secs_f64(),
+            self.manager.version
         ));
     }
 }
