@@ -60,6 +60,18 @@ pub struct GroupReport {
     /// Machines carrying a delete mark this provider did not write (Cluster API deletes them first;
     /// DeleteNodes of the group is refused while replicas do not remove them).
     pub foreign_marks: Vec<String>,
+    /// What CA will do differently for this group than its annotations suggest, though nothing is
+    /// wrong with them (not problems: they set no exit code).
+    pub notes: Vec<String>,
+}
+
+/// The notes of one group: per-group options cost CA ≥ 1.35 the group's max node startup time.
+pub fn group_notes(group: &NodeGroup) -> Vec<String> {
+    let mut notes = Vec::new();
+    if group.options.is_some() {
+        notes.push(crate::options::STARTUP_TIME_NOTE.to_string());
+    }
+    notes
 }
 
 /// A rollout that pauses a group's scale-down.
@@ -110,6 +122,7 @@ fn group_report(group: &NodeGroup) -> GroupReport {
         hourly_price: group.price,
         rollout: rollout_report(group),
         foreign_marks: group.foreign_marks.clone(),
+        notes: group_notes(group),
     }
 }
 
@@ -269,6 +282,7 @@ pub fn render_table(report: &Report) -> String {
         ]
         .into_iter()
         .flatten()
+        .chain(g.notes.iter().map(|n| format!("note: {n}")))
         .collect();
         if !details.is_empty() {
             let _ = writeln!(out, "\n{}", g.id);
@@ -452,5 +466,53 @@ mod tests {
         assert!(!table.contains("rolling out"), "{table}");
         let json = serde_json::to_value(&r).unwrap();
         assert!(json["groups"][0]["rollout"].is_null());
+    }
+
+    /// MachineDeployment md (min 0, max 5, replicas 1) with extra annotations.
+    fn group_with(annotations: &[(&str, &str)]) -> Snapshot {
+        let keys = Keys::default();
+        let mut all = serde_json::Map::new();
+        all.insert(keys.min_size.clone(), json!("0"));
+        all.insert(keys.max_size.clone(), json!("5"));
+        for (k, v) in annotations {
+            all.insert(k.to_string(), json!(v));
+        }
+        let md = json!({
+            "metadata": {"namespace": "ns", "name": "md", "annotations": all},
+            "spec": {"replicas": 1},
+        });
+        let r = ScalableResource::from_json(ScalableKind::MachineDeployment, &keys, &md).unwrap();
+        let mut index = Index::default();
+        index.apply_resource(r.kind, r.key.clone(), Ok(Arc::new(r)));
+        index.snapshot(&Settings::default())
+    }
+
+    #[test]
+    fn a_group_with_answered_options_carries_the_startup_time_note() {
+        let key = format!("{}scaledownunneededtime", Keys::default().options_prefix);
+        let r = report(&group_with(&[(key.as_str(), "2m")]));
+        assert_eq!(r.groups[0].notes, vec![crate::options::STARTUP_TIME_NOTE]);
+        let table = render_table(&r);
+        assert!(table.contains("note: CA >= 1.35 sets this group's max node startup time to 0"));
+        assert!(table.contains("kubernetes/autoscaler#10245"), "{table}");
+        // A note is not a problem: the exit code stays 0.
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(
+            json["groups"][0]["notes"][0]
+                .as_str()
+                .unwrap()
+                .contains("#10245")
+        );
+    }
+
+    #[test]
+    fn options_that_are_not_answered_carry_no_note() {
+        // None at all, or only a bad one (the answer is then empty and CA keeps its own options).
+        let key = format!("{}scaledownunneededtime", Keys::default().options_prefix);
+        for annotations in [&[][..], &[(key.as_str(), "soon")][..]] {
+            let r = report(&group_with(annotations));
+            assert!(r.groups[0].notes.is_empty(), "{annotations:?}");
+        }
     }
 }

@@ -201,6 +201,7 @@ pub fn default_arch(value: Option<&str>) -> (&'static str, Option<Problem>) {
 pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     let mut problems = Vec::new();
     let group = Group::new(inputs, &mut problems);
+    problems.extend(not_carried(&group.object, group.annotations()));
     let capacity = capacity(&group, &mut problems);
     let Some(size) = capacity.size() else {
         problems.extend(unsized_problem(&group, &capacity));
@@ -280,6 +281,34 @@ impl<'a> Group<'a> {
             .or_else(|| self.infra_name.clone())
             .unwrap_or_else(|| "the infrastructure template".to_string())
     }
+}
+
+/// The capacity annotations the in-tree provider honours and the externalgrpc protocol cannot carry:
+/// a template is one `v1.Node`, with no room for the ResourceSlices or the CSINode they describe. Each
+/// one set is a problem saying so and what CA does instead, rather than being dropped in silence.
+pub fn not_carried(object: &str, annotations: &BTreeMap<String, String>) -> Vec<Problem> {
+    let set = |key: &str| annotations.get(key).is_some_and(|v| !v.trim().is_empty());
+    let mut problems = Vec::new();
+    if set(capacity::DRA_DRIVER) {
+        problems.push(Problem::new(
+            object,
+            Problem::annotation_field(capacity::DRA_DRIVER),
+            "not carried over externalgrpc: a template is one Node and the protocol has no field for the \
+             ResourceSlices this annotation describes (kubernetes/autoscaler#10277); CA simulates this \
+             group's node without DRA devices, so a pod that claims devices does not scale it up from zero \
+             (it can once the group has a node, whose real ResourceSlices CA sees)",
+        ));
+    }
+    if set(capacity::CSI_DRIVER) {
+        problems.push(Problem::new(
+            object,
+            Problem::annotation_field(capacity::CSI_DRIVER),
+            "not carried over externalgrpc: the protocol has no field for the CSINode this annotation \
+             describes; CA simulates this group's node without a CSINode: with --enable-csi-node-aware-scheduling a pod with CSI volumes does not scale it up from \
+             zero (kubernetes/autoscaler#10131), without it the drivers' attach limits are not considered",
+        ));
+    }
+    problems
 }
 
 /// Where a capacity entry came from.

@@ -34,6 +34,10 @@ pub mod capacity {
     pub const MAX_PODS: &str = "capacity.cluster-autoscaler.kubernetes.io/maxPods";
     pub const TAINTS: &str = "capacity.cluster-autoscaler.kubernetes.io/taints";
     pub const LABELS: &str = "capacity.cluster-autoscaler.kubernetes.io/labels";
+    /// Honoured by the in-tree provider, not carried by externalgrpc (a template is one Node).
+    pub const DRA_DRIVER: &str = "capacity.cluster-autoscaler.kubernetes.io/dra-driver";
+    /// Honoured by the in-tree provider, not carried by externalgrpc (a template is one Node).
+    pub const CSI_DRIVER: &str = "capacity.cluster-autoscaler.kubernetes.io/csi-driver";
 }
 
 /// Keys whose prefix is the Cluster API group (`CAPI_GROUP`), computed once at start.

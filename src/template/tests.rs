@@ -890,3 +890,55 @@ fn hostile_input_does_not_panic() {
         );
     }
 }
+
+#[test]
+fn annotations_the_protocol_cannot_carry_are_problems_that_say_why() {
+    let r = resource(
+        &[
+            (capacity::CPU, "2"),
+            (capacity::MEMORY, "4Gi"),
+            (capacity::DRA_DRIVER, "gpu.nvidia.com"),
+            (capacity::GPU_COUNT, "1"),
+            (capacity::CSI_DRIVER, "ebs.csi.aws.com=25"),
+        ],
+        0,
+    );
+    let out = run(&r, InfraSource::NoReference);
+    // The template is still built from what can be carried.
+    assert!(out.template.is_some());
+    let dra = out
+        .problems
+        .iter()
+        .find(|p| p.field == Problem::annotation_field(capacity::DRA_DRIVER))
+        .expect("a dra-driver problem");
+    assert_eq!(dra.object, OBJ);
+    assert!(dra.message.contains("kubernetes/autoscaler#10277"), "{dra}");
+    assert!(dra.message.contains("without DRA devices"), "{dra}");
+    assert!(
+        !dra.message.contains("gpu-type"),
+        "no advice to set gpu-type: {dra}"
+    );
+    let csi = out
+        .problems
+        .iter()
+        .find(|p| p.field == Problem::annotation_field(capacity::CSI_DRIVER))
+        .expect("a csi-driver problem");
+    assert!(csi.message.contains("kubernetes/autoscaler#10131"), "{csi}");
+    assert!(csi.message.contains("without a CSINode"), "{csi}");
+}
+
+#[test]
+fn annotations_the_protocol_cannot_carry_are_reported_without_a_template_too() {
+    // Unsized (no cpu, no memory) at zero: the dra-driver problem is still there.
+    let r = resource(&[(capacity::DRA_DRIVER, "gpu.nvidia.com")], 0);
+    let out = run(&r, InfraSource::NoReference);
+    assert!(out.template.is_none());
+    assert!(
+        out.problems
+            .iter()
+            .any(|p| p.field == Problem::annotation_field(capacity::DRA_DRIVER))
+    );
+    // Empty values are not set.
+    let blank = [(capacity::DRA_DRIVER, " "), (capacity::CSI_DRIVER, "")];
+    assert!(not_carried(OBJ, &map(&blank)).is_empty());
+}

@@ -320,3 +320,97 @@ async fn template_prints_the_node_as_yaml() {
     assert_eq!(out.code, Some(2), "{}", out.describe());
     assert!(out.stderr.contains(&unknown), "{}", out.describe());
 }
+
+/// What the externalgrpc protocol cannot carry is said, not dropped: `dra-driver` and `csi-driver`
+/// are problems on their group naming the upstream issue and what CA does instead; a group whose
+/// options are answered carries the note that CA ≥ 1.35 then zeroes its max node startup time
+/// (kubernetes/autoscaler#10245), and a group without options does not.
+#[tokio::test]
+async fn check_says_what_the_protocol_cannot_carry() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(
+        &Scalable::md("dra")
+            .bounds(0, 3)
+            .replicas(0)
+            .annotation(CPU, "2")
+            .annotation(MEMORY, "4Gi")
+            .annotation(
+                "capacity.cluster-autoscaler.kubernetes.io/dra-driver",
+                "gpu.nvidia.com",
+            )
+            .annotation("capacity.cluster-autoscaler.kubernetes.io/gpu-count", "1")
+            .annotation(
+                "capacity.cluster-autoscaler.kubernetes.io/csi-driver",
+                "ebs.csi.aws.com=25",
+            ),
+        false,
+    )
+    .await;
+    capi.create_deployment(&good("options"), false).await;
+    capi.create_deployment(
+        &Scalable::md("plain")
+            .bounds(0, 3)
+            .replicas(1)
+            .annotation(CPU, "2")
+            .annotation(MEMORY, "4Gi"),
+        false,
+    )
+    .await;
+    let id = |name: &str| capi.id(Kind::MachineDeployment, name);
+    let object = format!("MachineDeployment {ns}/dra");
+
+    let run_json = run("check", &["-o", "json"], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(run_json.code, Some(1), "{}", run_json.describe());
+    let report = run_json.json();
+    let m = problem(
+        &report,
+        &object,
+        "metadata.annotations[capacity.cluster-autoscaler.kubernetes.io/dra-driver]",
+    );
+    assert!(m.contains("kubernetes/autoscaler#10277"), "{m}");
+    assert!(m.contains("without DRA devices"), "{m}");
+    let m = problem(
+        &report,
+        &object,
+        "metadata.annotations[capacity.cluster-autoscaler.kubernetes.io/csi-driver]",
+    );
+    assert!(m.contains("kubernetes/autoscaler#10131"), "{m}");
+    // The group is still served, with the template the protocol can carry.
+    let dra = group(&report, &id("dra")).unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(dra["template"]["cpu"], "2", "{dra:#}");
+
+    let notes = |name: &str| -> Vec<String> {
+        group(&report, &id(name)).unwrap_or_else(|| panic!("{report:#}"))["notes"]
+            .as_array()
+            .expect("notes is a list")
+            .iter()
+            .map(|n| n.as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let with_options = notes("options");
+    assert_eq!(with_options.len(), 1, "{with_options:?}");
+    assert!(
+        with_options[0].contains("max node startup time to 0")
+            && with_options[0].contains("kubernetes/autoscaler#10245"),
+        "{with_options:?}"
+    );
+    assert!(notes("plain").is_empty());
+    assert!(
+        problems(&report)
+            .iter()
+            .all(|(o, _, _)| !o.ends_with("/options")),
+        "a note is not a problem: {:#}",
+        report["problems"]
+    );
+
+    let table = run("check", &[], cp.admin_kubeconfig(), &ns).await;
+    eprintln!("--- check (table) ---\n{}", table.stdout);
+    assert!(
+        table
+            .stdout
+            .contains("note: CA >= 1.35 sets this group's max node startup time to 0"),
+        "{}",
+        table.stdout
+    );
+}
