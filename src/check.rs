@@ -263,6 +263,10 @@ pub fn render_table(report: &Report) -> String {
             }),
             g.template
                 .as_ref()
+                .and_then(|t| t.zone.as_ref())
+                .map(|z| format!("zone: {}", z.describe())),
+            g.template
+                .as_ref()
                 .filter(|t| !t.labels.is_empty())
                 .map(|t| {
                     let labels: Vec<String> =

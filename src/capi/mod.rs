@@ -228,6 +228,8 @@ pub struct Machine {
     pub provider_id: Option<String>,
     /// `status.nodeRef.name`.
     pub node_ref: Option<String>,
+    /// `spec.failureDomain`: with its Node's zone label, what a failure domain's zone is.
+    pub failure_domain: Option<String>,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
     pub owners: Vec<OwnerRef>,

@@ -414,3 +414,110 @@ async fn check_says_what_the_protocol_cannot_carry() {
         table.stdout
     );
 }
+
+/// The zone label of a template in failure domain `1` (CAPZ's spelling) is the zone the Cluster's
+/// Nodes in that failure domain carry (`eastus-1`), and `check` says so; a template whose failure
+/// domain has no Node yet keeps the failure domain's name (`us-east-1a`, CAPA's spelling) and
+/// `check` says where it came from and which annotation overrides it.
+#[tokio::test]
+async fn check_says_where_a_templates_zone_came_from() {
+    use support::capi::Owner;
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    let sized = |name: &str, replicas: i64| {
+        Scalable::md(name)
+            .bounds(0, 5)
+            .replicas(replicas)
+            .annotation(CPU, "2")
+            .annotation(MEMORY, "4Gi")
+    };
+    for (name, replicas) in [("capz", 0), ("capa", 0), ("busy", 1)] {
+        capi.create_deployment(&sized(name, replicas), false).await;
+    }
+    for (name, fd) in [("capz", "1"), ("capa", "us-east-1a"), ("busy", "1")] {
+        capi.patch(
+            Kind::MachineDeployment,
+            name,
+            serde_json::json!({"spec": {"template": {"spec": {"failureDomain": fd}}}}),
+        )
+        .await;
+    }
+    // busy's Machine in failure domain 1, its Node in zone eastus-1.
+    capi.create_machine(&capi.running("busy-0", Owner::Deployment("busy".into())))
+        .await;
+    capi.api(Kind::Machine)
+        .patch(
+            "busy-0",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"failureDomain": "1"}})),
+        )
+        .await
+        .expect("set the Machine's failure domain");
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(capi.client.clone());
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": capi.node_name("busy-0"), "labels": {
+            "topology.kubernetes.io/zone": "eastus-1",
+        }, "annotations": {
+            capi.key("cluster-namespace"): ns,
+            capi.key("cluster-name"): support::capi::DEFAULT_CLUSTER,
+        }},
+        "spec": {"providerID": capi.provider_id("busy-0")}
+    }))
+    .expect("a Node");
+    nodes
+        .create(&kube::api::PostParams::default(), &node)
+        .await
+        .expect("create the workload Node");
+
+    let kubeconfig = cp.admin_kubeconfig().display().to_string();
+    // The shared apiserver's Nodes belong to many tests' Clusters: this test's is named.
+    let cluster = format!("{ns}/{}", support::capi::DEFAULT_CLUSTER);
+    let extra = [
+        "--kubeconfig",
+        kubeconfig.as_str(),
+        "--cluster",
+        cluster.as_str(),
+    ];
+    let mut json_args = vec!["-o", "json"];
+    json_args.extend(extra);
+    let run_json = run("check", &json_args, cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(run_json.code, Some(0), "{}", run_json.describe());
+    let report = run_json.json();
+    let zone = |name: &str| {
+        group(&report, &capi.id(Kind::MachineDeployment, name))
+            .unwrap_or_else(|| panic!("{report:#}"))["template"]["zone"]
+            .clone()
+    };
+    assert_eq!(
+        zone("capz"),
+        serde_json::json!({"value": "eastus-1",
+            "source": {"from": "failure_domain_nodes", "failure_domain": "1", "nodes": 1}}),
+        "{report:#}"
+    );
+    assert_eq!(
+        zone("capa"),
+        serde_json::json!({"value": "us-east-1a",
+            "source": {"from": "failure_domain", "failure_domain": "us-east-1a"}}),
+        "{report:#}"
+    );
+    // busy's own Node says it.
+    assert_eq!(zone("busy")["source"]["from"], "group_node", "{report:#}");
+
+    let table = run("check", &extra, cp.admin_kubeconfig(), &ns).await;
+    eprintln!("--- check (table) ---\n{}", table.stdout);
+    assert!(
+        table.stdout.contains(
+            "zone: eastus-1 (from 1 Node(s) of the Cluster's Machines in failure domain \"1\")"
+        ),
+        "{}",
+        table.stdout
+    );
+    assert!(
+        table.stdout.contains("zone: us-east-1a (spec.template.spec.failureDomain \"us-east-1a\" as is")
+            && table
+                .stdout
+                .contains("capacity.cluster-autoscaler.kubernetes.io/labels: topology.kubernetes.io/zone=<zone>"),
+        "{}",
+        table.stdout
+    );
+}
