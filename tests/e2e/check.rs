@@ -521,3 +521,71 @@ async fn check_says_where_a_templates_zone_came_from() {
         table.stdout
     );
 }
+
+/// Run beside a provider of the same configuration (as in its container), `check` takes the running
+/// provider's report (`GET /check` on its `--metrics-address`) instead of building watches of its
+/// own, and says so; the report is the one its own watches give. A provider serving another
+/// configuration is not taken.
+#[tokio::test]
+async fn check_asks_the_running_provider_of_its_configuration() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("served"), false).await;
+    let discovery = format!("clusterapi:namespace={ns}");
+    let provider = support::start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let from_server = run(
+        "check",
+        &["-o", "json", "--metrics-address", &provider.metrics_address],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(from_server.code, Some(0), "{}", from_server.describe());
+    assert!(
+        from_server.stderr.contains(&format!(
+            "(from the running provider at {})",
+            provider.metrics_address
+        )),
+        "{}",
+        from_server.describe()
+    );
+    let own = run(
+        "check",
+        &["-o", "json", "--metrics-address", ""],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert!(
+        own.stderr.contains("(from watches of its own"),
+        "{}",
+        own.describe()
+    );
+    assert_eq!(from_server.json(), own.json(), "the same report either way");
+
+    // Another configuration (a Cluster named) is not the running provider's: its own watches.
+    let cluster = format!("{ns}/{}", support::capi::DEFAULT_CLUSTER);
+    let other = run(
+        "check",
+        &[
+            "-o",
+            "json",
+            "--metrics-address",
+            &provider.metrics_address,
+            "--cluster",
+            &cluster,
+        ],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert!(
+        other.stderr.contains("serves another configuration"),
+        "{}",
+        other.describe()
+    );
+}
