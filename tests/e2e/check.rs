@@ -589,3 +589,90 @@ async fn check_asks_the_running_provider_of_its_configuration() {
         other.describe()
     );
 }
+
+/// `explain`'s error paths and a pod CA never considered: a malformed argument and a missing pod
+/// stop with an error naming them (exit 2); without CA there is no verdict, the status ConfigMap is
+/// reported missing with the flags that name it, and the provider's groups are still shown.
+#[tokio::test]
+async fn explain_without_autoscaler_and_its_errors() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("g"), false).await;
+
+    let bad = run(
+        "explain",
+        &["no-slash", "--metrics-address", ""],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(bad.code, Some(2), "{}", bad.describe());
+    assert!(
+        bad.stderr.contains("expected NAMESPACE/POD"),
+        "{}",
+        bad.describe()
+    );
+    let pod_arg = format!("{ns}/missing");
+    let missing = run(
+        "explain",
+        &[&pod_arg, "--metrics-address", ""],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(missing.code, Some(2), "{}", missing.describe());
+    assert!(
+        missing
+            .stderr
+            .contains(&format!("pod {ns}/missing not found")),
+        "{}",
+        missing.describe()
+    );
+
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(capi.client.clone(), &ns);
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "lonely"},
+        "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]},
+    }))
+    .expect("a Pod");
+    pods.create(&kube::api::PostParams::default(), &pod)
+        .await
+        .expect("create the pod");
+    let pod_arg = format!("{ns}/lonely");
+    let out = run(
+        "explain",
+        &[
+            &pod_arg,
+            "-o",
+            "json",
+            "--metrics-address",
+            "",
+            "--autoscaler-namespace",
+            &ns,
+        ],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.describe());
+    let e = out.json();
+    assert_eq!(e["verdict"]["kind"], "no_decision", "{e:#}");
+    assert!(
+        e["status"]["unreadable"]
+            .as_str()
+            .is_some_and(|u| u.contains("not found") && u.contains("--status-config-map")),
+        "{e:#}"
+    );
+    assert_eq!(
+        e["groups"][0]["id"],
+        capi.id(Kind::MachineDeployment, "g").as_str(),
+        "{e:#}"
+    );
+    assert!(
+        e["provider_source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("watches of its own")),
+        "{e:#}"
+    );
+}
