@@ -2,8 +2,8 @@
 #             cluster-autoscaler, through a scale-up from zero and back down, with a timeline
 # make test   everything CI runs: format check, clippy, all tests
 # make bench  this provider against the in-tree provider and a floor on fleets of up to 100,000
-#             Machines (README: Benchmarks); not part of `make test`
-# make image  the container image without a Docker engine, into target/image/ (README: Image)
+#             Machines (CONTRIBUTING.md: Benchmarks); not part of `make test`
+# make image  the container image without a Docker engine, into target/image/ (README: Get the image)
 # make fuzz   every fuzz target (cargo-fuzz, fuzz/) for FUZZ_SECONDS each; make fuzz-smoke: CI's short run
 # make load   64 clients x 100,000 read RPCs against the release binary serving 5,000 Machines
 SHELL := bash
@@ -87,7 +87,7 @@ image:
 bench: upstream
 	$(CARGO) bench --bench fleet
 
-# Fuzzing (fuzz/, README: Fuzzing): builds every target with cargo-fuzz (no sanitizer: works on a stable
+# Fuzzing (fuzz/, CONTRIBUTING.md: Fuzzing): builds every target with cargo-fuzz (no sanitizer: works on a stable
 # toolchain), runs each for FUZZ_SECONDS (or the ones named in FUZZ_TARGETS), prints executions per target,
 # fails on a crash (the input is kept in fuzz/artifacts/<target>/). Needs `cargo install cargo-fuzz`.
 FUZZ_SECONDS ?= 120
@@ -100,7 +100,7 @@ fuzz:
 fuzz-smoke:
 	bash fuzz/run.sh $(FUZZ_SMOKE_SECONDS) $(FUZZ_TARGETS)
 
-# Load (benches/load.rs, README: Benchmarks): the release binary against the test control plane; prints
+# Load (benches/load.rs, CONTRIBUTING.md: Benchmarks): the release binary against the test control plane; prints
 # errors, throughput, latency and the provider's memory during the run. LOAD_* variables resize it.
 load: upstream
 	$(CARGO) bench --bench load

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::config::{CheckArgs, OutputFormat, TemplateArgs};
+use crate::config::{CheckArgs, Config, ConnectionArgs, OutputFormat, ServerArgs, TemplateArgs};
 use crate::metrics::Metrics;
 use crate::options::GroupOptions;
 use crate::pricing::{PriceSource, ReferencePrices};
@@ -60,6 +60,18 @@ pub struct GroupReport {
     /// Machines carrying a delete mark this provider did not write (Cluster API deletes them first;
     /// DeleteNodes of the group is refused while replicas do not remove them).
     pub foreign_marks: Vec<String>,
+    /// What CA will do differently for this group than its annotations suggest, though nothing is
+    /// wrong with them (not problems: they set no exit code).
+    pub notes: Vec<String>,
+}
+
+/// The notes of one group: per-group options cost CA ≥ 1.35 the group's max node startup time.
+pub fn group_notes(group: &NodeGroup) -> Vec<String> {
+    let mut notes = Vec::new();
+    if group.options.is_some() {
+        notes.push(crate::options::STARTUP_TIME_NOTE.to_string());
+    }
+    notes
 }
 
 /// A rollout that pauses a group's scale-down.
@@ -110,6 +122,7 @@ fn group_report(group: &NodeGroup) -> GroupReport {
         hourly_price: group.price,
         rollout: rollout_report(group),
         foreign_marks: group.foreign_marks.clone(),
+        notes: group_notes(group),
     }
 }
 
@@ -250,6 +263,10 @@ pub fn render_table(report: &Report) -> String {
             }),
             g.template
                 .as_ref()
+                .and_then(|t| t.zone.as_ref())
+                .map(|z| format!("zone: {}", z.describe())),
+            g.template
+                .as_ref()
                 .filter(|t| !t.labels.is_empty())
                 .map(|t| {
                     let labels: Vec<String> =
@@ -269,6 +286,7 @@ pub fn render_table(report: &Report) -> String {
         ]
         .into_iter()
         .flatten()
+        .chain(g.notes.iter().map(|n| format!("note: {n}")))
         .collect();
         if !details.is_empty() {
             let _ = writeln!(out, "\n{}", g.id);
@@ -336,18 +354,119 @@ async fn ready_snapshot(
     Ok(store.snapshot())
 }
 
+/// What the running provider answers on `/check`: the report of its snapshot, rendered both ways,
+/// and the configuration it serves, so a command of another configuration does not take it.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct ServedCheck {
+    pub fingerprint: String,
+    pub problems: usize,
+    pub table: String,
+    pub report: serde_json::Value,
+}
+
+/// Identifies what a provider serves: the validated configuration (clusters, discovery, Cluster,
+/// group, version, prices), hashed (FNV-1a 64). Equal in `serve` and in a command run in its
+/// container with the same environment.
+pub fn fingerprint(config: &Config) -> String {
+    let text = format!("{config:?}");
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// The `/check` answer of a snapshot.
+pub fn served_check(snapshot: &Snapshot, fingerprint: &str) -> ServedCheck {
+    let report = report(snapshot);
+    ServedCheck {
+        fingerprint: fingerprint.to_string(),
+        problems: report.problems.len(),
+        table: render_table(&report),
+        report: serde_json::to_value(&report).unwrap_or_default(),
+    }
+}
+
+/// The report, from the running provider when it answers for this configuration, else from watches
+/// of our own. The second value says which, for a person (stderr) and for `explain`.
+pub async fn served_or_own(
+    connection: &ConnectionArgs,
+    server: &ServerArgs,
+) -> anyhow::Result<(ServedCheck, String)> {
+    let config = connection.config()?;
+    let fingerprint = fingerprint(&config);
+    let address = server.metrics_address.trim();
+    let why = if address.is_empty() {
+        "--metrics-address is empty".to_string()
+    } else {
+        match ask_server(address).await {
+            Ok(served) if served.fingerprint == fingerprint => {
+                return Ok((served, format!("the running provider at {address}")));
+            }
+            Ok(_) => format!("the provider at {address} serves another configuration"),
+            Err(e) => format!("no running provider at {address}: {e}"),
+        }
+    };
+    let snapshot = ready_snapshot(connection).await?;
+    Ok((
+        served_check(&snapshot, &fingerprint),
+        format!("watches of its own ({why})"),
+    ))
+}
+
+/// How long the running provider may take to answer: it answers from memory.
+const SERVER_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest `/check` answer read.
+const SERVER_ANSWER_LIMIT: u64 = 256 << 20;
+
+/// `GET /check` on the provider's HTTP listener (plain HTTP/1.0 on loopback, as the listener serves).
+async fn ask_server(address: &str) -> Result<ServedCheck, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(|e| e.to_string())?;
+        stream
+            .write_all(format!("GET /check HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut answer = Vec::new();
+        stream
+            .take(SERVER_ANSWER_LIMIT)
+            .read_to_end(&mut answer)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<Vec<u8>, String>(answer)
+    };
+    let answer = tokio::time::timeout(SERVER_TIMEOUT, exchange)
+        .await
+        .map_err(|_| format!("no answer within {SERVER_TIMEOUT:?}"))??;
+    let text = String::from_utf8_lossy(&answer);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("not an HTTP answer")?;
+    let status = head.split_whitespace().nth(1).unwrap_or_default();
+    if status != "200" {
+        let first = body.lines().next().unwrap_or_default();
+        return Err(format!(
+            "HTTP {status}: {}",
+            crate::problem::cut(first, 200)
+        ));
+    }
+    serde_json::from_str(body).map_err(|e| format!("not a check answer: {e}"))
+}
+
 /// Prints the report; exit code 1 when there are problems.
 pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
-    let snapshot = ready_snapshot(&args.connection).await?;
-    let report = report(&snapshot);
+    let (served, source) = served_or_own(&args.connection, &args.server).await?;
+    eprintln!("(from {source})");
     match args.output {
-        OutputFormat::Table => print!("{}", render_table(&report)),
+        OutputFormat::Table => print!("{}", served.table),
         OutputFormat::Json => println!(
             "{}",
-            serde_json::to_string_pretty(&report).context("encoding the report")?
+            serde_json::to_string_pretty(&served.report).context("encoding the report")?
         ),
     }
-    Ok(if report.problems.is_empty() {
+    Ok(if served.problems == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
@@ -452,5 +571,53 @@ mod tests {
         assert!(!table.contains("rolling out"), "{table}");
         let json = serde_json::to_value(&r).unwrap();
         assert!(json["groups"][0]["rollout"].is_null());
+    }
+
+    /// MachineDeployment md (min 0, max 5, replicas 1) with extra annotations.
+    fn group_with(annotations: &[(&str, &str)]) -> Snapshot {
+        let keys = Keys::default();
+        let mut all = serde_json::Map::new();
+        all.insert(keys.min_size.clone(), json!("0"));
+        all.insert(keys.max_size.clone(), json!("5"));
+        for (k, v) in annotations {
+            all.insert(k.to_string(), json!(v));
+        }
+        let md = json!({
+            "metadata": {"namespace": "ns", "name": "md", "annotations": all},
+            "spec": {"replicas": 1},
+        });
+        let r = ScalableResource::from_json(ScalableKind::MachineDeployment, &keys, &md).unwrap();
+        let mut index = Index::default();
+        index.apply_resource(r.kind, r.key.clone(), Ok(Arc::new(r)));
+        index.snapshot(&Settings::default())
+    }
+
+    #[test]
+    fn a_group_with_answered_options_carries_the_startup_time_note() {
+        let key = format!("{}scaledownunneededtime", Keys::default().options_prefix);
+        let r = report(&group_with(&[(key.as_str(), "2m")]));
+        assert_eq!(r.groups[0].notes, vec![crate::options::STARTUP_TIME_NOTE]);
+        let table = render_table(&r);
+        assert!(table.contains("note: CA >= 1.35 sets this group's max node startup time to 0"));
+        assert!(table.contains("kubernetes/autoscaler#10245"), "{table}");
+        // A note is not a problem: the exit code stays 0.
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(
+            json["groups"][0]["notes"][0]
+                .as_str()
+                .unwrap()
+                .contains("#10245")
+        );
+    }
+
+    #[test]
+    fn options_that_are_not_answered_carry_no_note() {
+        // None at all, or only a bad one (the answer is then empty and CA keeps its own options).
+        let key = format!("{}scaledownunneededtime", Keys::default().options_prefix);
+        for annotations in [&[][..], &[(key.as_str(), "soon")][..]] {
+            let r = report(&group_with(annotations));
+            assert!(r.groups[0].notes.is_empty(), "{annotations:?}");
+        }
     }
 }

@@ -33,6 +33,9 @@ pub enum Command {
     Check(CheckArgs),
     /// Print the scale-from-zero template Node of one node group as YAML.
     Template(TemplateArgs),
+    /// Why cluster-autoscaler did or did not scale up for a pod: its Events and status next to the
+    /// provider's view of the node groups.
+    Explain(ExplainArgs),
 }
 
 /// Every flag of every command also reads an environment variable (`CAPI_AUTOSCALER_PROVIDER_*`, or the
@@ -309,10 +312,62 @@ fn parse_size(value: &str) -> Result<usize, String> {
     Ok(bytes)
 }
 
+/// Where `check` and `explain` find the running provider: its HTTP address (`serve`'s
+/// `--metrics-address`, the same variable, so in the provider's container it is the one `serve`
+/// listens on). Asked first, so that a command run in the pod does not build a second cache; when
+/// nothing answers there, or a provider of another configuration does, the command reads the
+/// cluster itself. Empty: always read the cluster itself.
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    #[arg(
+        long = "metrics-address",
+        env = "CAPI_AUTOSCALER_PROVIDER_METRICS_ADDRESS",
+        default_value = "127.0.0.1:8087"
+    )]
+    pub metrics_address: String,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct CheckArgs {
     #[command(flatten)]
     pub connection: ConnectionArgs,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Output format.
+    #[arg(
+        short = 'o',
+        long = "output",
+        env = "CAPI_AUTOSCALER_PROVIDER_OUTPUT",
+        value_enum,
+        default_value = "table"
+    )]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ExplainArgs {
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// The pod, `NAMESPACE/NAME`, in the cluster cluster-autoscaler watches (`--kubeconfig`, else the
+    /// management cluster).
+    #[arg(value_name = "NAMESPACE/POD")]
+    pub pod: String,
+    /// Namespace of cluster-autoscaler's status ConfigMap (CA's `--namespace`).
+    #[arg(
+        long = "autoscaler-namespace",
+        env = "CAPI_AUTOSCALER_PROVIDER_AUTOSCALER_NAMESPACE",
+        default_value = "kube-system"
+    )]
+    pub autoscaler_namespace: String,
+    /// Name of cluster-autoscaler's status ConfigMap (CA's `--status-config-map-name`).
+    #[arg(
+        long = "status-config-map",
+        env = "CAPI_AUTOSCALER_PROVIDER_STATUS_CONFIG_MAP",
+        default_value = "cluster-autoscaler-status"
+    )]
+    pub status_config_map: String,
     /// Output format.
     #[arg(
         short = 'o',

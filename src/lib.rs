@@ -10,6 +10,7 @@ pub mod check;
 pub mod config;
 pub mod discovery;
 mod events;
+pub mod explain;
 mod index;
 pub mod logging;
 mod metrics;

@@ -98,6 +98,14 @@ impl GroupOptions {
     }
 }
 
+/// What answering a group's options costs with CA ≥ 1.35, which takes every field of an answer: the
+/// max node startup time the proto has no field for becomes 0 for that group. Shown by `check` under
+/// every group whose options are answered.
+pub const STARTUP_TIME_NOTE: &str = "CA >= 1.35 sets this group's max node startup time to 0 whenever its \
+     options are answered (the protocol has no field for it, kubernetes/autoscaler#10245): a new node counts \
+     as unready as soon as it registers, and CA may scale the group up again while its nodes boot. \
+     Keep per-group options only where needed, or set them on CA for every group";
+
 /// Reads the option annotations of one scalable resource.
 ///
 /// `object` names it for problems (`MachineDeployment ns/name`). Returns `None` when no option parsed —
@@ -132,8 +140,8 @@ pub fn parse(
             problems.push(Problem::new(
                 object,
                 field,
-                "maxnodestartuptime cannot be set per group over externalgrpc (the protocol has no such field); \
-                 CA's --max-node-startup-time applies",
+                "maxnodestartuptime cannot be set per group over externalgrpc (the protocol has no such field, \
+                 kubernetes/autoscaler#10245); CA's --max-node-startup-time applies",
             ));
             continue;
         }

@@ -85,6 +85,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             listener,
             Arc::clone(&store),
             Arc::clone(&metrics),
+            crate::check::fingerprint(&config),
         ));
     }
 
@@ -231,10 +232,16 @@ async fn shutdown() {
     tracing::info!("shutting down");
 }
 
-async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metrics: Arc<Metrics>) {
+async fn serve_http(
+    listener: tokio::net::TcpListener,
+    store: Arc<Store>,
+    metrics: Arc<Metrics>,
+    fingerprint: String,
+) {
     use axum::http::StatusCode;
     use axum::routing::get;
     let store_for_metrics = Arc::clone(&store);
+    let store_for_check = Arc::clone(&store);
     let app = axum::Router::new()
         .route(
             "/metrics",
@@ -254,6 +261,30 @@ async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metric
             }),
         )
         .route("/healthz", get(|| async { "ok" }))
+        // What `check` and `explain` show, from this process's snapshot: run in the pod, they ask
+        // here instead of building a second cache. Not before the snapshot is complete.
+        .route(
+            "/check",
+            get(move || {
+                let store = Arc::clone(&store_for_check);
+                let fingerprint = fingerprint.clone();
+                async move {
+                    if !store.is_complete() {
+                        return (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            [("content-type", "text/plain; charset=utf-8")],
+                            "not ready: the first complete view is not built yet\n".to_string(),
+                        );
+                    }
+                    let served = crate::check::served_check(&store.snapshot(), &fingerprint);
+                    (
+                        StatusCode::OK,
+                        [("content-type", "application/json")],
+                        serde_json::to_string(&served).unwrap_or_default(),
+                    )
+                }
+            }),
+        )
         .route(
             "/readyz",
             get(move || {

@@ -3,7 +3,7 @@
 //! The index consumes watch events (apply, delete, reset) per kind, exactly as the store receives them,
 //! so it is tested by feeding it events, without a cluster.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
@@ -16,7 +16,7 @@ use crate::options::{self, GroupOptions};
 use crate::pricing::{self, PriceSource, PricedNode, ReferencePrices};
 use crate::problem::Problem;
 use crate::scope::{self, ClusterRef, Scope};
-use crate::template::{self, InfraSource, TemplateInputs, TemplateNode};
+use crate::template::{self, FailureDomainZone, InfraSource, TemplateInputs, TemplateNode};
 
 /// Prefixes of the instance ids made up for Machines that have no providerID (kept from upstream).
 pub const PENDING_PREFIX: &str = "pending-machine-";
@@ -698,6 +698,8 @@ struct TemplateMemo {
     infra: InfraInput,
     /// The labels templates copy from an existing Node of the group.
     node_labels: Vec<(String, String)>,
+    /// The zone of the template's failure domain, from the Nodes in it.
+    failure_domain_zone: Option<FailureDomainZone>,
     template: Option<Arc<TemplateNode>>,
     problems: Vec<Problem>,
 }
@@ -708,10 +710,12 @@ impl TemplateMemo {
         resource: &Arc<ScalableResource>,
         infra: &InfraInput,
         node_labels: &[(String, String)],
+        failure_domain_zone: Option<&FailureDomainZone>,
     ) -> bool {
         (Arc::ptr_eq(&self.resource, resource) || same_for_template(&self.resource, resource))
             && self.infra.same(infra)
             && self.node_labels == node_labels
+            && self.failure_domain_zone.as_ref() == failure_domain_zone
     }
 }
 
@@ -779,6 +783,7 @@ fn same_machine_layout(a: &Machine, b: &Machine) -> bool {
         cluster_name,
         provider_id,
         node_ref,
+        failure_domain,
         deleting,
         owners,
         phase,
@@ -790,6 +795,7 @@ fn same_machine_layout(a: &Machine, b: &Machine) -> bool {
         && *cluster_name == b.cluster_name
         && *provider_id == b.provider_id
         && *node_ref == b.node_ref
+        && *failure_domain == b.failure_domain
         && *deleting == b.deleting
         && *owners == b.owners
         && *phase == b.phase
@@ -1276,12 +1282,20 @@ impl<'a> Builder<'a> {
         group: &NodeGroup,
         node_labels: Option<&BTreeMap<String, String>>,
         copied: Vec<(String, String)>,
+        failure_domain_zone: Option<FailureDomainZone>,
     ) -> Arc<TemplateMemo> {
         let infra = self.infra_input(&group.resource);
         if let Some(memo) = self
             .previous
             .and_then(|p| p.templates.get(group.id.as_str()))
-            .filter(|m| m.holds_for(&group.resource, &infra, &copied))
+            .filter(|m| {
+                m.holds_for(
+                    &group.resource,
+                    &infra,
+                    &copied,
+                    failure_domain_zone.as_ref(),
+                )
+            })
         {
             return Arc::clone(memo);
         }
@@ -1291,6 +1305,7 @@ impl<'a> Builder<'a> {
             infra: infra.source(),
             node_labels,
             default_arch: self.settings.default_arch.as_deref(),
+            failure_domain_zone: failure_domain_zone.as_ref(),
         });
         let mut problems = outcome.problems;
         if let InfraInput::Malformed(problem) = &infra {
@@ -1300,6 +1315,7 @@ impl<'a> Builder<'a> {
             resource: Arc::clone(&group.resource),
             infra,
             node_labels: copied,
+            failure_domain_zone,
             template: outcome.template.map(Arc::new),
             problems,
         })
@@ -1532,6 +1548,53 @@ impl<'a> Builder<'a> {
         }
     }
 
+    /// The zone labels of the Nodes of Machines in each failure domain, by (namespace, Cluster,
+    /// failure domain): what a template in that failure domain is given as its zone. Only the failure
+    /// domains some group's template names are counted.
+    fn failure_domain_zones(
+        &self,
+        groups: &BTreeMap<String, NodeGroup>,
+    ) -> HashMap<(&str, &str, &str), BTreeMap<String, usize>> {
+        let wanted: HashSet<(&str, &str, &str)> = groups
+            .values()
+            .filter_map(|g| {
+                let r = &g.resource;
+                let fd = r.template.failure_domain.as_deref()?.trim();
+                Some((r.key.namespace.as_str(), r.cluster_name.as_str(), fd))
+            })
+            .collect();
+        let mut zones: HashMap<(&str, &str, &str), BTreeMap<String, usize>> = HashMap::new();
+        if wanted.is_empty() {
+            return zones;
+        }
+        for machine in self.index.machines.values().filter_map(|m| m.as_ref().ok()) {
+            let Some(fd) = machine.failure_domain.as_deref() else {
+                continue;
+            };
+            let at = (
+                machine.key.namespace.as_str(),
+                machine.cluster_name.as_str(),
+                fd,
+            );
+            if !wanted.contains(&at) {
+                continue;
+            }
+            let zone = machine
+                .node_ref
+                .as_deref()
+                .and_then(|name| self.index.nodes.get(name))
+                .and_then(|node| node.labels.get(template::LABEL_ZONE));
+            if let Some(zone) = zone {
+                *zones
+                    .entry(at)
+                    .or_default()
+                    .entry(zone.clone())
+                    .or_default() += 1;
+            }
+        }
+        zones
+    }
+
     /// Each group's template, with the node labels of an existing node of the group when the
     /// workload cluster is watched. A template whose inputs are those of the previous build is
     /// taken from it.
@@ -1546,6 +1609,7 @@ impl<'a> Builder<'a> {
             .values()
             .filter_map(|n| n.provider_id.as_deref().map(|p| (p, &n.labels)))
             .collect();
+        let zones = self.failure_domain_zones(groups);
         let mut templates: HashMap<String, Arc<TemplateMemo>> =
             HashMap::with_capacity(groups.len());
         for (id, group) in groups.iter_mut() {
@@ -1561,7 +1625,15 @@ impl<'a> Builder<'a> {
                         .collect()
                 })
                 .unwrap_or_default();
-            let memo = self.template_memo(group, node_labels, copied);
+            let r = &group.resource;
+            let failure_domain_zone = r
+                .template
+                .failure_domain
+                .as_deref()
+                .map(str::trim)
+                .and_then(|fd| zones.get(&(r.key.namespace.as_str(), r.cluster_name.as_str(), fd)))
+                .and_then(template::zone_in_failure_domain);
+            let memo = self.template_memo(group, node_labels, copied, failure_domain_zone);
             if !memo.problems.is_empty() {
                 group_problems
                     .entry(id.clone())
@@ -1737,9 +1809,12 @@ impl<'a> Builder<'a> {
             group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
             group.instances = list;
             // Nodes did not change: the labels copied from the group's Node neither.
-            let copied = previous.templates.get(id)?.node_labels.clone();
+            // Nor the zones of failure domains.
+            let previous_memo = previous.templates.get(id)?;
+            let copied = previous_memo.node_labels.clone();
+            let failure_domain_zone = previous_memo.failure_domain_zone.clone();
             let node_labels: BTreeMap<String, String> = copied.iter().cloned().collect();
-            let memo = self.template_memo(&group, Some(&node_labels), copied);
+            let memo = self.template_memo(&group, Some(&node_labels), copied, failure_domain_zone);
             problems.extend(memo.problems.iter().cloned());
             group.template = memo.template.clone();
             templates.insert(Arc::clone(id), memo);

@@ -11,7 +11,9 @@
 //!   error and drops the whole template); negative quantities and counts are malformed too.
 //! - a template without `status.nodeInfo` gives the default arch and `linux`, not empty labels.
 //! - managed labels come from `spec.template.metadata.labels` (upstream reads a path that does not exist),
-//!   `topology.kubernetes.io/zone` is copied from a Node too, and the template's failure domain fills it in.
+//!   `topology.kubernetes.io/zone` is copied from a Node too, and the template's failure domain fills it in:
+//!   with the zone the Cluster's Nodes in that failure domain carry when there are any (CAPZ's failure
+//!   domains are `1`, `2`, `3`, its Nodes' zones `eastus-1`), else with the failure domain's name.
 //! - GPU groups get the label `cluster-api/accelerator`.
 //! - taints from the annotation must have a valid key, value and effect.
 //!
@@ -90,6 +92,81 @@ pub struct TemplateInputs<'a> {
     pub node_labels: Option<&'a BTreeMap<String, String>>,
     /// `CAPI_SCALE_ZERO_DEFAULT_ARCH`.
     pub default_arch: Option<&'a str>,
+    /// The zone the Nodes of the group's Cluster in the template's failure domain carry
+    /// ([`zone_in_failure_domain`]), when any such Node exists.
+    pub failure_domain_zone: Option<&'a FailureDomainZone>,
+}
+
+/// The zone label Nodes in one failure domain carry, and how many of them carry it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailureDomainZone {
+    pub zone: String,
+    pub nodes: usize,
+}
+
+/// Where a template's `topology.kubernetes.io/zone` came from, lowest precedence last.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "from", rename_all = "snake_case")]
+pub enum ZoneSource {
+    /// An existing Node of the group: its labels win over everything.
+    GroupNode,
+    /// The `capacity.cluster-autoscaler.kubernetes.io/labels` annotation.
+    Annotation,
+    /// The Nodes of the Cluster's Machines in the template's failure domain.
+    FailureDomainNodes {
+        failure_domain: String,
+        nodes: usize,
+    },
+    /// `spec.template.spec.failureDomain` as it is, no Node being in that failure domain yet: right
+    /// where failure domains are zone names (CAPA), wrong where they are not (CAPZ `1`, CAPV objects).
+    FailureDomain { failure_domain: String },
+}
+
+/// A template's zone label and where it came from.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Zone {
+    pub value: String,
+    pub source: ZoneSource,
+}
+
+impl Zone {
+    /// One line for `check`: the zone, where it came from and, when it is only the failure domain's
+    /// name, how to set it.
+    pub fn describe(&self) -> String {
+        match &self.source {
+            ZoneSource::GroupNode => format!("{} (from a Node of the group)", self.value),
+            ZoneSource::Annotation => format!("{} (from {})", self.value, capacity::LABELS),
+            ZoneSource::FailureDomainNodes {
+                failure_domain,
+                nodes,
+            } => format!(
+                "{} (from {nodes} Node(s) of the Cluster's Machines in failure domain {failure_domain:?})",
+                self.value
+            ),
+            ZoneSource::FailureDomain { failure_domain } => format!(
+                "{} (spec.template.spec.failureDomain {failure_domain:?} as is: no Node is in that failure \
+                 domain yet; right where failure domains are zone names (CAPA), not where they are not \
+                 (CAPZ, CAPV): then set {}: {LABEL_ZONE}=<zone>)",
+                self.value,
+                capacity::LABELS
+            ),
+        }
+    }
+}
+
+/// The zone of a failure domain, from the zone labels of the Nodes in it (label value → Nodes): the
+/// one most Nodes carry, ties to the first by name. `None` without any.
+pub fn zone_in_failure_domain(zones: &BTreeMap<String, usize>) -> Option<FailureDomainZone> {
+    zones
+        .iter()
+        .filter(|(zone, n)| **n > 0 && !zone.is_empty() && is_label_value(zone))
+        // max_by_key keeps the last of equals: reversed, the first by name wins a tie
+        .rev()
+        .max_by_key(|(_, n)| **n)
+        .map(|(zone, n)| FailureDomainZone {
+            zone: zone.clone(),
+            nodes: *n,
+        })
 }
 
 #[derive(Clone, Debug)]
@@ -155,6 +232,8 @@ pub struct TemplateSummary {
     #[serde(serialize_with = "serialize_taints")]
     pub taints: Vec<Taint>,
     pub capacity_source: CapacitySource,
+    /// The zone label, and where it came from.
+    pub zone: Option<Zone>,
 }
 
 fn serialize_taints<S: serde::Serializer>(taints: &[Taint], s: S) -> Result<S::Ok, S::Error> {
@@ -201,6 +280,7 @@ pub fn default_arch(value: Option<&str>) -> (&'static str, Option<Problem>) {
 pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     let mut problems = Vec::new();
     let group = Group::new(inputs, &mut problems);
+    problems.extend(not_carried(&group.object, group.annotations()));
     let capacity = capacity(&group, &mut problems);
     let Some(size) = capacity.size() else {
         problems.extend(unsized_problem(&group, &capacity));
@@ -210,9 +290,10 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
         };
     };
     let name = node_name(&group.resource.key.name, inputs.group_id);
-    let labels = labels(inputs, &group, &name, capacity.gpu.as_ref(), &mut problems);
+    let (labels, zone) = labels(inputs, &group, &name, capacity.gpu.as_ref(), &mut problems);
     let taints = taints(&group, &mut problems);
-    let summary = summary(&group, &capacity, size, name, labels, taints);
+    let mut summary = summary(&group, &capacity, size, name, labels, taints);
+    summary.zone = zone;
     let node = node(&summary, &capacity, inputs.group_id);
     TemplateOutcome {
         template: Some(TemplateNode { node, summary }),
@@ -280,6 +361,34 @@ impl<'a> Group<'a> {
             .or_else(|| self.infra_name.clone())
             .unwrap_or_else(|| "the infrastructure template".to_string())
     }
+}
+
+/// The capacity annotations the in-tree provider honours and the externalgrpc protocol cannot carry:
+/// a template is one `v1.Node`, with no room for the ResourceSlices or the CSINode they describe. Each
+/// one set is a problem saying so and what CA does instead, rather than being dropped in silence.
+pub fn not_carried(object: &str, annotations: &BTreeMap<String, String>) -> Vec<Problem> {
+    let set = |key: &str| annotations.get(key).is_some_and(|v| !v.trim().is_empty());
+    let mut problems = Vec::new();
+    if set(capacity::DRA_DRIVER) {
+        problems.push(Problem::new(
+            object,
+            Problem::annotation_field(capacity::DRA_DRIVER),
+            "not carried over externalgrpc: a template is one Node and the protocol has no field for the \
+             ResourceSlices this annotation describes (kubernetes/autoscaler#10277); CA simulates this \
+             group's node without DRA devices, so a pod that claims devices does not scale it up from zero \
+             (it can once the group has a node, whose real ResourceSlices CA sees)",
+        ));
+    }
+    if set(capacity::CSI_DRIVER) {
+        problems.push(Problem::new(
+            object,
+            Problem::annotation_field(capacity::CSI_DRIVER),
+            "not carried over externalgrpc: the protocol has no field for the CSINode this annotation \
+             describes; CA simulates this group's node without a CSINode: with --enable-csi-node-aware-scheduling a pod with CSI volumes does not scale it up from \
+             zero (kubernetes/autoscaler#10131), without it the drivers' attach limits are not considered",
+        ));
+    }
+    problems
 }
 
 /// Where a capacity entry came from.
@@ -606,14 +715,14 @@ fn platform(
 }
 
 /// Lowest precedence first: each source overrides the ones before it, and what a real Node of the group
-/// shows wins.
+/// shows wins. Also says where the zone label came from.
 fn labels(
     inputs: &TemplateInputs,
     group: &Group,
     name: &str,
     gpu: Option<&Gpu>,
     problems: &mut Vec<Problem>,
-) -> BTreeMap<String, String> {
+) -> (BTreeMap<String, String>, Option<Zone>) {
     let r = group.resource;
     let platform = platform(group, inputs.default_arch, problems);
     let mut labels = BTreeMap::from([
@@ -621,11 +730,21 @@ fn labels(
         (LABEL_OS.to_string(), platform.os),
         (LABEL_HOSTNAME.to_string(), name.to_string()),
     ]);
+    let mut zone_source = None;
     if let Some(fd) = r.template.failure_domain.as_deref().map(str::trim)
         && !fd.is_empty()
-        && is_label_value(fd)
     {
-        labels.insert(LABEL_ZONE.to_string(), fd.to_string());
+        let failure_domain = fd.to_string();
+        if let Some(seen) = inputs.failure_domain_zone {
+            labels.insert(LABEL_ZONE.to_string(), seen.zone.clone());
+            zone_source = Some(ZoneSource::FailureDomainNodes {
+                failure_domain,
+                nodes: seen.nodes,
+            });
+        } else if is_label_value(fd) {
+            labels.insert(LABEL_ZONE.to_string(), failure_domain.clone());
+            zone_source = Some(ZoneSource::FailureDomain { failure_domain });
+        }
     }
     // GPUs declared by the annotations or published by the infrastructure template both label the node,
     // so CA's GPU accounting sees them; a `cluster-api/accelerator` in the labels annotation wins below.
@@ -639,12 +758,15 @@ fn labels(
             .filter(|(k, _)| is_managed_label(k))
             .map(|(k, v)| (k.clone(), v.clone())),
     );
-    labels.extend(parse_labels_annotation(
-        &group.object,
-        group.annotations(),
-        problems,
-    ));
+    let annotated = parse_labels_annotation(&group.object, group.annotations(), problems);
+    if annotated.iter().any(|(k, _)| k == LABEL_ZONE) {
+        zone_source = Some(ZoneSource::Annotation);
+    }
+    labels.extend(annotated);
     if let Some(node_labels) = inputs.node_labels {
+        if node_labels.get(LABEL_ZONE).is_some_and(|v| !v.is_empty()) {
+            zone_source = Some(ZoneSource::GroupNode);
+        }
         labels.extend(NODE_LABELS_COPIED.iter().filter_map(|key| {
             node_labels
                 .get(*key)
@@ -652,7 +774,13 @@ fn labels(
                 .map(|v| (key.to_string(), v.clone()))
         }));
     }
-    labels
+    let zone = zone_source.and_then(|source| {
+        labels.get(LABEL_ZONE).map(|value| Zone {
+            value: value.clone(),
+            source,
+        })
+    });
+    (labels, zone)
 }
 
 /// The Machine template's valid taints, then the annotation's; one of the annotation replaces a taint of the
@@ -705,6 +833,7 @@ fn summary(
         labels,
         taints,
         capacity_source: capacity.source(group.template_id()),
+        zone: None,
     }
 }
 

@@ -39,4 +39,18 @@ mod tests {
         );
         assert!(LONG_VERSION.starts_with(VERSION) && LONG_VERSION.contains(COMMIT));
     }
+
+    #[test]
+    fn the_changelog_names_this_version_first() {
+        let changelog = include_str!("../CHANGELOG.md");
+        let first = changelog
+            .lines()
+            .find_map(|l| l.strip_prefix("## "))
+            .expect("CHANGELOG.md has a release heading");
+        assert_eq!(
+            first.split_whitespace().next(),
+            Some(VERSION),
+            "CHANGELOG.md's newest release is not Cargo.toml's version"
+        );
+    }
 }

@@ -775,6 +775,167 @@ async fn autoscaler_over_mutual_tls() {
     s.passed();
 }
 
+/// `explain` for three pods, with the real CA's verdicts, each asked right after CA's verdict on it:
+/// one no group fits (8 CPUs; md-a has 2, md-b 1), one CA scaled md-a up for (0 -> 1), and one that
+/// found md-a at its max (1). Each run asks the running provider (`--metrics-address`), reads the
+/// pod's Events and CA's status ConfigMap, and says, as data: CA's verdict and the groups it named,
+/// and the provider's view of each group (at max, template).
+#[tokio::test]
+async fn explain_says_why_ca_did_or_did_not_scale_up_for_a_pod() {
+    let mut s = RealCapiScenario::new("explain").await;
+    s.template("md-a-tmpl", "2", "4Gi", false).await;
+    s.template("md-b-tmpl", "1", "2Gi", false).await;
+    let a = RealCapiScenario::capacity(s.md("md-a", "md-a-tmpl", 0, 1, 0), "2", "4Gi");
+    s.create_md(&a).await;
+    let b = RealCapiScenario::capacity(s.md("md-b", "md-b-tmpl", 0, 3, 0), "1", "2Gi");
+    s.create_md(&b).await;
+    s.start_provider(&[]).await;
+    s.start_ca(s.autoscaler()).await;
+    let id = |md: &str| format!("MachineDeployment/{}/{md}", s.ns);
+
+    let provider = s.provider.as_ref().expect("the provider runs");
+    let kubeconfig = s.cp.admin_kubeconfig().display().to_string();
+    let discovery = format!("clusterapi:namespace={}", s.ns);
+    let explain = |pod: &str, json: bool| {
+        let pod = format!("{}/{pod}", s.ns);
+        let mut args: Vec<String> = ["explain", pod.as_str(), "--metrics-address"]
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        args.push(provider.metrics_address.clone());
+        for a in [
+            "--autoscaler-namespace",
+            &s.ns,
+            "--status-config-map",
+            support::autoscaler::STATUS_CONFIGMAP,
+            "--cloud-config",
+            &kubeconfig,
+            "--node-group-auto-discovery",
+            &discovery,
+        ] {
+            args.push(a.to_string());
+        }
+        if json {
+            args.extend(["-o".to_string(), "json".to_string()]);
+        }
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            support::infra::run_cli(&args, Duration::from_secs(60)).await
+        }
+    };
+    let mut screens = Vec::new();
+    let mut explained = std::collections::BTreeMap::new();
+    let mut explain_now = async |pod: &'static str| {
+        let run = explain(pod, true).await;
+        s.check(run.code == Some(0), &run.describe());
+        explained.insert(pod, run.json());
+        let table = explain(pod, false).await;
+        s.check(table.code == Some(0), &table.describe());
+        screens.push(format!("$ explain {}/{pod}\n{}", s.ns, table.stdout));
+    };
+
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("too-big", "8", "1Gi")).await;
+    wait_pod_event(&s, "too-big", "NotTriggerScaleUp").await;
+    explain_now("too-big").await;
+
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("fits", "1500m", "1Gi")).await;
+    wait_pod_event(&s, "fits", "TriggeredScaleUp").await;
+    workload::wait_bound(&s.client, &s.ns, "fits", UP).await;
+    explain_now("fits").await;
+
+    workload::create_pod(&s.client, &s.ns, &PodSpec::new("over-max", "1500m", "1Gi")).await;
+    wait_pod_event(&s, "over-max", "NotTriggerScaleUp").await;
+    explain_now("over-max").await;
+    eprintln!("e2e: explain screens:\n{}", screens.join("\n"));
+
+    let group = |e: &serde_json::Value, md: &str| -> serde_json::Value {
+        e["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|g| g["id"] == id(md).as_str())
+            .cloned()
+            .unwrap_or_else(|| s.fail(&format!("no group {md} in {e:#}")))
+    };
+    for e in explained.values() {
+        s.check(
+            e["provider_source"]
+                .as_str()
+                .is_some_and(|src| src.starts_with("the running provider at")),
+            &format!(
+                "explain asked the running provider: {}",
+                e["provider_source"]
+            ),
+        );
+        s.check(
+            e["status"]["autoscaler"].is_string() && e["status"]["unreadable"].is_null(),
+            &format!("CA's status ConfigMap read: {:#}", e["status"]),
+        );
+    }
+
+    // Scaled: CA's verdict names md-a 0 -> 1 (max 1); md-a first, marked.
+    let fits = &explained["fits"];
+    s.check(
+        fits["verdict"]
+            == json!({"kind": "scale_up_triggered",
+                "scale_ups": [{"group": id("md-a"), "from": 0, "to": 1, "max": 1}]}),
+        &format!("fits: {:#}", fits["verdict"]),
+    );
+    s.check(
+        fits["groups"][0]["id"] == id("md-a").as_str() && fits["groups"][0]["named_by_ca"] == true,
+        &format!("fits: md-a first and named: {:#}", fits["groups"]),
+    );
+    s.check(
+        fits["pod"]["node"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("md-a")),
+        &format!("fits runs on md-a's Node: {:#}", fits["pod"]),
+    );
+
+    // Hit max: CA says so, and the provider's view shows md-a at its max.
+    let over = &explained["over-max"];
+    let reasons = over["verdict"]["reasons"].to_string();
+    s.check(
+        over["verdict"]["kind"] == "no_scale_up" && reasons.contains("max node group size reached"),
+        &format!("over-max: {:#}", over["verdict"]),
+    );
+    let md_a = group(over, "md-a");
+    s.check(
+        md_a["at_max"] == true && md_a["target"] == 1 && md_a["max"] == 1,
+        &format!("over-max: md-a at max: {md_a:#}"),
+    );
+    s.check(over["pod"]["node"].is_null(), "over-max stays pending");
+
+    // No group fits: CA's reasons, and both groups' templates (2 and 1 CPUs) beside them.
+    let big = &explained["too-big"];
+    s.check(
+        big["verdict"]["kind"] == "no_scale_up"
+            && big["verdict"]["reasons"]
+                .to_string()
+                .contains("Insufficient cpu"),
+        &format!("too-big: {:#}", big["verdict"]),
+    );
+    for (md, size) in [("md-a", "2 cpu, 4Gi mem"), ("md-b", "1 cpu, 2Gi mem")] {
+        let g = group(big, md);
+        s.check(
+            g["has_template"] == true
+                && g["template"].as_str().is_some_and(|t| t.starts_with(size)),
+            &format!("too-big: {md}'s template: {g:#}"),
+        );
+        s.check(
+            g["named_by_ca"] == false,
+            &format!("too-big: {md} not named"),
+        );
+    }
+    s.check(
+        big["pod"]["unschedulable"]
+            .as_str()
+            .is_some_and(|u| u.contains("Unschedulable")),
+        &format!("too-big: the scheduler's reason: {:#}", big["pod"]),
+    );
+    s.passed();
+}
+
 // ---------------------------------------------------------------------------------------------------
 
 /// Waits until exactly `n` of `pods` are bound.

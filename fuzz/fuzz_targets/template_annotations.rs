@@ -190,6 +190,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
         infra,
         node_labels: node_labels.as_ref(),
         default_arch: default_arch.as_deref(),
+        failure_domain_zone: None,
     };
     let outcome = template::build(&inputs);
 

@@ -34,6 +34,10 @@ pub mod capacity {
     pub const MAX_PODS: &str = "capacity.cluster-autoscaler.kubernetes.io/maxPods";
     pub const TAINTS: &str = "capacity.cluster-autoscaler.kubernetes.io/taints";
     pub const LABELS: &str = "capacity.cluster-autoscaler.kubernetes.io/labels";
+    /// Honoured by the in-tree provider, not carried by externalgrpc (a template is one Node).
+    pub const DRA_DRIVER: &str = "capacity.cluster-autoscaler.kubernetes.io/dra-driver";
+    /// Honoured by the in-tree provider, not carried by externalgrpc (a template is one Node).
+    pub const CSI_DRIVER: &str = "capacity.cluster-autoscaler.kubernetes.io/csi-driver";
 }
 
 /// Keys whose prefix is the Cluster API group (`CAPI_GROUP`), computed once at start.
@@ -224,6 +228,8 @@ pub struct Machine {
     pub provider_id: Option<String>,
     /// `status.nodeRef.name`.
     pub node_ref: Option<String>,
+    /// `spec.failureDomain`: with its Node's zone label, what a failure domain's zone is.
+    pub failure_domain: Option<String>,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
     pub owners: Vec<OwnerRef>,

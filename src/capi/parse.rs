@@ -299,6 +299,7 @@ impl Machine {
         let provider_id = non_empty(opt_str(obj, &["spec", "providerID"])?);
         // v1beta1: a corev1.ObjectReference; v1beta2: {name}. Either way the name is what we need.
         let node_ref = non_empty(opt_str(obj, &["status", "nodeRef", "name"])?);
+        let failure_domain = non_empty(opt_str(obj, &["spec", "failureDomain"])?);
         let phase = non_empty(opt_str(obj, &["status", "phase"])?);
         let failure = machine_failure(obj, meta.deleting, phase.as_deref())?;
         // Machines are the many objects: keep only the keys decisions read (all under the group), so
@@ -317,6 +318,7 @@ impl Machine {
             cluster_name,
             provider_id,
             node_ref,
+            failure_domain,
             deleting: meta.deleting,
             owners: meta.owners,
             phase,

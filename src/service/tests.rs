@@ -762,6 +762,7 @@ fn template_bytes_carry_every_field_the_template_sets() {
         infra: InfraSource::NoReference,
         node_labels: None,
         default_arch: None,
+        failure_domain_zone: None,
     })
     .template
     .expect("template");

@@ -61,6 +61,7 @@ fn machine(
         cluster_name: "c1".into(),
         provider_id: provider_id.map(str::to_string),
         node_ref: node.then(|| name.to_string()),
+        failure_domain: None,
         deleting: false,
         owners: vec![OwnerRef {
             kind: owner_kind.into(),
@@ -1370,4 +1371,84 @@ fn marks_the_provider_did_not_write_are_listed_and_unlisted_machines_kept() {
     let group = s.group("MachineSet/ns/ms").expect("served");
     assert_eq!(group.foreign_marks, ["by-hand"]);
     assert_eq!(group.unlisted, [ObjectKey::new("ns", "no-id")]);
+}
+
+/// Group `zero` (at zero, failure domain "1", capacity from annotations) beside MachineSet `busy`, whose
+/// Machines in failure domain `busy_fd` have Nodes labelled with `zones`.
+fn zone_index(busy_fd: &str, zones: &[&str], cluster_of_busy: &str) -> Index {
+    let mut index = Index::default();
+    let mut zero = resource(
+        ScalableKind::MachineDeployment,
+        "zero",
+        Some("0"),
+        Some("3"),
+        0,
+    );
+    zero.annotations
+        .insert(crate::capi::capacity::CPU.into(), "2".into());
+    zero.annotations
+        .insert(crate::capi::capacity::MEMORY.into(), "4Gi".into());
+    zero.template.failure_domain = Some("1".into());
+    add(&mut index, zero);
+    // Not a node group: its Machines count for the zone all the same.
+    let mut busy = resource(ScalableKind::MachineSet, "busy", None, None, 2);
+    busy.cluster_name = cluster_of_busy.into();
+    add(&mut index, busy);
+    for (i, zone) in zones.iter().enumerate() {
+        let name = format!("busy-{i}");
+        let mut m = machine(
+            &name,
+            "MachineSet",
+            "busy",
+            Some(&format!("p://{name}")),
+            true,
+        );
+        m.failure_domain = Some(busy_fd.into());
+        m.cluster_name = cluster_of_busy.into();
+        add_machine(&mut index, m);
+        index.apply_node(Node {
+            name: name.clone(),
+            provider_id: Some(format!("p://{name}")),
+            labels: BTreeMap::from([(crate::template::LABEL_ZONE.to_string(), zone.to_string())]),
+            cluster: None,
+        });
+    }
+    index
+}
+
+fn zone_of(s: &Snapshot) -> Option<crate::template::Zone> {
+    s.group("MachineDeployment/ns/zero")
+        .and_then(|g| g.template.as_ref())
+        .and_then(|t| t.summary.zone.clone())
+}
+
+#[test]
+fn a_template_takes_the_zone_of_the_nodes_in_its_failure_domain() {
+    let s = zone_index("1", &["eastus-1", "eastus-1"], "c1").snapshot(&settings());
+    let zone = zone_of(&s).expect("a zone");
+    assert_eq!(zone.value, "eastus-1");
+    assert_eq!(
+        zone.source,
+        crate::template::ZoneSource::FailureDomainNodes {
+            failure_domain: "1".into(),
+            nodes: 2
+        }
+    );
+}
+
+#[test]
+fn nodes_of_another_failure_domain_or_cluster_leave_the_failure_domain_as_the_zone() {
+    for index in [
+        zone_index("2", &["eastus-2"], "c1"),
+        zone_index("1", &["westus-1"], "other"),
+    ] {
+        let zone = zone_of(&index.snapshot(&settings())).expect("a zone");
+        assert_eq!(zone.value, "1");
+        assert_eq!(
+            zone.source,
+            crate::template::ZoneSource::FailureDomain {
+                failure_domain: "1".into()
+            }
+        );
+    }
 }

@@ -70,6 +70,7 @@ fn run_with(
         infra,
         node_labels,
         default_arch,
+        failure_domain_zone: None,
     })
 }
 
@@ -889,4 +890,182 @@ fn hostile_input_does_not_panic() {
             Some(w),
         );
     }
+}
+
+#[test]
+fn annotations_the_protocol_cannot_carry_are_problems_that_say_why() {
+    let r = resource(
+        &[
+            (capacity::CPU, "2"),
+            (capacity::MEMORY, "4Gi"),
+            (capacity::DRA_DRIVER, "gpu.nvidia.com"),
+            (capacity::GPU_COUNT, "1"),
+            (capacity::CSI_DRIVER, "ebs.csi.aws.com=25"),
+        ],
+        0,
+    );
+    let out = run(&r, InfraSource::NoReference);
+    // The template is still built from what can be carried.
+    assert!(out.template.is_some());
+    let dra = out
+        .problems
+        .iter()
+        .find(|p| p.field == Problem::annotation_field(capacity::DRA_DRIVER))
+        .expect("a dra-driver problem");
+    assert_eq!(dra.object, OBJ);
+    assert!(dra.message.contains("kubernetes/autoscaler#10277"), "{dra}");
+    assert!(dra.message.contains("without DRA devices"), "{dra}");
+    assert!(
+        !dra.message.contains("gpu-type"),
+        "no advice to set gpu-type: {dra}"
+    );
+    let csi = out
+        .problems
+        .iter()
+        .find(|p| p.field == Problem::annotation_field(capacity::CSI_DRIVER))
+        .expect("a csi-driver problem");
+    assert!(csi.message.contains("kubernetes/autoscaler#10131"), "{csi}");
+    assert!(csi.message.contains("without a CSINode"), "{csi}");
+}
+
+#[test]
+fn annotations_the_protocol_cannot_carry_are_reported_without_a_template_too() {
+    // Unsized (no cpu, no memory) at zero: the dra-driver problem is still there.
+    let r = resource(&[(capacity::DRA_DRIVER, "gpu.nvidia.com")], 0);
+    let out = run(&r, InfraSource::NoReference);
+    assert!(out.template.is_none());
+    assert!(
+        out.problems
+            .iter()
+            .any(|p| p.field == Problem::annotation_field(capacity::DRA_DRIVER))
+    );
+    // Empty values are not set.
+    let blank = [(capacity::DRA_DRIVER, " "), (capacity::CSI_DRIVER, "")];
+    assert!(not_carried(OBJ, &map(&blank)).is_empty());
+}
+
+/// A template in failure domain `fd` (capacity from annotations), built with what the Nodes in
+/// that failure domain say and, optionally, a Node of the group and a labels annotation.
+fn zoned(
+    fd: &str,
+    seen: Option<(&str, usize)>,
+    node: Option<&str>,
+    annotation: Option<&str>,
+) -> Option<Zone> {
+    let mut annotations = vec![(capacity::CPU, "2"), (capacity::MEMORY, "4Gi")];
+    let labels = annotation.map(|z| format!("{LABEL_ZONE}={z}"));
+    if let Some(l) = &labels {
+        annotations.push((capacity::LABELS, l.as_str()));
+    }
+    let mut r = resource(&annotations, 0);
+    r.template.failure_domain = Some(fd.to_string());
+    let node_labels = node.map(|z| map(&[(LABEL_ZONE, z)]));
+    let seen = seen.map(|(zone, nodes)| FailureDomainZone {
+        zone: zone.to_string(),
+        nodes,
+    });
+    let out = build(&TemplateInputs {
+        group_id: GROUP,
+        resource: &r,
+        infra: InfraSource::NoReference,
+        node_labels: node_labels.as_ref(),
+        default_arch: None,
+        failure_domain_zone: seen.as_ref(),
+    });
+    let t = out.template.expect("a template");
+    let zone = t.summary.zone.clone();
+    assert_eq!(
+        t.node
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_ZONE)),
+        zone.as_ref().map(|z| &z.value),
+        "the summary names the Node's zone label"
+    );
+    zone
+}
+
+#[test]
+fn the_zone_comes_from_the_nodes_in_the_failure_domain() {
+    // CAPZ: failure domain "1", its Nodes carry eastus-1.
+    let z = zoned("1", Some(("eastus-1", 2)), None, None).unwrap();
+    assert_eq!(z.value, "eastus-1");
+    assert_eq!(
+        z.source,
+        ZoneSource::FailureDomainNodes {
+            failure_domain: "1".into(),
+            nodes: 2
+        }
+    );
+    assert!(
+        z.describe().contains("failure domain \"1\""),
+        "{}",
+        z.describe()
+    );
+}
+
+#[test]
+fn without_nodes_the_failure_domain_is_the_zone_and_check_says_how_to_override_it() {
+    // CAPA: the failure domain is the zone's name, and no Node is there yet.
+    let z = zoned("us-east-1a", None, None, None).unwrap();
+    assert_eq!(z.value, "us-east-1a");
+    assert_eq!(
+        z.source,
+        ZoneSource::FailureDomain {
+            failure_domain: "us-east-1a".into()
+        }
+    );
+    let text = z.describe();
+    assert!(text.contains("spec.template.spec.failureDomain"), "{text}");
+    assert!(
+        text.contains(
+            "capacity.cluster-autoscaler.kubernetes.io/labels: topology.kubernetes.io/zone=<zone>"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_labels_annotation_and_a_node_of_the_group_win_over_the_failure_domain() {
+    let z = zoned("1", Some(("eastus-1", 1)), None, Some("eastus-3")).unwrap();
+    assert_eq!(
+        (z.value.as_str(), &z.source),
+        ("eastus-3", &ZoneSource::Annotation)
+    );
+    let z = zoned(
+        "1",
+        Some(("eastus-1", 1)),
+        Some("eastus-2"),
+        Some("eastus-3"),
+    )
+    .unwrap();
+    assert_eq!(
+        (z.value.as_str(), &z.source),
+        ("eastus-2", &ZoneSource::GroupNode)
+    );
+    // A failure domain that is no label value (CAPV: an object name with a slash) gives no zone.
+    assert_eq!(zoned("dc/cluster-1", None, None, None), None);
+    // ... unless its Nodes say.
+    let z = zoned("dc/cluster-1", Some(("zone-a", 1)), None, None).unwrap();
+    assert_eq!(z.value, "zone-a");
+}
+
+#[test]
+fn the_zone_of_a_failure_domain_is_the_one_most_of_its_nodes_carry() {
+    let zones = |pairs: &[(&str, usize)]| -> BTreeMap<String, usize> {
+        pairs.iter().map(|(z, n)| (z.to_string(), *n)).collect()
+    };
+    let pick =
+        |pairs: &[(&str, usize)]| zone_in_failure_domain(&zones(pairs)).map(|z| (z.zone, z.nodes));
+    assert_eq!(pick(&[]), None);
+    assert_eq!(pick(&[("eastus-1", 3)]), Some(("eastus-1".into(), 3)));
+    assert_eq!(
+        pick(&[("eastus-1", 1), ("eastus-2", 4)]),
+        Some(("eastus-2".into(), 4))
+    );
+    // A tie: the first by name.
+    assert_eq!(pick(&[("b", 2), ("a", 2)]), Some(("a".into(), 2)));
+    // Not a label value: skipped.
+    assert_eq!(pick(&[("bad value", 5), ("ok", 1)]), Some(("ok".into(), 1)));
 }

@@ -320,3 +320,359 @@ async fn template_prints_the_node_as_yaml() {
     assert_eq!(out.code, Some(2), "{}", out.describe());
     assert!(out.stderr.contains(&unknown), "{}", out.describe());
 }
+
+/// What the externalgrpc protocol cannot carry is said, not dropped: `dra-driver` and `csi-driver`
+/// are problems on their group naming the upstream issue and what CA does instead; a group whose
+/// options are answered carries the note that CA ≥ 1.35 then zeroes its max node startup time
+/// (kubernetes/autoscaler#10245), and a group without options does not.
+#[tokio::test]
+async fn check_says_what_the_protocol_cannot_carry() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(
+        &Scalable::md("dra")
+            .bounds(0, 3)
+            .replicas(0)
+            .annotation(CPU, "2")
+            .annotation(MEMORY, "4Gi")
+            .annotation(
+                "capacity.cluster-autoscaler.kubernetes.io/dra-driver",
+                "gpu.nvidia.com",
+            )
+            .annotation("capacity.cluster-autoscaler.kubernetes.io/gpu-count", "1")
+            .annotation(
+                "capacity.cluster-autoscaler.kubernetes.io/csi-driver",
+                "ebs.csi.aws.com=25",
+            ),
+        false,
+    )
+    .await;
+    capi.create_deployment(&good("options"), false).await;
+    capi.create_deployment(
+        &Scalable::md("plain")
+            .bounds(0, 3)
+            .replicas(1)
+            .annotation(CPU, "2")
+            .annotation(MEMORY, "4Gi"),
+        false,
+    )
+    .await;
+    let id = |name: &str| capi.id(Kind::MachineDeployment, name);
+    let object = format!("MachineDeployment {ns}/dra");
+
+    let run_json = run("check", &["-o", "json"], cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(run_json.code, Some(1), "{}", run_json.describe());
+    let report = run_json.json();
+    let m = problem(
+        &report,
+        &object,
+        "metadata.annotations[capacity.cluster-autoscaler.kubernetes.io/dra-driver]",
+    );
+    assert!(m.contains("kubernetes/autoscaler#10277"), "{m}");
+    assert!(m.contains("without DRA devices"), "{m}");
+    let m = problem(
+        &report,
+        &object,
+        "metadata.annotations[capacity.cluster-autoscaler.kubernetes.io/csi-driver]",
+    );
+    assert!(m.contains("kubernetes/autoscaler#10131"), "{m}");
+    // The group is still served, with the template the protocol can carry.
+    let dra = group(&report, &id("dra")).unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(dra["template"]["cpu"], "2", "{dra:#}");
+
+    let notes = |name: &str| -> Vec<String> {
+        group(&report, &id(name)).unwrap_or_else(|| panic!("{report:#}"))["notes"]
+            .as_array()
+            .expect("notes is a list")
+            .iter()
+            .map(|n| n.as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let with_options = notes("options");
+    assert_eq!(with_options.len(), 1, "{with_options:?}");
+    assert!(
+        with_options[0].contains("max node startup time to 0")
+            && with_options[0].contains("kubernetes/autoscaler#10245"),
+        "{with_options:?}"
+    );
+    assert!(notes("plain").is_empty());
+    assert!(
+        problems(&report)
+            .iter()
+            .all(|(o, _, _)| !o.ends_with("/options")),
+        "a note is not a problem: {:#}",
+        report["problems"]
+    );
+
+    let table = run("check", &[], cp.admin_kubeconfig(), &ns).await;
+    eprintln!("--- check (table) ---\n{}", table.stdout);
+    assert!(
+        table
+            .stdout
+            .contains("note: CA >= 1.35 sets this group's max node startup time to 0"),
+        "{}",
+        table.stdout
+    );
+}
+
+/// The zone label of a template in failure domain `1` (CAPZ's spelling) is the zone the Cluster's
+/// Nodes in that failure domain carry (`eastus-1`), and `check` says so; a template whose failure
+/// domain has no Node yet keeps the failure domain's name (`us-east-1a`, CAPA's spelling) and
+/// `check` says where it came from and which annotation overrides it.
+#[tokio::test]
+async fn check_says_where_a_templates_zone_came_from() {
+    use support::capi::Owner;
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    let sized = |name: &str, replicas: i64| {
+        Scalable::md(name)
+            .bounds(0, 5)
+            .replicas(replicas)
+            .annotation(CPU, "2")
+            .annotation(MEMORY, "4Gi")
+    };
+    for (name, replicas) in [("capz", 0), ("capa", 0), ("busy", 1)] {
+        capi.create_deployment(&sized(name, replicas), false).await;
+    }
+    for (name, fd) in [("capz", "1"), ("capa", "us-east-1a"), ("busy", "1")] {
+        capi.patch(
+            Kind::MachineDeployment,
+            name,
+            serde_json::json!({"spec": {"template": {"spec": {"failureDomain": fd}}}}),
+        )
+        .await;
+    }
+    // busy's Machine in failure domain 1, its Node in zone eastus-1.
+    capi.create_machine(&capi.running("busy-0", Owner::Deployment("busy".into())))
+        .await;
+    capi.api(Kind::Machine)
+        .patch(
+            "busy-0",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"failureDomain": "1"}})),
+        )
+        .await
+        .expect("set the Machine's failure domain");
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(capi.client.clone());
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": capi.node_name("busy-0"), "labels": {
+            "topology.kubernetes.io/zone": "eastus-1",
+        }, "annotations": {
+            capi.key("cluster-namespace"): ns,
+            capi.key("cluster-name"): support::capi::DEFAULT_CLUSTER,
+        }},
+        "spec": {"providerID": capi.provider_id("busy-0")}
+    }))
+    .expect("a Node");
+    nodes
+        .create(&kube::api::PostParams::default(), &node)
+        .await
+        .expect("create the workload Node");
+
+    let kubeconfig = cp.admin_kubeconfig().display().to_string();
+    // The shared apiserver's Nodes belong to many tests' Clusters: this test's is named.
+    let cluster = format!("{ns}/{}", support::capi::DEFAULT_CLUSTER);
+    let extra = [
+        "--kubeconfig",
+        kubeconfig.as_str(),
+        "--cluster",
+        cluster.as_str(),
+    ];
+    let mut json_args = vec!["-o", "json"];
+    json_args.extend(extra);
+    let run_json = run("check", &json_args, cp.admin_kubeconfig(), &ns).await;
+    assert_eq!(run_json.code, Some(0), "{}", run_json.describe());
+    let report = run_json.json();
+    let zone = |name: &str| {
+        group(&report, &capi.id(Kind::MachineDeployment, name))
+            .unwrap_or_else(|| panic!("{report:#}"))["template"]["zone"]
+            .clone()
+    };
+    assert_eq!(
+        zone("capz"),
+        serde_json::json!({"value": "eastus-1",
+            "source": {"from": "failure_domain_nodes", "failure_domain": "1", "nodes": 1}}),
+        "{report:#}"
+    );
+    assert_eq!(
+        zone("capa"),
+        serde_json::json!({"value": "us-east-1a",
+            "source": {"from": "failure_domain", "failure_domain": "us-east-1a"}}),
+        "{report:#}"
+    );
+    // busy's own Node says it.
+    assert_eq!(zone("busy")["source"]["from"], "group_node", "{report:#}");
+
+    let table = run("check", &extra, cp.admin_kubeconfig(), &ns).await;
+    eprintln!("--- check (table) ---\n{}", table.stdout);
+    assert!(
+        table.stdout.contains(
+            "zone: eastus-1 (from 1 Node(s) of the Cluster's Machines in failure domain \"1\")"
+        ),
+        "{}",
+        table.stdout
+    );
+    assert!(
+        table.stdout.contains("zone: us-east-1a (spec.template.spec.failureDomain \"us-east-1a\" as is")
+            && table
+                .stdout
+                .contains("capacity.cluster-autoscaler.kubernetes.io/labels: topology.kubernetes.io/zone=<zone>"),
+        "{}",
+        table.stdout
+    );
+}
+
+/// Run beside a provider of the same configuration (as in its container), `check` takes the running
+/// provider's report (`GET /check` on its `--metrics-address`) instead of building watches of its
+/// own, and says so; the report is the one its own watches give. A provider serving another
+/// configuration is not taken.
+#[tokio::test]
+async fn check_asks_the_running_provider_of_its_configuration() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("served"), false).await;
+    let discovery = format!("clusterapi:namespace={ns}");
+    let provider = support::start_provider(
+        &["--node-group-auto-discovery", &discovery],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let from_server = run(
+        "check",
+        &["-o", "json", "--metrics-address", &provider.metrics_address],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(from_server.code, Some(0), "{}", from_server.describe());
+    assert!(
+        from_server.stderr.contains(&format!(
+            "(from the running provider at {})",
+            provider.metrics_address
+        )),
+        "{}",
+        from_server.describe()
+    );
+    let own = run(
+        "check",
+        &["-o", "json", "--metrics-address", ""],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert!(
+        own.stderr.contains("(from watches of its own"),
+        "{}",
+        own.describe()
+    );
+    assert_eq!(from_server.json(), own.json(), "the same report either way");
+
+    // Another configuration (a Cluster named) is not the running provider's: its own watches.
+    let cluster = format!("{ns}/{}", support::capi::DEFAULT_CLUSTER);
+    let other = run(
+        "check",
+        &[
+            "-o",
+            "json",
+            "--metrics-address",
+            &provider.metrics_address,
+            "--cluster",
+            &cluster,
+        ],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert!(
+        other.stderr.contains("serves another configuration"),
+        "{}",
+        other.describe()
+    );
+}
+
+/// `explain`'s error paths and a pod CA never considered: a malformed argument and a missing pod
+/// stop with an error naming them (exit 2); without CA there is no verdict, the status ConfigMap is
+/// reported missing with the flags that name it, and the provider's groups are still shown.
+#[tokio::test]
+async fn explain_without_autoscaler_and_its_errors() {
+    let (cp, capi) = capi().await;
+    let ns = capi.ns.clone();
+    capi.create_deployment(&good("g"), false).await;
+
+    let bad = run(
+        "explain",
+        &["no-slash", "--metrics-address", ""],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(bad.code, Some(2), "{}", bad.describe());
+    assert!(
+        bad.stderr.contains("expected NAMESPACE/POD"),
+        "{}",
+        bad.describe()
+    );
+    let pod_arg = format!("{ns}/missing");
+    let missing = run(
+        "explain",
+        &[&pod_arg, "--metrics-address", ""],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(missing.code, Some(2), "{}", missing.describe());
+    assert!(
+        missing
+            .stderr
+            .contains(&format!("pod {ns}/missing not found")),
+        "{}",
+        missing.describe()
+    );
+
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(capi.client.clone(), &ns);
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "lonely"},
+        "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]},
+    }))
+    .expect("a Pod");
+    pods.create(&kube::api::PostParams::default(), &pod)
+        .await
+        .expect("create the pod");
+    let pod_arg = format!("{ns}/lonely");
+    let out = run(
+        "explain",
+        &[
+            &pod_arg,
+            "-o",
+            "json",
+            "--metrics-address",
+            "",
+            "--autoscaler-namespace",
+            &ns,
+        ],
+        cp.admin_kubeconfig(),
+        &ns,
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.describe());
+    let e = out.json();
+    assert_eq!(e["verdict"]["kind"], "no_decision", "{e:#}");
+    assert!(
+        e["status"]["unreadable"]
+            .as_str()
+            .is_some_and(|u| u.contains("not found") && u.contains("--status-config-map")),
+        "{e:#}"
+    );
+    assert_eq!(
+        e["groups"][0]["id"],
+        capi.id(Kind::MachineDeployment, "g").as_str(),
+        "{e:#}"
+    );
+    assert!(
+        e["provider_source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("watches of its own")),
+        "{e:#}"
+    );
+}
