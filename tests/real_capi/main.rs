@@ -11,5 +11,6 @@ pub mod support;
 
 mod autoscaler;
 mod foundation;
+mod grace;
 mod marks;
 mod rules;
