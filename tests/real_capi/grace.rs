@@ -209,7 +209,10 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
                     Ok(list) => list.items,
                     Err(e) => return Check::Wait(e.to_string()),
                 };
-                for m in all.iter().filter(|m| m.metadata.deletion_timestamp.is_some()) {
+                for m in all
+                    .iter()
+                    .filter(|m| m.metadata.deletion_timestamp.is_some())
+                {
                     let marked = m
                         .metadata
                         .annotations
@@ -247,8 +250,10 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
             caught_up: caught,
             victim_deleted: went.then(|| {
                 deleted.map_or(f64::NAN, |at| {
-                    at.checked_duration_since(raised)
-                        .map_or_else(|| -raised.duration_since(at).as_secs_f64(), |d| d.as_secs_f64())
+                    at.checked_duration_since(raised).map_or_else(
+                        || -raised.duration_since(at).as_secs_f64(),
+                        |d| d.as_secs_f64(),
+                    )
                 })
             }),
         });

@@ -13,4 +13,5 @@ mod autoscaler;
 mod foundation;
 mod grace;
 mod marks;
+mod pools;
 mod rules;
