@@ -251,6 +251,7 @@ fn machinedeployment_v1beta2_fixture() {
             replicas: Some(3),
             status_replicas: Some(3),
             rolling_out: false,
+            preflight: None,
             paused: false,
             owners: vec![owner("Cluster", "prod")],
             template: MachineTemplate {
