@@ -14,4 +14,5 @@ mod foundation;
 mod grace;
 mod marks;
 mod pools;
+mod preflight;
 mod rules;

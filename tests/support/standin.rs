@@ -144,6 +144,28 @@ pub async fn set_node_ready(client: &Client, name: &str, ready: bool) {
         .unwrap_or_else(|e| panic!("set Node {name} Ready {status}: {e}"));
 }
 
+/// The Kubernetes version the stand-in's control plane upgrades to in [`set_control_plane_upgrading`].
+pub const UPGRADE_VERSION: &str = "v1.37.0";
+
+/// Makes the `StandInControlPlane` `name` start an upgrade (`spec.version` to [`UPGRADE_VERSION`],
+/// `status.version` left behind: Cluster API's MachineSet preflight check `ControlPlaneIsStable`
+/// then holds every scale-up) or, with `false`, finish it (`status.version` caught up).
+pub async fn set_control_plane_upgrading(client: &Client, ns: &str, name: &str, upgrading: bool) {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &resource(CONTROL_PLANE_KIND));
+    let result = if upgrading {
+        let spec = json!({"spec": {"version": UPGRADE_VERSION}});
+        api.patch(name, &PatchParams::default(), &Patch::Merge(&spec))
+            .await
+    } else {
+        let status = json!({"status": {"version": UPGRADE_VERSION}});
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+    };
+    result
+        .unwrap_or_else(|e| panic!("{CONTROL_PLANE_KIND} {ns}/{name} upgrading {upgrading}: {e}"));
+}
+
 /// A Cluster of the stand-in, its workload cluster being the test kube-apiserver.
 pub struct WorkloadCluster {
     pub ns: String,
