@@ -35,7 +35,8 @@ async fn machines_of(s: &RealCapiScenario, md: &str) -> Vec<String> {
 /// The control plane upgrading (`ControlPlaneIsStable` fails): CA scales md-held (the better fit)
 /// for a pending pod, the real MachineSet controller creates no Machine, the provider reports the
 /// held replica as an instance that failed to create (`PreflightCheckFailed:ControlPlaneIsStable`),
-/// CA counts a failed scale-up with that reason, removes the instance (replicas back to 0, still no
+/// CA counts a failed scale-up with that reason (and the provider puts a Warning Event
+/// `ScaleUpHeldByPreflightChecks` on the MachineDeployment), removes the instance (replicas back to 0, still no
 /// Machine) and scales md-spare instead (whose MachineSets skip the check), long before its
 /// max-node-provision-time of 10 minutes.
 /// The upgrade done, a pod only md-held can take makes CA scale it again, and its Machine and Node
@@ -104,6 +105,34 @@ async fn a_scale_up_held_by_preflight_checks_backs_the_group_off_and_another_sca
         made.is_empty() && deleted.is_empty(),
         &format!("no md-held Machine while held: {made:?}, deleted {deleted:?}"),
     );
+
+    let capi = &s.capi;
+    let event = poll_until(
+        "the provider's Warning Event on MachineDeployment md-held",
+        UP,
+        Duration::from_millis(500),
+        || async move {
+            let events = capi.events_about("md-held").await;
+            let found = events.iter().find(|e| {
+                e.reason.as_deref() == Some("ScaleUpHeldByPreflightChecks")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.regarding.as_ref().and_then(|r| r.kind.as_deref())
+                        == Some("MachineDeployment")
+            });
+            match found {
+                Some(e) => Check::Done(e.note.clone().unwrap_or_default()),
+                None => Check::Wait(format!("{} Events about md-held", events.len())),
+            }
+        },
+    )
+    .await;
+    match event {
+        Ok(note) => s.check(
+            note.contains("ControlPlaneIsStable"),
+            &format!("the Event names the failed check: {note}"),
+        ),
+        Err(e) => s.fail(&e),
+    }
 
     standin::set_control_plane_upgrading(&s.client, &s.ns, CLUSTER, false).await;
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("db", "1800m", "1Gi")).await;
