@@ -22,6 +22,9 @@ use support::standin::{self, StandIn};
 use support::start_provider;
 
 const ROUNDS: usize = 20;
+/// Time between DeleteNodes and IncreaseSize, round by round: back to back, and with the lowered
+/// count given time to reach the MachineSet controller (a deliberate interleaving, not a wait).
+const GAPS_MS: [u64; 4] = [0, 250, 500, 1000];
 /// How often the objects are read while waiting for the controllers to catch up.
 const SAMPLE: Duration = Duration::from_millis(20);
 /// The grace used while measuring: long enough that rounds whose mark the raise absorbed settle
@@ -30,6 +33,8 @@ const GRACE: &str = "--mark-grace-period=10s";
 
 /// What one DeleteNodes + IncreaseSize pair showed, times from the start of the IncreaseSize call.
 struct Round {
+    /// Milliseconds between DeleteNodes and IncreaseSize.
+    gap: u64,
     /// Until the MachineDeployment controller and the MachineSet controller had both observed
     /// (status.observedGeneration) the generation carrying the raised count: from then on neither
     /// can act on the lowered one.
@@ -92,9 +97,10 @@ async fn caught_up(
     Ok(observed(&deployment) && sets.items.iter().all(observed) && Some(total) == want)
 }
 
-/// DeleteNodes then IncreaseSize at once, 20 times, against the real MachineDeployment and
-/// MachineSet controllers, each round timing how long they take to observe the raised count (and
-/// whether the MachineSet controller deleted the marked Machine on the lowered count first).
+/// DeleteNodes then IncreaseSize, 20 times (back to back, or 250 ms, 500 ms, 1 s apart), against
+/// the real MachineDeployment and MachineSet controllers, each round timing how long they take to
+/// observe the raised count (and whether the MachineSet controller deleted the marked Machine on the
+/// lowered count first).
 #[tokio::test]
 #[ignore = "a measurement of a few minutes; run by hand (see the module doc)"]
 async fn grace_after_a_raise_measured_against_the_real_controllers() {
@@ -181,6 +187,8 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
         if let Err(e) = rpc.delete_nodes(&id, vec![node]).await {
             fail(format!("round {round}: DeleteNodes {victim}: {e}"));
         }
+        let gap = GAPS_MS[round % GAPS_MS.len()];
+        tokio::time::sleep(Duration::from_millis(gap)).await;
         let raised = Instant::now();
         if let Err(e) = rpc.increase(&id, 1).await {
             fail(format!("round {round}: IncreaseSize: {e}"));
@@ -247,6 +255,7 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
             Err(e) => fail(e),
         };
         rounds.push(Round {
+            gap,
             caught_up: caught,
             victim_deleted: went.then(|| {
                 deleted.map_or(f64::NAN, |at| {
@@ -264,9 +273,21 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
         .filter_map(|r| r.victim_deleted)
         .filter(|d| d.is_finite())
         .collect();
+    let by_gap: Vec<String> = GAPS_MS
+        .iter()
+        .map(|gap| {
+            let of_gap: Vec<&Round> = rounds.iter().filter(|r| r.gap == *gap).collect();
+            format!(
+                "gap {gap} ms: {} of {} deleted, caught up {}",
+                of_gap.iter().filter(|r| r.victim_deleted.is_some()).count(),
+                of_gap.len(),
+                figures(of_gap.iter().map(|r| r.caught_up.as_secs_f64()).collect())
+            )
+        })
+        .collect();
     let report = format!(
         "raise -> both controllers observed it: {}; marked Machine seen deleting, from the raise: {} \
-         ({} of {ROUNDS} rounds deleted it, the rest absorbed the mark)",
+         ({} of {ROUNDS} rounds deleted it, the rest absorbed the mark); {by_gap:?}",
         figures(caught),
         figures(deleted),
         rounds.iter().filter(|r| r.victim_deleted.is_some()).count(),
