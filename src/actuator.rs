@@ -16,6 +16,7 @@ use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource};
 use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::ApiObject;
+use crate::preflight;
 use crate::removal::{
     self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState,
     RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time,
@@ -733,6 +734,21 @@ impl Actuator {
         refuse_during_rollout(&group, "scale-down")?;
         // Every node resolved before anything is touched.
         let plan = removal_plan(&snapshot, &self.store.settings().keys, &group, nodes)?;
+        // Capacity never created is cancelled first; the other nodes of the call then as usual.
+        let held = plan
+            .iter()
+            .filter(|(n, m)| m.is_none() && is_held(n))
+            .count();
+        let group = if held > 0 {
+            self.cancel_held(id, &group, held).await?;
+            self.group(id)?.1
+        } else {
+            group
+        };
+        let plan: Vec<_> = plan
+            .into_iter()
+            .filter(|(n, m)| m.is_some() || !is_held(n))
+            .collect();
         let named: Vec<ObjectKey> = plan.iter().filter_map(|(_, m)| m.clone()).collect();
         let pool_nodes: Vec<&NodeToDelete> = plan
             .iter()
@@ -773,6 +789,46 @@ impl Actuator {
             .await?;
             tracing::info!(group = id, node = %node.describe(), "no Machine for this MachinePool node: lowered replicas only");
         }
+        Ok(())
+    }
+
+    /// Removes `count` instances Cluster API's preflight checks hold back (CA deletes instances it
+    /// was told failed to create): lowers replicas by as many, decided from the group and its
+    /// Machines as the API has them, never below the Machines there are ([`preflight::cancel`]).
+    async fn cancel_held(
+        &self,
+        id: &str,
+        group: &NodeGroup,
+        count: usize,
+    ) -> Result<(), ActuatorError> {
+        let (group, _) = self.confirm(id, group).await?;
+        self.write(&group, "delete-nodes", true, |state| {
+            let (_, now) = self.group(id)?;
+            let machines = self
+                .machines(&now)
+                .iter()
+                .filter(|(_, m)| !m.deleting)
+                .count();
+            let desired = preflight::cancel(state.replicas, machines, count)
+                .map_err(|why| ActuatorError::Refused(format!("{id}: {why}")))?;
+            if !removal::within_bounds(state.replicas, desired, state.min, state.max) {
+                return Err(state.out_of_bounds(
+                    &group,
+                    &format!("removing {count} held-back instance(s)"),
+                    desired,
+                ));
+            }
+            Ok(Some(Change {
+                replicas: desired,
+                entries: Vec::new(),
+            }))
+        })
+        .await?;
+        tracing::info!(
+            group = id,
+            count,
+            "instances held back by Cluster API's preflight checks removed: replicas lowered"
+        );
         Ok(())
     }
 
@@ -1350,8 +1406,14 @@ fn machine_state<'a>(
     }
 }
 
+/// Whether CA names an instance Cluster API's preflight checks hold back (CA's fake node for it
+/// carries the instance id as providerID and name).
+fn is_held(node: &NodeToDelete) -> bool {
+    preflight::is_held_id(&node.provider_id) || preflight::is_held_id(&node.name)
+}
+
 /// Each node to remove with its Machine (`None`: a MachinePool node listed in its providerIDList
-/// without one), duplicates dropped; an error, before anything is written, for a node of no group,
+/// without one, or an instance a preflight check holds back), duplicates dropped; an error, before anything is written, for a node of no group,
 /// of another group, or without a Machine outside a pool's list.
 fn removal_plan(
     snapshot: &Snapshot,
@@ -1390,6 +1452,7 @@ fn removal_plan(
             continue;
         }
         if location.machine.is_none()
+            && !is_held(node)
             && !(group.kind() == ScalableKind::MachinePool && location.in_pool_list)
         {
             return Err(ActuatorError::Refused(format!(

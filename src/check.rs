@@ -63,6 +63,8 @@ pub struct GroupReport {
     /// What CA will do differently for this group than its annotations suggest, though nothing is
     /// wrong with them (not problems: they set no exit code).
     pub notes: Vec<String>,
+    /// Present while Cluster API's MachineSet preflight checks hold back the group's scale-up.
+    pub preflight: Option<PreflightReport>,
 }
 
 /// The notes of one group: per-group options cost CA ≥ 1.35 the group's max node startup time.
@@ -72,6 +74,30 @@ pub fn group_notes(group: &NodeGroup) -> Vec<String> {
         notes.push(crate::options::STARTUP_TIME_NOTE.to_string());
     }
     notes
+}
+
+/// A scale-up Cluster API's preflight checks hold back.
+#[derive(Debug, Serialize)]
+pub struct PreflightReport {
+    /// The failed checks (`ControlPlaneIsStable`, …).
+    pub checks: Vec<String>,
+    /// Cluster API's message.
+    pub message: String,
+    /// Instances reported to CA as failed to create (replicas beyond the group's Machines).
+    pub held: usize,
+}
+
+fn preflight_report(group: &NodeGroup) -> Option<PreflightReport> {
+    let hold = group.preflight.as_ref()?;
+    Some(PreflightReport {
+        checks: hold.checks.clone(),
+        message: hold.message.clone(),
+        held: group
+            .instances
+            .iter()
+            .filter(|i| crate::preflight::is_held_id(&i.id))
+            .count(),
+    })
 }
 
 /// A rollout that pauses a group's scale-down.
@@ -123,6 +149,7 @@ fn group_report(group: &NodeGroup) -> GroupReport {
         rollout: rollout_report(group),
         foreign_marks: group.foreign_marks.clone(),
         notes: group_notes(group),
+        preflight: preflight_report(group),
     }
 }
 
@@ -254,6 +281,15 @@ pub fn render_table(report: &Report) -> String {
     for g in &report.groups {
         let details: Vec<String> = [
             g.rollout.as_ref().map(|r| r.message.clone()),
+            g.preflight.as_ref().map(|p| {
+                format!(
+                    "scale-up held by Cluster API's preflight checks ({}): {} instance(s) reported \
+                     to CA as failed to create; {}",
+                    p.checks.join(", "),
+                    p.held,
+                    p.message
+                )
+            }),
             (!g.foreign_marks.is_empty()).then(|| {
                 format!(
                     "delete marks not written by this provider (Cluster API deletes them first; \
@@ -562,6 +598,68 @@ mod tests {
         assert_eq!(rollout["old_machine_sets"], json!({"ns/md-old": 2}));
         assert_eq!(rollout["rolling_out_condition"], false);
         assert_eq!(json["groups"][0]["min"], 0);
+    }
+
+    #[test]
+    fn a_scale_up_held_by_preflight_checks_is_reported_with_its_instances() {
+        let keys = Keys::default();
+        let md = json!({
+            "metadata": {
+                "namespace": "ns", "name": "md",
+                "annotations": {keys.min_size.as_str(): "0", keys.max_size.as_str(): "5"},
+            },
+            "spec": {"replicas": 2},
+        });
+        let ms = json!({
+            "metadata": {
+                "namespace": "ns", "name": "md-1",
+                "annotations": {REVISION_ANNOTATION: "1"},
+                "ownerReferences": [{"kind": "MachineDeployment", "name": "md"}],
+            },
+            "spec": {"replicas": 2},
+            "status": {"conditions": [{
+                "type": "ScalingUp", "status": "True", "reason": "ScalingUp",
+                "message": "Scaling up from 0 to 2 replicas is blocked because:\n* StandInControlPlane ns/w is upgrading (\"ControlPlaneIsStable\" preflight check failed)",
+            }]},
+        });
+        let mut index = Index::default();
+        for (kind, object) in [
+            (ScalableKind::MachineDeployment, md),
+            (ScalableKind::MachineSet, ms),
+        ] {
+            let r = ScalableResource::from_json(kind, &keys, &object).unwrap();
+            index.apply_resource(kind, r.key.clone(), Ok(Arc::new(r)));
+        }
+        let snapshot = index.snapshot(&Settings::default());
+        let group = snapshot.groups.values().next().unwrap();
+        let held: Vec<&str> = group.instances.iter().map(|i| i.id.as_str()).collect();
+        assert_eq!(
+            held,
+            [
+                "preflight-held-machinedeployment-ns_md-0",
+                "preflight-held-machinedeployment-ns_md-1"
+            ]
+        );
+        let error = group.instances[0].error.as_ref().unwrap();
+        assert_eq!(group.instances[0].state, InstanceState::Creating);
+        assert_eq!(error.code, "PreflightCheckFailed:ControlPlaneIsStable");
+        assert_eq!(group.registered, 0);
+        let r = report(&snapshot);
+        let table = render_table(&r);
+        assert!(
+            table.contains("0 running, 0 creating, 0 deleting, 2 failed"),
+            "{table}"
+        );
+        assert!(
+            table.contains("scale-up held by Cluster API's preflight checks (ControlPlaneIsStable): 2 instance(s)"),
+            "{table}"
+        );
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["groups"][0]["preflight"]["held"], 2);
+        assert_eq!(
+            json["groups"][0]["preflight"]["checks"],
+            json!(["ControlPlaneIsStable"])
+        );
     }
 
     #[test]

@@ -18,6 +18,8 @@ pub struct Events {
     recorder: Option<Recorder>,
     /// Problems already reported, so each is reported once while it lasts.
     reported: Mutex<BTreeSet<Problem>>,
+    /// Preflight holds already reported (group id, what Cluster API says), likewise.
+    holds: Mutex<BTreeSet<(String, String)>>,
 }
 
 impl Events {
@@ -41,6 +43,7 @@ impl Events {
         Events {
             recorder,
             reported: Mutex::new(BTreeSet::new()),
+            holds: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -92,6 +95,40 @@ impl Events {
                     "AutoscalerConfigProblem",
                     format!("Check-{:016x}", problem_hash(&problem)),
                     &format!("{}: {}", problem.field, problem.message),
+                );
+            }
+        }
+    }
+}
+
+impl Events {
+    /// Scale-ups Cluster API's preflight checks hold back, as (group id, note): a Warning Event
+    /// `ScaleUpHeldByPreflightChecks` on the group object when one first appears (a log line when it
+    /// ends). `reference` finds the group object.
+    pub fn report_holds(
+        &self,
+        holds: &[(String, String)],
+        reference: impl Fn(&str) -> Option<ObjectReference>,
+    ) {
+        let current: BTreeSet<(String, String)> = holds.iter().cloned().collect();
+        let (new, gone) = {
+            let mut reported = crate::lock(&self.holds);
+            let new: Vec<(String, String)> = current.difference(&reported).cloned().collect();
+            let gone: Vec<(String, String)> = reported.difference(&current).cloned().collect();
+            *reported = current;
+            (new, gone)
+        };
+        for (group, _) in gone {
+            tracing::info!(group = %group, "scale-up no longer held by preflight checks");
+        }
+        for (group, note) in new {
+            tracing::warn!(group = %group, "{note}");
+            if let Some(reference) = reference(&group) {
+                self.warn(
+                    reference,
+                    "ScaleUpHeldByPreflightChecks",
+                    "ReportHeldInstances".into(),
+                    &note,
                 );
             }
         }

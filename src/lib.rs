@@ -16,6 +16,7 @@ pub mod logging;
 mod metrics;
 mod object;
 pub mod options;
+pub mod preflight;
 pub mod pricing;
 pub mod problem;
 pub mod proto;

@@ -385,6 +385,10 @@ pub struct NodeGroup {
     pub price: Option<f64>,
     /// Set while the group's MachineDeployment rolls out: scale-down of the group is paused.
     pub rollout: Option<Rollout>,
+    /// Set while Cluster API's preflight checks hold back the group's scale-up (its MachineSet's, or
+    /// one of its MachineDeployment's): the replicas beyond its Machines are reported as instances
+    /// being created with an error (`crate::preflight`).
+    pub preflight: Option<crate::preflight::PreflightHold>,
 }
 
 impl NodeGroup {
@@ -751,6 +755,7 @@ fn same_but_counts(
         replicas,
         status_replicas: _,
         rolling_out: _,
+        preflight: _,
         paused,
         owners,
         template,
@@ -1257,6 +1262,13 @@ impl<'a> Builder<'a> {
                 ScalableKind::MachineDeployment => b.rollout_of(resource, sets_by_deployment),
                 _ => None,
             };
+            let preflight = match kind {
+                ScalableKind::MachineSet => resource.preflight.clone(),
+                ScalableKind::MachineDeployment => sets_by_deployment
+                    .get(&(key.namespace.as_str(), key.name.as_str()))
+                    .and_then(|sets| sets.iter().find_map(|ms| ms.preflight.clone())),
+                ScalableKind::MachinePool => None,
+            };
             NodeGroup {
                 id,
                 min,
@@ -1271,6 +1283,7 @@ impl<'a> Builder<'a> {
                 options,
                 price,
                 rollout,
+                preflight,
             }
         });
         Some((group, problems))
@@ -1515,7 +1528,10 @@ impl<'a> Builder<'a> {
             }
             list.sort_by(|a, b| a.id.cmp(&b.id));
             list.dedup_by(|a, b| a.id == b.id);
+            let unlisted = found.unlisted.get(id).map_or(0, Vec::len);
+            let held = held_instances(group, &list, unlisted);
             self.mark_leaving(&mut list, group.target);
+            list.extend(held);
             let pool: BTreeSet<&str> = group
                 .resource
                 .provider_id_list
@@ -1781,8 +1797,18 @@ impl<'a> Builder<'a> {
                 return None;
             }
             // Same Machines, same ids: their states again, then the marks against the new target.
+            // Held-back instances are made again below; other ids than before need a new lookup.
             let mut list = Vec::with_capacity(old.instances.len());
+            let old_held: Vec<&str> = old
+                .instances
+                .iter()
+                .filter(|i| i.machine.is_none() && crate::preflight::is_held_id(&i.id))
+                .map(|i| i.id.as_str())
+                .collect();
             for instance in &old.instances {
+                if instance.machine.is_none() && crate::preflight::is_held_id(&instance.id) {
+                    continue;
+                }
                 match &instance.machine {
                     Some(machine) => {
                         let fresh = self.instance_of(index.machine(machine)?)?;
@@ -1804,7 +1830,16 @@ impl<'a> Builder<'a> {
                     .count() as i32
             };
             let unlisted = old.registered - running(&old.instances);
+            let held = held_instances(&group, &list, old.unlisted.len());
+            if held
+                .iter()
+                .map(|i| i.id.as_str())
+                .ne(old_held.iter().copied())
+            {
+                return None;
+            }
             self.mark_leaving(&mut list, group.target);
+            list.extend(held);
             group.registered = running(&list) + unlisted;
             group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
             group.instances = list;
@@ -1944,6 +1979,32 @@ impl<'a> Builder<'a> {
             machine: Some(machine.key.clone()),
         })
     }
+}
+
+/// The instances Cluster API's preflight checks hold back in `group` (none without a hold): its
+/// replicas beyond its Machines not being deleted (`list`'s, and `unlisted` Machines with a Node
+/// but no providerID), each being created with the hold as its error.
+fn held_instances(group: &NodeGroup, list: &[Instance], unlisted: usize) -> Vec<Instance> {
+    let Some(hold) = &group.preflight else {
+        return Vec::new();
+    };
+    let machines = list
+        .iter()
+        .filter(|i| i.machine.is_some() && i.state != InstanceState::Deleting)
+        .count()
+        + unlisted;
+    let count = crate::preflight::held_count(group.target, machines);
+    let error = crate::preflight::instance_error(&group.id, hold);
+    let key = &group.resource.key;
+    crate::preflight::held_ids(group.kind().as_str(), &key.namespace, &key.name, count)
+        .into_iter()
+        .map(|id| Instance {
+            id,
+            state: InstanceState::Creating,
+            error: Some(error.clone()),
+            machine: None,
+        })
+        .collect()
 }
 
 fn failure_message(machine: &Machine, default: &str) -> String {

@@ -618,6 +618,8 @@ impl Store {
         if self.is_listed() {
             self.events
                 .report(&snapshot.problems, |p| self.event_reference(p));
+            self.events
+                .report_holds(&held_scale_ups(&snapshot), |id| self.group_reference(id));
         }
     }
 
@@ -652,6 +654,15 @@ impl Store {
     }
 
     /// The object a problem is about, when it is one the provider watches.
+    /// The object of group `id` (`Kind/namespace/name`), for an Event.
+    fn group_reference(&self, id: &str) -> Option<k8s_openapi::api::core::v1::ObjectReference> {
+        let mut parts = id.splitn(3, '/');
+        let kind = ScalableKind::from_kind(parts.next()?)?;
+        let key = ObjectKey::new(parts.next()?, parts.next()?);
+        let uid = lock(&self.index).resource(kind, &key)?.uid.clone();
+        Some(object_reference(self.apis.scalable.get(&kind)?, key, uid))
+    }
+
     fn event_reference(
         &self,
         problem: &Problem,
@@ -826,6 +837,32 @@ fn log_scope(snapshot: &Snapshot) {
         }
         _ => {}
     }
+}
+
+/// The groups whose scale-up Cluster API's preflight checks hold back (with instances reported as
+/// failed to create), with what their Event says.
+fn held_scale_ups(snapshot: &Snapshot) -> Vec<(String, String)> {
+    snapshot
+        .groups
+        .values()
+        .filter_map(|g| {
+            let hold = g.preflight.as_ref()?;
+            let held = g
+                .instances
+                .iter()
+                .filter(|i| crate::preflight::is_held_id(&i.id))
+                .count();
+            (held > 0).then(|| {
+                (
+                    g.id.clone(),
+                    format!(
+                        "{held} replica(s) reported to the cluster-autoscaler as failed to create: {}",
+                        hold.message
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 fn object_reference(

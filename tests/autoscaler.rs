@@ -668,7 +668,7 @@ async fn restarts_in_the_middle_of_a_scale_down_lose_nothing() {
     eprintln!("e2e: killed CA and the provider after CA tainted {tainted}");
 
     // A mark the killed provider wrote without its decrement is taken back by the repair, which
-    // runs here with a short grace period so the scenario need not wait the default minute.
+    // runs here with a short grace period so the scenario need not wait the default 30 s.
     s.start_provider(&["--mark-grace-period", "3s", "--repair-interval", "500ms"])
         .await;
     s.start_ca(s.autoscaler()).await;

@@ -134,6 +134,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
         replicas: u.arbitrary()?,
         status_replicas: None,
         rolling_out: false,
+        preflight: None,
         paused: false,
         owners: Vec::new(),
         template: MachineTemplate {

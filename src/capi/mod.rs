@@ -197,6 +197,8 @@ pub struct ScalableResource {
     pub status_replicas: Option<i32>,
     /// MachineDeployments: the v1beta2 condition `RollingOut` is `True` (see `rollout`).
     pub rolling_out: bool,
+    /// MachineSets: preflight checks holding the scale-up, as its conditions say (see `preflight`).
+    pub preflight: Option<crate::preflight::PreflightHold>,
     /// The `cluster.x-k8s.io/paused` annotation: Cluster API does not act on the object. (A
     /// MachineDeployment's `spec.paused` pauses its rollouts only, not its scaling.)
     pub paused: bool,

@@ -102,6 +102,10 @@ impl ScalableResource {
         let status_replicas = opt_i32(obj, &["status", "replicas"])?;
         let rolling_out = kind == ScalableKind::MachineDeployment
             && condition_is_true(obj, ROLLING_OUT_CONDITION)?;
+        let preflight = match kind {
+            ScalableKind::MachineSet => preflight_hold(obj)?,
+            _ => None,
+        };
         // A MachineDeployment's own `spec.paused` pauses only its rollouts: Cluster API still
         // scales it, so it is no pause of the group.
         let paused = meta.annotations.contains_key(PAUSED_ANNOTATION);
@@ -135,6 +139,7 @@ impl ScalableResource {
             replicas,
             status_replicas,
             rolling_out,
+            preflight,
             paused,
             owners: meta.owners,
             template,
@@ -163,6 +168,33 @@ fn condition_is_true(obj: &Value, type_: &str) -> Result<bool, ParseError> {
         }
     }
     Ok(false)
+}
+
+/// The preflight hold a MachineSet's conditions report (see `crate::preflight`): v1beta2 conditions
+/// in `status.conditions` (v1beta2) or `status.v1beta2.conditions` (v1beta1), the deprecated v1beta1
+/// ones in `status.deprecated.v1beta1.conditions` (v1beta2) or `status.conditions` (v1beta1). Entries
+/// that are not objects, or whose fields are not strings, are skipped.
+fn preflight_hold(obj: &Value) -> Result<Option<crate::preflight::PreflightHold>, ParseError> {
+    let mut conditions = Vec::new();
+    for path in [
+        &["status", "conditions"][..],
+        &["status", "v1beta2", "conditions"][..],
+        &["status", "deprecated", "v1beta1", "conditions"][..],
+    ] {
+        let Some(list) = opt_array(obj, path)? else {
+            continue;
+        };
+        for c in list.iter().filter_map(Value::as_object) {
+            let text = |key: &str| c.get(key).and_then(Value::as_str).unwrap_or_default();
+            conditions.push(crate::preflight::Condition {
+                type_: text("type"),
+                status: text("status"),
+                reason: text("reason"),
+                message: text("message"),
+            });
+        }
+    }
+    Ok(crate::preflight::hold_of(&conditions))
 }
 
 /// `spec.template.spec.infrastructureRef`: `None` when absent; `Some(Err)` when present but unusable.

@@ -141,6 +141,7 @@ mod tests {
             replicas: Some(0),
             status_replicas: None,
             rolling_out: false,
+            preflight: None,
             paused: false,
             owners: Vec::new(),
             template: MachineTemplate::default(),

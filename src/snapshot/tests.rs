@@ -37,6 +37,7 @@ fn resource(
         replicas: Some(replicas),
         status_replicas: None,
         rolling_out: false,
+        preflight: None,
         paused: false,
         owners: Vec::new(),
         template: MachineTemplate::default(),

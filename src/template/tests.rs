@@ -22,6 +22,7 @@ fn resource(annotations: &[(&str, &str)], replicas: i32) -> ScalableResource {
         replicas: Some(replicas),
         status_replicas: None,
         rolling_out: false,
+        preflight: None,
         paused: false,
         owners: Vec::new(),
         template: MachineTemplate {

@@ -9,6 +9,7 @@ pub mod support;
 mod check;
 mod nodegroups;
 mod operator;
+mod preflight;
 mod pricing;
 mod reconciler;
 mod rollout;

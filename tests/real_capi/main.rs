@@ -11,5 +11,8 @@ pub mod support;
 
 mod autoscaler;
 mod foundation;
+mod grace;
 mod marks;
+mod pools;
+mod preflight;
 mod rules;

@@ -12,7 +12,12 @@
 //! - `StandInMachinePool`: the instance group behind a MachinePool; the stand-in keeps its
 //!   `spec.providerIDList` at the MachinePool's `spec.replicas` (new entries last, the newest dropped
 //!   first: a cloud's choice, not CAPI's), a Ready Node per entry, `status.replicas` and
-//!   `status.ready`, which is what CAPI v1.14's MachinePool controller reads;
+//!   `status.ready`, which is what CAPI v1.14's MachinePool controller reads; with
+//!   `spec.machinePoolMachines: true` it plays an infrastructure provider with MachinePool
+//!   Machines instead: one `StandInMachine` per instance (labelled with the pool and Cluster names,
+//!   `status.infrastructureMachineKind` set, so CAPI makes a Machine for each), and on a decrement
+//!   the instances whose Machine carries the delete mark go first, then the newest, by deleting
+//!   their Machines (what the MachinePool Machines contract asks of infrastructure providers);
 //! - `StandInCluster`: the infrastructure cluster, `status.initialization.provisioned` from the start
 //!   (without one, Cluster API never sets the Cluster's `InfrastructureReady` condition True, and
 //!   MachineHealthChecks never evaluate its Machines);
@@ -66,6 +71,12 @@ pub const NODE_LABEL: &str = "e2e.capi-autoscaler-provider.test/stand-in-namespa
 /// The annotation CAPI puts on an object cloned from a template (controllers/external).
 const CLONED_FROM_NAME: &str = "cluster.x-k8s.io/cloned-from-name";
 const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+/// The label CAPI's MachinePool controller selects a pool's infrastructure machines by.
+const POOL_NAME_LABEL: &str = "cluster.x-k8s.io/pool-name";
+const DELETE_MACHINE: &str = "cluster.x-k8s.io/delete-machine";
+/// `spec.machinePoolMachines: true` on a `StandInMachinePool`: it keeps its instances as
+/// `StandInMachine`s CAPI makes Machines for (MachinePool Machines).
+pub const POOL_MACHINES_FIELD: &str = "machinePoolMachines";
 const PASS_INTERVAL: Duration = Duration::from_millis(200);
 const MAX_ERRORS: usize = 100;
 
@@ -131,6 +142,28 @@ pub async fn set_node_ready(client: &Client, name: &str, ready: bool) {
         .patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
         .await
         .unwrap_or_else(|e| panic!("set Node {name} Ready {status}: {e}"));
+}
+
+/// The Kubernetes version the stand-in's control plane upgrades to in [`set_control_plane_upgrading`].
+pub const UPGRADE_VERSION: &str = "v1.37.0";
+
+/// Makes the `StandInControlPlane` `name` start an upgrade (`spec.version` to [`UPGRADE_VERSION`],
+/// `status.version` left behind: Cluster API's MachineSet preflight check `ControlPlaneIsStable`
+/// then holds every scale-up) or, with `false`, finish it (`status.version` caught up).
+pub async fn set_control_plane_upgrading(client: &Client, ns: &str, name: &str, upgrading: bool) {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &resource(CONTROL_PLANE_KIND));
+    let result = if upgrading {
+        let spec = json!({"spec": {"version": UPGRADE_VERSION}});
+        api.patch(name, &PatchParams::default(), &Patch::Merge(&spec))
+            .await
+    } else {
+        let status = json!({"status": {"version": UPGRADE_VERSION}});
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+    };
+    result
+        .unwrap_or_else(|e| panic!("{CONTROL_PLANE_KIND} {ns}/{name} upgrading {upgrading}: {e}"));
 }
 
 /// A Cluster of the stand-in, its workload cluster being the test kube-apiserver.
@@ -399,18 +432,175 @@ impl Worker {
                 .map_err(|e| format!("list MachinePools in {}: {e}", self.ns))?;
         for pool in pools.items {
             let name = pool.metadata.name.clone().unwrap_or_default();
-            let want = machine_pools.items.iter().find_map(|mp| {
+            let owner = machine_pools.items.iter().find(|mp| {
                 let reference = &mp.data["spec"]["template"]["spec"]["infrastructureRef"];
-                (reference["kind"] == MACHINE_POOL_KIND && reference["name"] == name.as_str())
-                    .then(|| mp.data["spec"]["replicas"].as_u64())
-                    .flatten()
+                reference["kind"] == MACHINE_POOL_KIND && reference["name"] == name.as_str()
             });
             if pool.metadata.deletion_timestamp.is_some() {
                 continue;
             }
-            if let Some(want) = want {
-                self.pool(&pool, usize::try_from(want).unwrap_or(0)).await?;
+            let Some((owner, want)) =
+                owner.and_then(|mp| Some((mp, mp.data["spec"]["replicas"].as_u64()?)))
+            else {
+                continue;
+            };
+            let want = usize::try_from(want).unwrap_or(0);
+            if pool.data["spec"][POOL_MACHINES_FIELD] == json!(true) {
+                self.pool_with_machines(&pool, owner, want).await?;
+            } else {
+                self.pool(&pool, want).await?;
             }
+        }
+        Ok(())
+    }
+
+    /// Brings machine pool `pool` (of MachinePool `owner`) to `want` instances the way an
+    /// infrastructure provider with MachinePool Machines does: one `StandInMachine` per instance,
+    /// labelled with the pool and Cluster names (CAPI's MachinePool controller makes a Machine for
+    /// each), the kind in `status.infrastructureMachineKind`. On a decrement the instances whose
+    /// Machine carries `cluster.x-k8s.io/delete-machine` go first, then the newest; an instance
+    /// goes by deleting its Machine (CAPI drains, deletes the `StandInMachine` and the Node).
+    /// `spec.providerIDList` lists the `StandInMachine`s that exist.
+    async fn pool_with_machines(
+        &self,
+        pool: &DynamicObject,
+        owner: &DynamicObject,
+        want: usize,
+    ) -> Result<(), String> {
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        let mp_name = owner.metadata.name.clone().unwrap_or_default();
+        let cluster = owner.data["spec"]["clusterName"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let selector = format!("{POOL_NAME_LABEL}={mp_name}");
+        let instances = self
+            .machines()
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| format!("list the {MACHINE_KIND}s of pool {name}: {e}"))?
+            .items;
+        let ar = capi_resource(CAPI_GROUP, "v1beta2", "Machine", "machines");
+        let capi_machines: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &ar);
+        let owners: BTreeMap<String, DynamicObject> = capi_machines
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| format!("list the Machines of MachinePool {mp_name}: {e}"))?
+            .items
+            .into_iter()
+            .map(|m| (m.metadata.name.clone().unwrap_or_default(), m))
+            .collect();
+        let live: Vec<PoolInstance> = instances
+            .iter()
+            .filter(|i| i.metadata.deletion_timestamp.is_none())
+            .filter_map(|i| {
+                let instance = i.metadata.name.clone()?;
+                let machine = owners.get(&instance);
+                if machine.is_some_and(|m| m.metadata.deletion_timestamp.is_some()) {
+                    return None;
+                }
+                Some(PoolInstance {
+                    number: instance_number(&instance),
+                    marked: machine.is_some_and(|m| {
+                        m.metadata
+                            .annotations
+                            .as_ref()
+                            .is_some_and(|a| a.contains_key(DELETE_MACHINE))
+                    }),
+                    has_machine: machine.is_some(),
+                    name: instance,
+                })
+            })
+            .collect();
+        for leaving in leaving_instances(&live, want) {
+            let result = if leaving.has_machine {
+                capi_machines
+                    .delete(&leaving.name, &DeleteParams::default())
+                    .await
+                    .map(|_| ())
+            } else {
+                self.machines()
+                    .delete(&leaving.name, &DeleteParams::default())
+                    .await
+                    .map(|_| ())
+            };
+            match result {
+                Ok(()) => self.act(format!(
+                    "{MACHINE_POOL_KIND} {name}: instance {} leaves{}",
+                    leaving.name,
+                    if leaving.marked { " (marked)" } else { "" }
+                )),
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(format!("remove instance {} of {name}: {e}", leaving.name)),
+            }
+        }
+        for _ in live.len()..want {
+            let n = {
+                let mut state = lock(&self.state);
+                let next = state.pool_instances.entry(name.clone()).or_insert(0);
+                *next += 1;
+                *next
+            };
+            let instance = format!("{name}-{n}");
+            let mut object = DynamicObject::new(&instance, &resource(MACHINE_KIND))
+                .data(json!({"spec": {"providerID": provider_id(&self.ns, &instance)}}));
+            object.metadata.labels = Some(
+                [
+                    (POOL_NAME_LABEL.to_string(), mp_name.clone()),
+                    (CLUSTER_NAME_LABEL.to_string(), cluster.clone()),
+                ]
+                .into(),
+            );
+            self.machines()
+                .create(&PostParams::default(), &object)
+                .await
+                .map_err(|e| format!("create {MACHINE_KIND} {instance} of {name}: {e}"))?;
+            self.act(format!(
+                "{MACHINE_POOL_KIND} {name}: instance {instance} made"
+            ));
+        }
+        let mut listed: Vec<(u32, String)> = instances
+            .iter()
+            .filter_map(|i| {
+                let instance = i.metadata.name.clone()?;
+                Some((instance_number(&instance), provider_id(&self.ns, &instance)))
+            })
+            .collect();
+        listed.sort();
+        let ids: Vec<String> = listed.into_iter().map(|(_, id)| id).collect();
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &resource(MACHINE_POOL_KIND));
+        if pool.data["spec"]["providerIDList"] != json!(ids) {
+            api.patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": {"providerIDList": ids}})),
+            )
+            .await
+            .map_err(|e| format!("set the providerIDList of {MACHINE_POOL_KIND} {name}: {e}"))?;
+            self.act(format!(
+                "{MACHINE_POOL_KIND} {name}: providerIDList {ids:?}"
+            ));
+        }
+        let status = json!({
+            "replicas": ids.len(),
+            "ready": true,
+            "initialization": {"provisioned": true},
+            "infrastructureMachineKind": MACHINE_KIND,
+        });
+        let current = &pool.data["status"];
+        if current["replicas"] != status["replicas"]
+            || current["ready"] != json!(true)
+            || current["infrastructureMachineKind"] != json!(MACHINE_KIND)
+        {
+            api.patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "status": status })),
+            )
+            .await
+            .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))?;
         }
         Ok(())
     }
@@ -601,6 +791,38 @@ impl Worker {
         }
         Ok(())
     }
+}
+
+/// One instance of a machine pool with MachinePool Machines, as the stand-in decides removals.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PoolInstance {
+    name: String,
+    /// Its place in the pool's order of creation.
+    number: u32,
+    /// Its Machine carries `cluster.x-k8s.io/delete-machine`.
+    marked: bool,
+    /// CAPI made its Machine already.
+    has_machine: bool,
+}
+
+/// The number an instance `<pool>-<n>` was made with (0 when its name has none).
+fn instance_number(name: &str) -> u32 {
+    name.rsplit('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Which of `live` instances leave for the pool to have `want`: those whose Machine is marked
+/// first, then the newest, as the MachinePool Machines contract asks of infrastructure providers.
+fn leaving_instances(live: &[PoolInstance], want: usize) -> Vec<PoolInstance> {
+    let mut order: Vec<&PoolInstance> = live.iter().collect();
+    order.sort_by_key(|i| (!i.marked, std::cmp::Reverse(i.number)));
+    order
+        .into_iter()
+        .take(live.len().saturating_sub(want))
+        .cloned()
+        .collect()
 }
 
 /// A Ready Node `name` with `provider_id`, sized by a template `status` (`capacity`, `nodeInfo`).

@@ -251,6 +251,7 @@ fn machinedeployment_v1beta2_fixture() {
             replicas: Some(3),
             status_replicas: Some(3),
             rolling_out: false,
+            preflight: None,
             paused: false,
             owners: vec![owner("Cluster", "prod")],
             template: MachineTemplate {
@@ -2066,4 +2067,49 @@ fn fuzzish_random_shapes() {
         ok > 100,
         "the generator should reach successful parses too ({ok})"
     );
+}
+
+/// A MachineSet's preflight hold, wherever the API version keeps the conditions; other kinds have
+/// none, and malformed entries are skipped.
+#[test]
+fn machine_set_preflight_holds_are_read_from_every_condition_list() {
+    let message =
+        "StandInControlPlane ns/w is upgrading (\"ControlPlaneIsStable\" preflight check failed)";
+    let created = json!([{"type": "MachinesCreated", "status": "False", "reason": "PreflightCheckFailed", "message": message}]);
+    let scaling = json!([{"type": "ScalingUp", "status": "True", "reason": "ScalingUp",
+        "message": format!("Scaling up from 0 to 1 replicas is blocked because:\n* {message}")}]);
+    let ms = |version: &str, status: Value| {
+        json!({
+            "apiVersion": format!("cluster.x-k8s.io/{version}"), "kind": "MachineSet",
+            "metadata": {"namespace": "ns", "name": "ms"},
+            "spec": {"clusterName": "c", "replicas": 1, "template": {"spec": {}}},
+            "status": status,
+        })
+    };
+    let hold = |obj: &Value, kind: ScalableKind| {
+        ScalableResource::from_json(kind, &keys(), obj)
+            .unwrap()
+            .preflight
+            .map(|h| h.checks)
+    };
+    let checks = Some(vec!["ControlPlaneIsStable".to_string()]);
+    for obj in [
+        ms("v1beta2", json!({"conditions": scaling})),
+        ms(
+            "v1beta2",
+            json!({"deprecated": {"v1beta1": {"conditions": created}}}),
+        ),
+        ms("v1beta1", json!({"conditions": created})),
+        ms("v1beta1", json!({"v1beta2": {"conditions": scaling}})),
+    ] {
+        assert_eq!(hold(&obj, ScalableKind::MachineSet), checks, "{obj}");
+    }
+    let mut md = ms("v1beta2", json!({"conditions": scaling}));
+    md["kind"] = json!("MachineDeployment");
+    assert_eq!(hold(&md, ScalableKind::MachineDeployment), None);
+    let odd = ms(
+        "v1beta2",
+        json!({"conditions": [1, {"type": 2}, {"type": "ScalingUp", "status": "True"}]}),
+    );
+    assert_eq!(hold(&odd, ScalableKind::MachineSet), None);
 }
