@@ -10,8 +10,6 @@ mod check;
 mod nodegroups;
 mod operator;
 mod pricing;
-mod reconciler;
-mod rollout;
 mod scope;
 mod startup;
 mod templates;

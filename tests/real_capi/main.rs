@@ -12,4 +12,5 @@ pub mod support;
 mod autoscaler;
 mod foundation;
 mod marks;
+mod rollout;
 mod rules;

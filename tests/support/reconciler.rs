@@ -1,54 +1,44 @@
-//! A test-only imitation of Cluster API's controllers and of the kubelets, in one namespace.
+//! An imitation of Cluster API's MachineDeployment and MachineSet controllers and of the kubelets,
+//! in one namespace. It is not Cluster API, and it is kinder than Cluster API: it lists
+//! MachineDeployments and MachineSets before Machines in one pass, so a lowered replica count is
+//! always seen with its mark (the real controllers work from informer caches with no such
+//! ordering); it deletes marked Machines first and then the newest (the real MachineSet
+//! controller's default order is Random: marked first, then Machines without a node ref, then by
+//! name); it never drains and has no webhooks, preflight checks, MachineHealthChecks, conversion,
+//! rollouts or MachinePools.
 //!
-//! Where it still runs, and why: the real Cluster API v1.14.2 manager (`capi_manager`, with the
-//! stand-in cloud and kubelets of `standin`) now runs `make demo` (examples/demo.rs), the real-CA
-//! scenarios (tests/autoscaler.rs), the CA version matrix (tests/autoscaler_matrix.rs),
-//! tests/topology.rs, tests/migration.rs and tests/real_capi*/ (issue 20). This imitation is left, not
-//! moved yet, in tests/e2e/rollout.rs, the fault tests (tests/faults.rs) and the model test
-//! (tests/model.rs), with its own tests in tests/e2e/reconciler.rs. (The renamed-group and
-//! v1beta1-only binaries, where real Cluster API cannot run, use no controllers.) It is kinder than
-//! Cluster API: it lists scalable resources before Machines (a lowered replica count is always seen
-//! with its mark), deletes marked Machines first and then the newest (CAPI's default order is
-//! Random, ties by name), never drains, and has no webhooks, preflight checks, MachineHealthChecks
-//! or conversion.
+//! Every scenario that Cluster API can run in runs on the real Cluster API v1.14.2 manager
+//! (`capi_manager`, with the stand-in cloud and kubelets of `standin`): `make demo`, the real-CA
+//! scenarios, the version matrix, topology, migration, the model test (tests/model.rs), rollouts
+//! (tests/real_capi/rollout.rs) and tests/real_capi*/. Where real Cluster API cannot run (CRDs under
+//! a renamed `CAPI_GROUP`: its manager knows only `cluster.x-k8s.io`; v1beta1-only CRDs: no older
+//! CAPI is served by the module proxy) no controller is needed: those binaries (tests/e2e_renamed,
+//! tests/e2e_v1beta1) write the objects a controller would and use none. This file is left only for
+//! the apiserver-kill fault test of tests/faults.rs, which kills and stops the kube-apiserver under
+//! the provider (the shared real-CAPI control plane cannot be killed under other scenarios); once
+//! that test runs on a manager of its own, delete this file.
 //!
-//! Where it runs, no CAPI controller and no kubelet do, so this small reconciler plays their parts,
-//! close enough for the provider and for cluster-autoscaler:
-//!
-//! - **MachineDeployment → MachineSet**: one MachineSet `<md>-<hash>` per MachineDeployment (an
-//!   existing MachineSet the MachineDeployment controls is adopted instead), ownerReference
-//!   `controller: true`, labels `cluster-name`/`deployment-name`, annotation
-//!   `machinedeployment.clusters.x-k8s.io/revision: "1"`; `spec.replicas` mirrored onto the newest
-//!   MachineSet, less what older MachineSets still hold (a rollout a test drives by hand).
+//! What it does, every [`ReconcilerConfig::interval`], in a tokio task aborted when the
+//! [`Reconciler`] is dropped:
+//! - **MachineDeployment → MachineSet**: one MachineSet `<md>-<hash>` per MachineDeployment,
+//!   ownerReference `controller: true`, labels `cluster-name`/`deployment-name`; `spec.replicas`
+//!   mirrored onto it.
 //! - **MachineSet → Machines**: ownerReference to the MachineSet, labels `cluster-name`, `set-name`,
-//!   `deployment-name`, `spec.providerID = e2e:///<ns>/<machine>`. After
-//!   [`ReconcilerConfig::node_delay`] each Machine gets a Ready Node (name = Machine name, same
-//!   providerID; labels, taints and capacity from the group's template) and its status (`nodeRef`,
-//!   phase `Running`) through `/status`. Scale-down deletes Machines carrying
-//!   `cluster.x-k8s.io/delete-machine` first, then the newest; a deleted Machine's Node goes too.
-//! - **MachinePool**: replicas become entries of `spec.providerIDList` and Nodes (no Machines);
-//!   `status.replicas` follows. Scale-down drops the newest entries and their Nodes.
-//! - **Provisioning failure**: groups named in [`ReconcilerConfig::never_provision`] (or switched
-//!   on later with [`Reconciler::never_provision`]) get Machines / providerIDs but never a Node.
+//!   `deployment-name`, `spec.providerID = e2e:///<ns>/<machine>`, and at once a Ready Node (name =
+//!   Machine name, same providerID, the template's labels) and its status (`nodeRef`, phase
+//!   `Running`). Scale-down deletes Machines carrying `cluster.x-k8s.io/delete-machine` first, then
+//!   the newest; a deleted Machine's Node goes too.
 //!
 //! Nodes are cluster-scoped: MachineSet names carry a hash of namespace and MachineDeployment, and
-//! every name ends in a random suffix, so Node names do not collide across namespaces. Each Node
-//! carries the label [`NAMESPACE_LABEL`]; Nodes without it are never touched.
-//!
-//! It is a poll loop (every [`ReconcilerConfig::interval`]) in a tokio task, aborted when the
-//! [`Reconciler`] is dropped. One pass lists the scalable resources before the Machines, so a
-//! provider that marks a Machine and then lowers replicas is always seen with its mark. Failed API
-//! calls are recorded ([`Reconciler::errors`]) and retried on the next pass; every action is logged
-//! ([`Reconciler::take_actions`]).
-//!
-//! Only Machines the reconciler created are provisioned; Machines a test creates itself are counted
-//! (and may be scaled away) but never get a Node. v1beta2 objects by default; v1beta1 with
-//! [`ReconcilerConfig::v1beta1`] (only `nodeRef` differs in shape).
+//! every Machine name ends in a random suffix, so Node names do not collide across namespaces. Each
+//! Node carries the label [`NAMESPACE_LABEL`]; Nodes without it are never touched. Failed API calls
+//! are recorded ([`Reconciler::errors`]) and retried on the next pass; every action is recorded
+//! ([`Reconciler::actions`]). Machines a test creates itself are counted (and may be scaled away)
+//! but never get a Node.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
@@ -58,96 +48,49 @@ use rand::Rng as _;
 use serde_json::{Value, json};
 use tokio::task::AbortHandle;
 
-use super::procs::{Check, poll_until};
-
-/// Label on every Node the reconciler creates: the namespace of its Machine or MachinePool.
+/// Label on every Node the reconciler creates: the namespace of its Machine.
 pub const NAMESPACE_LABEL: &str = "e2e.capi-autoscaler-provider.test/namespace";
 /// Annotation on every Machine the reconciler creates: creation time in Unix nanoseconds (orders
 /// Machines created within the same second; "newest" goes first on scale-down).
-pub const CREATED_ANNOTATION: &str = "e2e.capi-autoscaler-provider.test/created-nanos";
-/// The MachineDeployment revision annotation CAPI puts on MachineSets.
-pub const REVISION_ANNOTATION: &str = "machinedeployment.clusters.x-k8s.io/revision";
-/// The label CAPI puts on a MachineSet, its selector and its Machines.
-pub const TEMPLATE_HASH_LABEL: &str = "machine-template-hash";
-const CAPACITY: &str = "capacity.cluster-autoscaler.kubernetes.io";
+const CREATED_ANNOTATION: &str = "e2e.capi-autoscaler-provider.test/created-nanos";
+/// The API version of the objects it reads and writes.
+const VERSION: &str = "v1beta2";
 /// CAPI's random-suffix alphabet (no vowels, no look-alikes).
 const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
-/// How long a MachineDeployment without a MachineSet waits for one from the test before the
-/// reconciler makes its own.
-const OWN_SET_GRACE: Duration = Duration::from_millis(500);
 /// At most this many errors are kept.
 const MAX_ERRORS: usize = 100;
 
 /// How the reconciler behaves.
 #[derive(Clone, Debug)]
 pub struct ReconcilerConfig {
-    /// API group of the Cluster API objects.
-    pub group: String,
-    /// `v1beta2` or `v1beta1`.
-    pub version: String,
-    /// Time from a Machine's (or MachinePool entry's) creation to its Node.
-    pub node_delay: Duration,
     /// Pause between passes.
     pub interval: Duration,
-    /// MachineDeployments, MachineSets and MachinePools (by name) whose new instances never get a Node.
-    pub never_provision: BTreeSet<String>,
-    /// Start without acting until [`Reconciler::resume`] (to create objects it must not race).
-    pub paused: bool,
 }
 
 impl Default for ReconcilerConfig {
     fn default() -> Self {
         ReconcilerConfig {
-            group: super::CAPI_GROUP.to_string(),
-            version: "v1beta2".to_string(),
-            node_delay: Duration::ZERO,
             interval: Duration::from_millis(100),
-            never_provision: BTreeSet::new(),
-            paused: false,
         }
     }
 }
 
 impl ReconcilerConfig {
-    pub fn v1beta1(mut self) -> Self {
-        self.version = "v1beta1".into();
-        self
-    }
-    pub fn group(mut self, group: &str) -> Self {
-        self.group = group.into();
-        self
-    }
-    pub fn node_delay(mut self, delay: Duration) -> Self {
-        self.node_delay = delay;
-        self
-    }
     pub fn interval(mut self, interval: Duration) -> Self {
         self.interval = interval;
-        self
-    }
-    pub fn never_provision(mut self, name: &str) -> Self {
-        self.never_provision.insert(name.into());
-        self
-    }
-    pub fn paused(mut self) -> Self {
-        self.paused = true;
         self
     }
 }
 
 /// What the task shares with its handle.
+#[derive(Default)]
 struct Shared {
-    passes: AtomicU64,
     errors: Mutex<Vec<String>>,
-    actions: Mutex<Vec<(Instant, String)>>,
-    never_provision: Mutex<BTreeSet<String>>,
-    paused: std::sync::atomic::AtomicBool,
+    actions: Mutex<Vec<String>>,
 }
 
 /// A running reconciler for one namespace; stopped when dropped.
 pub struct Reconciler {
-    pub ns: String,
-    pub config: ReconcilerConfig,
     shared: Arc<Shared>,
     task: AbortHandle,
 }
@@ -159,78 +102,22 @@ impl Drop for Reconciler {
 }
 
 impl Reconciler {
-    /// Starts with the default configuration (v1beta2, no Node delay) in the current runtime.
-    pub fn start(client: Client, ns: &str) -> Reconciler {
-        Self::start_with(client, ns, ReconcilerConfig::default())
-    }
-
     /// Starts with `config` in the current runtime.
     pub fn start_with(client: Client, ns: &str, config: ReconcilerConfig) -> Reconciler {
-        let shared = Arc::new(Shared {
-            passes: AtomicU64::new(0),
-            errors: Mutex::new(Vec::new()),
-            actions: Mutex::new(Vec::new()),
-            never_provision: Mutex::new(config.never_provision.clone()),
-            paused: std::sync::atomic::AtomicBool::new(config.paused),
-        });
-        let mut worker = Worker {
+        let shared = Arc::new(Shared::default());
+        let worker = Worker {
             client,
             ns: ns.to_string(),
-            config: config.clone(),
             shared: shared.clone(),
-            first_seen: HashMap::new(),
         };
-        let interval = config.interval;
-        let task = tokio::spawn({
-            let shared = shared.clone();
-            async move {
-                loop {
-                    if !shared.paused.load(Ordering::SeqCst) {
-                        worker.pass().await;
-                    }
-                    shared.passes.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(interval).await;
-                }
+        let task = tokio::spawn(async move {
+            loop {
+                worker.pass().await;
+                tokio::time::sleep(config.interval).await;
             }
         })
         .abort_handle();
-        Reconciler {
-            ns: ns.to_string(),
-            config,
-            shared,
-            task,
-        }
-    }
-
-    /// The MachineSet name the reconciler gives MachineDeployment `md` of namespace `ns`.
-    pub fn set_name(ns: &str, md: &str) -> String {
-        format!("{md}-{}", short_hash(&format!("{ns}/{md}")))
-    }
-
-    /// Passes completed so far.
-    pub fn passes(&self) -> u64 {
-        self.shared.passes.load(Ordering::SeqCst)
-    }
-
-    /// Waits (30 s at most) until `n` more passes have completed: everything written before the
-    /// call has then been acted on.
-    pub async fn wait_passes(&self, n: u64) {
-        let target = self.passes() + n;
-        poll_until(
-            &format!("{n} reconciler passes in {}", self.ns),
-            Duration::from_secs(30),
-            Duration::from_millis(10),
-            || async move {
-                let done = self.passes();
-                if done >= target {
-                    Check::Done(())
-                } else {
-                    Check::Wait(format!("{done} of {target} passes"))
-                }
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}; errors: {:?}", self.errors()));
+        Reconciler { shared, task }
     }
 
     /// The API errors of the passes so far (the last 100).
@@ -238,22 +125,9 @@ impl Reconciler {
         lock(&self.shared.errors).clone()
     }
 
-    /// The actions since the last call, with when they happened.
-    pub fn take_actions(&self) -> Vec<(Instant, String)> {
-        std::mem::take(&mut *lock(&self.shared.actions))
-    }
-
-    /// Starts acting (after [`ReconcilerConfig::paused`]).
-    pub fn resume(&self) {
-        self.shared.paused.store(false, Ordering::SeqCst);
-    }
-
-    /// Every action so far that [`take_actions`](Self::take_actions) has not taken.
+    /// Every action so far, in order.
     pub fn actions(&self) -> Vec<String> {
-        lock(&self.shared.actions)
-            .iter()
-            .map(|(_, a)| a.clone())
-            .collect()
+        lock(&self.shared.actions).clone()
     }
 
     /// The Machines deleted so far because they carried the delete-machine annotation.
@@ -266,30 +140,6 @@ impl Reconciler {
                     .map(str::to_string)
             })
             .collect()
-    }
-
-    /// The Machines deleted so far without the delete-machine annotation (the newest, for a replica
-    /// count that dropped without a mark).
-    pub fn deleted_unmarked(&self) -> Vec<String> {
-        self.actions()
-            .iter()
-            .filter_map(|a| {
-                a.strip_prefix("deleted Machine ")?
-                    .strip_suffix(" (newest)")
-                    .map(str::to_string)
-            })
-            .collect()
-    }
-
-    /// Switches provisioning failure on or off for the group named `name`; affects instances that
-    /// have no Node yet.
-    pub fn never_provision(&self, name: &str, on: bool) {
-        let mut set = lock(&self.shared.never_provision);
-        if on {
-            set.insert(name.into());
-        } else {
-            set.remove(name);
-        }
     }
 }
 
@@ -353,11 +203,6 @@ fn controller_of(o: &DynamicObject, kind: &str) -> Option<String> {
         .map(|r| r.name.clone())
 }
 
-/// `spec.template.metadata.labels` of a MachineDeployment, MachineSet or MachinePool.
-fn template_labels(o: &DynamicObject) -> BTreeMap<String, String> {
-    string_map(&o.data["spec"]["template"]["metadata"]["labels"])
-}
-
 fn string_map(v: &Value) -> BTreeMap<String, String> {
     v.as_object()
         .map(|m| {
@@ -366,15 +211,6 @@ fn string_map(v: &Value) -> BTreeMap<String, String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// `k=v,k2=v2` of a selector's matchLabels.
-fn selector_string(labels: &BTreeMap<String, String>) -> String {
-    labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
 }
 
 /// Creation order: creationTimestamp, then the reconciler's nanosecond annotation, then the name.
@@ -392,29 +228,15 @@ fn age_key(o: &DynamicObject) -> (String, u128, String) {
     (created, nanos, name_of(o))
 }
 
-/// What a Node of a group looks like (from the group's template and annotations).
-#[derive(Debug, Default)]
-struct NodeShape {
-    labels: BTreeMap<String, String>,
-    taints: Vec<Value>,
-    capacity: BTreeMap<String, String>,
-    arch: String,
-    os: String,
-    kubelet_version: String,
-}
-
 struct Worker {
     client: Client,
     ns: String,
-    config: ReconcilerConfig,
     shared: Arc<Shared>,
-    /// When each instance (Machine uid, MachinePool providerID) was first seen, for the Node delay.
-    first_seen: HashMap<String, Instant>,
 }
 
 impl Worker {
     fn resource(&self, kind: &str, plural: &str) -> ApiResource {
-        super::capi_resource(&self.config.group, &self.config.version, kind, plural)
+        super::capi_resource(super::CAPI_GROUP, VERSION, kind, plural)
     }
 
     fn api(&self, kind: &str) -> Api<DynamicObject> {
@@ -427,15 +249,11 @@ impl Worker {
     }
 
     fn key(&self, suffix: &str) -> String {
-        format!("{}/{suffix}", self.config.group)
+        format!("{}/{suffix}", super::CAPI_GROUP)
     }
 
     fn api_version(&self) -> String {
-        format!("{}/{}", self.config.group, self.config.version)
-    }
-
-    fn v1beta1(&self) -> bool {
-        self.config.version == "v1beta1"
+        format!("{}/{VERSION}", super::CAPI_GROUP)
     }
 
     fn error(&self, e: String) {
@@ -447,12 +265,7 @@ impl Worker {
     }
 
     fn act(&self, what: String) {
-        lock(&self.shared.actions).push((Instant::now(), what));
-    }
-
-    fn never_provision(&self, names: &[&str]) -> bool {
-        let set = lock(&self.shared.never_provision);
-        names.iter().any(|n| set.contains(*n))
+        lock(&self.shared.actions).push(what);
     }
 
     async fn list(&self, kind: &str) -> Result<Vec<DynamicObject>, String> {
@@ -466,161 +279,79 @@ impl Worker {
         Ok(items)
     }
 
-    /// One pass over the namespace. Scalable resources are listed before Machines: a provider marks a
-    /// Machine before it lowers replicas, so a lowered count is always seen with its mark.
-    async fn pass(&mut self) {
+    async fn pass(&self) {
         if let Err(e) = self.try_pass().await {
             self.error(e);
         }
     }
 
-    async fn try_pass(&mut self) -> Result<(), String> {
-        let pools = self.list("MachinePool").await?;
+    /// One pass over the namespace. MachineDeployments and MachineSets are listed before Machines:
+    /// a provider marks a Machine before it lowers replicas, so a lowered count is always seen with
+    /// its mark.
+    async fn try_pass(&self) -> Result<(), String> {
         let deployments = self.list("MachineDeployment").await?;
         let mut sets = self.list("MachineSet").await?;
-        let node_list = self
+        let nodes: BTreeSet<String> = self
             .nodes()
             .list(&ListParams::default().labels(&format!("{NAMESPACE_LABEL}={}", self.ns)))
             .await
             .map_err(|e| format!("list Nodes of {}: {e}", self.ns))?
-            .items;
-        let nodes: BTreeMap<String, Node> = node_list
+            .items
             .into_iter()
-            .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
+            .filter_map(|n| n.metadata.name)
             .collect();
 
-        // MachineDeployment → MachineSet.
         for md in deployments.iter().filter(|md| !deleting(md)) {
             if let Err(e) = self.deployment(md, &mut sets).await {
                 self.error(e);
             }
         }
-
-        // MachineSet → Machines (listed only now, after the scalable resources).
         let mut machines = self.list("Machine").await?;
         for ms in sets.iter().filter(|ms| !deleting(ms)) {
             if let Err(e) = self.machine_set(ms, &mut machines).await {
                 self.error(e);
             }
         }
-
-        // Machines → Nodes.
         for machine in machines.iter().filter(|m| !deleting(m)) {
-            if let Err(e) = self.provision(machine, &sets, &deployments, &nodes).await {
+            if let Err(e) = self.provision(machine, &sets, &nodes).await {
                 self.error(e);
             }
         }
-
-        // MachineDeployment status, from its MachineSets' Machines.
-        for md in deployments.iter().filter(|md| !deleting(md)) {
-            if let Err(e) = self.deployment_status(md, &sets, &machines).await {
-                self.error(e);
-            }
-        }
-
-        // MachinePools.
-        let mut pool_ids: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        for mp in pools.iter().filter(|mp| !deleting(mp)) {
-            match self.pool(mp, &nodes).await {
-                Ok(ids) => {
-                    pool_ids.insert(name_of(mp), ids);
-                }
-                Err(e) => {
-                    // Unknown state: keep its Nodes this pass.
-                    pool_ids.insert(name_of(mp), BTreeSet::from(["*".to_string()]));
-                    self.error(e);
-                }
-            }
-        }
-
-        // Nodes whose Machine or MachinePool entry is gone.
+        // Nodes whose Machine is gone.
         let live: BTreeSet<String> = machines
             .iter()
             .filter(|m| !deleting(m))
             .map(name_of)
             .collect();
-        for (name, node) in &nodes {
-            let annotations = node.metadata.annotations.clone().unwrap_or_default();
-            let keep = if let Some(machine) = annotations.get(&self.key("machine")) {
-                live.contains(machine)
-            } else if annotations.get(&self.key("owner-kind")).map(String::as_str)
-                == Some("MachinePool")
-            {
-                let pool = annotations
-                    .get(&self.key("owner-name"))
-                    .cloned()
-                    .unwrap_or_default();
-                let id = node
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.provider_id.clone())
-                    .unwrap_or_default();
-                pool_ids
-                    .get(&pool)
-                    .is_some_and(|ids| ids.contains("*") || ids.contains(&id))
-            } else {
-                true
-            };
-            if !keep {
-                self.delete_node(name).await;
-            }
+        for name in nodes.iter().filter(|n| !live.contains(*n)) {
+            self.delete_node(name).await;
         }
         Ok(())
     }
 
     /// Ensures the MachineSet of `md` exists and mirrors its replicas.
     async fn deployment(
-        &mut self,
+        &self,
         md: &DynamicObject,
         sets: &mut Vec<DynamicObject>,
     ) -> Result<(), String> {
         let md_name = name_of(md);
-        // A test that brings its own MachineSet creates it right after the MachineDeployment: give it
-        // a moment before making one, or two MachineSets would share the replicas.
-        let seen = *self
-            .first_seen
-            .entry(md.metadata.uid.clone().unwrap_or_default())
-            .or_insert_with(Instant::now);
-        let owned: Vec<usize> = sets
+        let owned = sets
             .iter()
-            .enumerate()
-            .filter(|(_, ms)| controller_of(ms, "MachineDeployment").as_deref() == Some(&md_name))
-            .map(|(i, _)| i)
-            .collect();
-        // The newest MachineSet: highest revision, then the youngest.
-        let revision = |ms: &DynamicObject| {
-            annotations_of(ms)
-                .get(REVISION_ANNOTATION)
-                .and_then(|r| r.parse::<i64>().ok())
-                .unwrap_or(0)
-        };
-        let newest = owned
-            .iter()
-            .copied()
-            .max_by_key(|&i| (revision(&sets[i]), age_key(&sets[i])));
-        let index = match newest {
+            .position(|ms| controller_of(ms, "MachineDeployment").as_deref() == Some(&md_name));
+        let index = match owned {
             Some(i) => i,
-            None if seen.elapsed() < OWN_SET_GRACE => return Ok(()),
             None => {
                 let created = self.create_set(md).await?;
                 sets.push(created);
                 sets.len() - 1
             }
         };
-        let Some(total) = replicas_of(md) else {
+        let Some(want) = replicas_of(md) else {
             return Ok(());
         };
-        // Mid-rollout (older MachineSets still hold replicas, which a test scales itself) the newest
-        // MachineSet gets what is left, as CAPI keeps the total at the MachineDeployment's replicas.
-        let older: i64 = owned
-            .iter()
-            .filter(|&&i| i != index)
-            .filter_map(|&i| replicas_of(&sets[i]))
-            .sum();
-        let want = (total - older).max(0);
         if replicas_of(&sets[index]) != Some(want) {
             let ms_name = name_of(&sets[index]);
-            let before = replicas_of(&sets[index]);
             let patched = self
                 .api("MachineSet")
                 .patch(
@@ -630,10 +361,7 @@ impl Worker {
                 )
                 .await
                 .map_err(|e| format!("scale MachineSet {}/{ms_name}: {e}", self.ns))?;
-            self.act(format!(
-                "MachineSet {ms_name} replicas {} → {want}",
-                before.map_or("-".into(), |n| n.to_string())
-            ));
+            self.act(format!("MachineSet {ms_name} replicas → {want}"));
             sets[index] = patched;
         }
         Ok(())
@@ -641,38 +369,29 @@ impl Worker {
 
     async fn create_set(&self, md: &DynamicObject) -> Result<DynamicObject, String> {
         let md_name = name_of(md);
-        let name = Reconciler::set_name(&self.ns, &md_name);
-        let hash = short_hash(&format!("{}/{md_name}/template", self.ns));
+        let name = format!(
+            "{md_name}-{}",
+            short_hash(&format!("{}/{md_name}", self.ns))
+        );
         let spec = &md.data["spec"];
         let cluster = spec["clusterName"].as_str().unwrap_or_default().to_string();
-        let mut selector = string_map(&spec["selector"]["matchLabels"]);
-        selector.insert(TEMPLATE_HASH_LABEL.into(), hash.clone());
         let mut template = spec["template"].clone();
         if !template.is_object() {
             template = json!({});
         }
-        let mut template_labels = template_labels(md);
-        template_labels.insert(TEMPLATE_HASH_LABEL.into(), hash.clone());
-        template["metadata"]["labels"] = json!(template_labels);
-        let mut labels = template_labels.clone();
+        let mut labels = string_map(&spec["template"]["metadata"]["labels"]);
         labels.insert(self.key("cluster-name"), cluster.clone());
         labels.insert(self.key("deployment-name"), md_name.clone());
-        let mut ms_spec = json!({
+        let ms_spec = json!({
             "clusterName": cluster,
             "replicas": replicas_of(md).unwrap_or(0),
-            "selector": {"matchLabels": selector},
+            "selector": spec["selector"].clone(),
             "template": template,
         });
-        if cluster.is_empty()
-            && let Some(m) = ms_spec.as_object_mut()
-        {
-            m.remove("clusterName");
-        }
         let metadata = json!({
             "name": name,
             "namespace": self.ns,
             "labels": labels,
-            "annotations": {REVISION_ANNOTATION: "1"},
             "ownerReferences": [{
                 "apiVersion": self.api_version(),
                 "kind": "MachineDeployment",
@@ -695,7 +414,7 @@ impl Worker {
         Ok(created)
     }
 
-    /// Creates or deletes the Machines of `ms` to match its replicas; writes its status.
+    /// Creates or deletes the Machines of `ms` to match its replicas.
     async fn machine_set(
         &self,
         ms: &DynamicObject,
@@ -705,15 +424,12 @@ impl Worker {
         let Some(want) = replicas_of(ms) else {
             return Ok(());
         };
-        let owned = |machines: &[DynamicObject]| -> Vec<DynamicObject> {
-            machines
-                .iter()
-                .filter(|m| !deleting(m))
-                .filter(|m| controller_of(m, "MachineSet").as_deref() == Some(&ms_name))
-                .cloned()
-                .collect()
-        };
-        let active = owned(machines);
+        let active: Vec<DynamicObject> = machines
+            .iter()
+            .filter(|m| !deleting(m))
+            .filter(|m| controller_of(m, "MachineSet").as_deref() == Some(&ms_name))
+            .cloned()
+            .collect();
         let count = active.len() as i64;
         if count < want {
             for _ in count..want {
@@ -722,7 +438,7 @@ impl Worker {
             }
         } else if count > want {
             let mark = self.key("delete-machine");
-            let mut order = active.clone();
+            let mut order = active;
             // Marked first; within each class the newest first.
             order.sort_by(|a, b| {
                 let am = annotations_of(a).contains_key(&mark);
@@ -740,44 +456,6 @@ impl Worker {
                 machines.retain(|m| name_of(m) != name);
             }
         }
-        let active = owned(machines);
-        let ready = active
-            .iter()
-            .filter(|m| !m.data["status"]["nodeRef"].is_null())
-            .count();
-        let selector = string_map(&ms.data["spec"]["selector"]["matchLabels"]);
-        let status = json!({
-            "replicas": active.len(),
-            "readyReplicas": ready,
-            "availableReplicas": ready,
-            "selector": selector_string(&selector),
-        });
-        self.write_status("MachineSet", ms, status).await
-    }
-
-    /// Merge-patches `status` through `/status` unless the object already has those values.
-    async fn write_status(
-        &self,
-        kind: &str,
-        object: &DynamicObject,
-        status: Value,
-    ) -> Result<(), String> {
-        let current = &object.data["status"];
-        let same = status
-            .as_object()
-            .is_some_and(|m| m.iter().all(|(k, v)| &current[k] == v));
-        if same {
-            return Ok(());
-        }
-        let name = name_of(object);
-        self.api(kind)
-            .patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({ "status": status })),
-            )
-            .await
-            .map_err(|e| format!("write status of {kind} {}/{name}: {e}", self.ns))?;
         Ok(())
     }
 
@@ -879,16 +557,14 @@ impl Worker {
         }
     }
 
-    /// Gives a Machine this reconciler created its Node and status, once the delay has passed.
+    /// Gives a Machine this reconciler created its Node and status.
     async fn provision(
-        &mut self,
+        &self,
         machine: &DynamicObject,
         sets: &[DynamicObject],
-        deployments: &[DynamicObject],
-        nodes: &BTreeMap<String, Node>,
+        nodes: &BTreeSet<String>,
     ) -> Result<(), String> {
-        let annotations = annotations_of(machine);
-        if !annotations.contains_key(CREATED_ANNOTATION)
+        if !annotations_of(machine).contains_key(CREATED_ANNOTATION)
             || !machine.data["status"]["nodeRef"].is_null()
         {
             return Ok(());
@@ -897,74 +573,38 @@ impl Worker {
         let Some(ms_name) = controller_of(machine, "MachineSet") else {
             return Ok(());
         };
-        let ms = sets.iter().find(|s| name_of(s) == ms_name);
-        let md = ms
-            .and_then(|ms| controller_of(ms, "MachineDeployment"))
-            .and_then(|md| deployments.iter().find(|d| name_of(d) == md));
-        // A MachineSet listed before its MachineDeployment (created in between the two lists of a
-        // pass): the Node's shape comes from the MachineDeployment, so wait for it.
-        if md.is_none()
-            && ms
-                .and_then(|ms| controller_of(ms, "MachineDeployment"))
-                .is_some()
-        {
-            return Ok(());
-        }
-        let mut group_names = vec![ms_name.as_str()];
-        let md_name = md.map(name_of);
-        if let Some(n) = &md_name {
-            group_names.push(n);
-        }
-        if self.never_provision(&group_names) {
-            return Ok(());
-        }
-        let uid = machine.metadata.uid.clone().unwrap_or_else(|| name.clone());
-        let seen = *self.first_seen.entry(uid).or_insert_with(Instant::now);
-        if seen.elapsed() < self.config.node_delay {
-            return Ok(());
-        }
-        let Some(group) = md.or(ms) else {
+        let Some(ms) = sets.iter().find(|s| name_of(s) == ms_name) else {
             return Ok(());
         };
         let provider_id = machine.data["spec"]["providerID"]
             .as_str()
             .map(str::to_string)
             .unwrap_or_else(|| format!("e2e:///{}/{name}", self.ns));
-        let (owner_kind, owner_name) = match &md_name {
-            Some(md) => ("MachineDeployment", md.clone()),
+        let (owner_kind, owner_name) = match controller_of(ms, "MachineDeployment") {
+            Some(md) => ("MachineDeployment", md),
             None => ("MachineSet", ms_name.clone()),
         };
         let cluster = machine.data["spec"]["clusterName"]
             .as_str()
             .unwrap_or_default()
             .to_string();
-        let mut node_annotations = BTreeMap::new();
-        node_annotations.insert(self.key("machine"), name.clone());
-        node_annotations.insert(self.key("cluster-namespace"), self.ns.clone());
-        node_annotations.insert(self.key("cluster-name"), cluster);
-        node_annotations.insert(self.key("owner-kind"), owner_kind.to_string());
-        node_annotations.insert(self.key("owner-name"), owner_name);
-        let node_uid = if nodes.contains_key(&name) {
-            nodes[&name].metadata.uid.clone().unwrap_or_default()
-        } else {
-            let shape = self.shape(group).await;
-            self.create_node(&name, &provider_id, shape, node_annotations)
-                .await?
-        };
-        let status = if self.v1beta1() {
-            json!({
-                "nodeRef": {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node_uid},
-                "phase": "Running",
-                "bootstrapReady": true,
-                "infrastructureReady": true,
-            })
-        } else {
-            json!({
-                "nodeRef": {"name": name},
-                "phase": "Running",
-                "initialization": {"bootstrapDataSecretCreated": true, "infrastructureProvisioned": true},
-            })
-        };
+        let annotations = BTreeMap::from([
+            (self.key("machine"), name.clone()),
+            (self.key("cluster-namespace"), self.ns.clone()),
+            (self.key("cluster-name"), cluster),
+            (self.key("owner-kind"), owner_kind.to_string()),
+            (self.key("owner-name"), owner_name),
+        ]);
+        if !nodes.contains(&name) {
+            let labels = string_map(&ms.data["spec"]["template"]["metadata"]["labels"]);
+            self.create_node(&name, &provider_id, labels, annotations)
+                .await?;
+        }
+        let status = json!({
+            "nodeRef": {"name": name},
+            "phase": "Running",
+            "initialization": {"bootstrapDataSecretCreated": true, "infrastructureProvisioned": true},
+        });
         self.api("Machine")
             .patch_status(
                 &name,
@@ -977,125 +617,31 @@ impl Worker {
         Ok(())
     }
 
-    /// Labels, taints, capacity and system info for a Node of `group`: its capacity annotations,
-    /// else its infrastructure template's `status.capacity`/`status.nodeInfo`, else 2 CPUs / 4Gi.
-    async fn shape(&self, group: &DynamicObject) -> NodeShape {
-        let annotations = annotations_of(group);
-        let capacity_key = |k: &str| annotations.get(&format!("{CAPACITY}/{k}")).cloned();
-        let mut shape = NodeShape {
-            labels: template_labels(group),
-            kubelet_version: group.data["spec"]["template"]["spec"]["version"]
-                .as_str()
-                .unwrap_or("v1.36.0")
-                .to_string(),
-            ..Default::default()
-        };
-        if let Some(status) = self.infra_status(group).await {
-            for (k, v) in string_map(&status["capacity"]) {
-                shape.capacity.insert(k, v);
-            }
-            let info = &status["nodeInfo"];
-            shape.arch = info["architecture"].as_str().unwrap_or_default().into();
-            shape.os = info["operatingSystem"].as_str().unwrap_or_default().into();
-        }
-        for (key, resource) in [
-            ("cpu", "cpu"),
-            ("memory", "memory"),
-            ("ephemeral-disk", "ephemeral-storage"),
-            ("maxPods", "pods"),
-        ] {
-            if let Some(v) = capacity_key(key).filter(|v| !v.is_empty()) {
-                shape.capacity.insert(resource.into(), v);
-            }
-        }
-        if let (Some(kind), Some(count)) = (capacity_key("gpu-type"), capacity_key("gpu-count"))
-            && !kind.is_empty()
-            && count.parse::<i64>().is_ok_and(|n| n > 0)
-        {
-            shape.capacity.insert(kind, count);
-        }
-        shape
-            .capacity
-            .entry("cpu".into())
-            .or_insert_with(|| "2".into());
-        shape
-            .capacity
-            .entry("memory".into())
-            .or_insert_with(|| "4Gi".into());
-        shape
-            .capacity
-            .entry("pods".into())
-            .or_insert_with(|| "110".into());
-        if let Some(labels) = capacity_key("labels") {
-            for pair in labels.split(',').filter(|p| !p.trim().is_empty()) {
-                if let Some((k, v)) = pair.split_once('=') {
-                    shape.labels.insert(k.trim().into(), v.trim().into());
-                }
-            }
-        }
-        if let Some(taints) = capacity_key("taints") {
-            for taint in taints.split(',').filter(|t| !t.trim().is_empty()) {
-                let Some((kv, effect)) = taint.trim().rsplit_once(':') else {
-                    continue;
-                };
-                let (key, value) = kv.split_once('=').unwrap_or((kv, ""));
-                shape
-                    .taints
-                    .push(json!({"key": key, "value": value, "effect": effect}));
-            }
-        }
-        if shape.arch.is_empty() {
-            shape.arch = "amd64".into();
-        }
-        if shape.os.is_empty() {
-            shape.os = "linux".into();
-        }
-        shape
-    }
-
-    /// `status` of the group's `E2EMachineTemplate`, when it points at one that exists.
-    async fn infra_status(&self, group: &DynamicObject) -> Option<Value> {
-        let reference = &group.data["spec"]["template"]["spec"]["infrastructureRef"];
-        if reference["kind"].as_str() != Some("E2EMachineTemplate") {
-            return None;
-        }
-        let name = reference["name"].as_str()?;
-        let ar = super::infra::template_resource("v1beta1");
-        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &self.ns, &ar);
-        let template = api.get_opt(name).await.ok()??;
-        let status = template.data.get("status")?.clone();
-        status.is_object().then_some(status)
-    }
-
-    /// Creates a Ready Node; returns its uid. An existing Node of the same name is an error.
+    /// Creates a Ready Node of 2 CPUs and 4Gi with the group's template labels.
     async fn create_node(
         &self,
         name: &str,
         provider_id: &str,
-        shape: NodeShape,
+        mut labels: BTreeMap<String, String>,
         annotations: BTreeMap<String, String>,
-    ) -> Result<String, String> {
-        let mut labels = shape.labels;
+    ) -> Result<(), String> {
         labels.insert("kubernetes.io/hostname".into(), name.into());
-        labels
-            .entry("kubernetes.io/os".into())
-            .or_insert(shape.os.clone());
-        labels
-            .entry("kubernetes.io/arch".into())
-            .or_insert(shape.arch.clone());
+        labels.insert("kubernetes.io/os".into(), "linux".into());
+        labels.insert("kubernetes.io/arch".into(), "amd64".into());
         labels.insert(NAMESPACE_LABEL.into(), self.ns.clone());
         let now = k8s_openapi::jiff::Timestamp::now()
             .round(k8s_openapi::jiff::Unit::Second)
             .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now())
             .to_string();
+        let capacity = json!({"cpu": "2", "memory": "4Gi", "pods": "110"});
         let node = json!({
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": {"name": name, "labels": labels, "annotations": annotations},
-            "spec": {"providerID": provider_id, "taints": shape.taints},
+            "spec": {"providerID": provider_id},
             "status": {
-                "capacity": shape.capacity,
-                "allocatable": shape.capacity,
+                "capacity": capacity,
+                "allocatable": capacity,
                 "conditions": [{
                     "type": "Ready",
                     "status": "True",
@@ -1108,141 +654,18 @@ impl Worker {
                 "nodeInfo": {
                     "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": "",
                     "osImage": "e2e", "containerRuntimeVersion": "e2e://0",
-                    "kubeletVersion": shape.kubelet_version, "kubeProxyVersion": "",
-                    "operatingSystem": shape.os, "architecture": shape.arch,
+                    "kubeletVersion": "v1.36.0", "kubeProxyVersion": "",
+                    "operatingSystem": "linux", "architecture": "amd64",
                 },
             },
         });
         let node: Node =
             serde_json::from_value(node).map_err(|e| format!("Node {name} object: {e}"))?;
-        let created = self
-            .nodes()
+        self.nodes()
             .create(&PostParams::default(), &node)
             .await
             .map_err(|e| format!("create Node {name}: {e}"))?;
         self.act(format!("Node {name} Ready ({provider_id})"));
-        Ok(created.metadata.uid.unwrap_or_default())
-    }
-
-    /// Writes the MachineDeployment's status from the Machines of the MachineSets it controls.
-    async fn deployment_status(
-        &self,
-        md: &DynamicObject,
-        sets: &[DynamicObject],
-        machines: &[DynamicObject],
-    ) -> Result<(), String> {
-        let md_name = name_of(md);
-        let owned: BTreeSet<String> = sets
-            .iter()
-            .filter(|ms| controller_of(ms, "MachineDeployment").as_deref() == Some(&md_name))
-            .map(name_of)
-            .collect();
-        let active: Vec<&DynamicObject> = machines
-            .iter()
-            .filter(|m| !deleting(m))
-            .filter(|m| controller_of(m, "MachineSet").is_some_and(|s| owned.contains(&s)))
-            .collect();
-        let ready = active
-            .iter()
-            .filter(|m| !m.data["status"]["nodeRef"].is_null())
-            .count();
-        let selector = string_map(&md.data["spec"]["selector"]["matchLabels"]);
-        let status = json!({
-            "replicas": active.len(),
-            "readyReplicas": ready,
-            "availableReplicas": ready,
-            "selector": selector_string(&selector),
-        });
-        self.write_status("MachineDeployment", md, status).await
-    }
-
-    /// Keeps a MachinePool's providerIDList, Nodes and status.replicas at its replicas; returns the
-    /// providerIDs it holds now.
-    async fn pool(
-        &mut self,
-        mp: &DynamicObject,
-        nodes: &BTreeMap<String, Node>,
-    ) -> Result<BTreeSet<String>, String> {
-        let mp_name = name_of(mp);
-        let mut ids: Vec<String> = mp.data["spec"]["providerIDList"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_str().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default();
-        if let Some(want) = replicas_of(mp) {
-            let want = usize::try_from(want).unwrap_or(0);
-            if ids.len() != want {
-                let before = ids.len();
-                let prefix = format!(
-                    "{mp_name}-{}",
-                    short_hash(&format!("{}/{mp_name}", self.ns))
-                );
-                while ids.len() < want {
-                    ids.push(format!("e2e:///{}/{prefix}-{}", self.ns, random_suffix()));
-                }
-                let removed: Vec<String> = ids.split_off(want.min(ids.len()));
-                self.api("MachinePool")
-                    .patch(
-                        &mp_name,
-                        &PatchParams::default(),
-                        &Patch::Merge(&json!({"spec": {"providerIDList": ids}})),
-                    )
-                    .await
-                    .map_err(|e| format!("write providerIDList of MachinePool {mp_name}: {e}"))?;
-                self.act(format!(
-                    "MachinePool {mp_name} providerIDList {before} → {} entries",
-                    ids.len()
-                ));
-                for id in removed {
-                    if let Some(node) = id.rsplit('/').next() {
-                        self.delete_node(node).await;
-                    }
-                }
-            }
-        }
-        let provision = !self.never_provision(&[&mp_name]);
-        let mut ready = 0usize;
-        for id in &ids {
-            let Some(node_name) = id.strip_prefix(&format!("e2e:///{}/", self.ns)) else {
-                continue; // not one of ours
-            };
-            if nodes.contains_key(node_name) {
-                ready += 1;
-                continue;
-            }
-            if !provision {
-                continue;
-            }
-            let seen = *self
-                .first_seen
-                .entry(id.clone())
-                .or_insert_with(Instant::now);
-            if seen.elapsed() < self.config.node_delay {
-                continue;
-            }
-            let mut annotations = BTreeMap::new();
-            annotations.insert(self.key("cluster-namespace"), self.ns.clone());
-            annotations.insert(
-                self.key("cluster-name"),
-                mp.data["spec"]["clusterName"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string(),
-            );
-            annotations.insert(self.key("owner-kind"), "MachinePool".into());
-            annotations.insert(self.key("owner-name"), mp_name.clone());
-            let shape = self.shape(mp).await;
-            match self.create_node(node_name, id, shape, annotations).await {
-                Ok(_) => ready += 1,
-                Err(e) => self.error(e),
-            }
-        }
-        let status =
-            json!({"replicas": ids.len(), "readyReplicas": ready, "availableReplicas": ready});
-        self.write_status("MachinePool", mp, status).await?;
-        Ok(ids.into_iter().collect())
+        Ok(())
     }
 }
