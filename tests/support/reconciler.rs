@@ -2,7 +2,10 @@
 //! in one namespace. It is not Cluster API, and it is kinder than Cluster API: it lists
 //! MachineDeployments and MachineSets before Machines in one pass, so a lowered replica count is
 //! always seen with its mark (the real controllers work from informer caches with no such
-//! ordering); it deletes marked Machines first and then the newest (the real MachineSet
+//! ordering); it acts within a pass (100 ms) where the real controllers take seconds under load, so
+//! a Machine a DecreaseTargetSize cancels has always still no Node when it goes (with the real
+//! MachineSet controller it may have registered by then, and the name tie-break picks another);
+//! it deletes marked Machines first and then the newest (the real MachineSet
 //! controller's default order is Random: marked first, then Machines without a node ref, then by
 //! name); it never drains and has no webhooks, preflight checks, MachineHealthChecks, conversion,
 //! rollouts or MachinePools.
@@ -14,9 +17,8 @@
 //! a renamed `CAPI_GROUP`: its manager knows only `cluster.x-k8s.io`; v1beta1-only CRDs: no older
 //! CAPI is served by the module proxy) no controller is needed: those binaries (tests/e2e_renamed,
 //! tests/e2e_v1beta1) write the objects a controller would and use none. This file is left only for
-//! the apiserver-kill fault test of tests/faults.rs, which kills and stops the kube-apiserver under
-//! the provider (the shared real-CAPI control plane cannot be killed under other scenarios); once
-//! that test runs on a manager of its own, delete this file.
+//! the apiserver-kill fault test of tests/faults.rs, not moved to the real manager yet (issue 20);
+//! once it is, nothing needs this imitation: delete the file.
 //!
 //! What it does, every [`ReconcilerConfig::interval`], in a tokio task aborted when the
 //! [`Reconciler`] is dropped:
