@@ -11,8 +11,6 @@ mod nodegroups;
 mod operator;
 mod preflight;
 mod pricing;
-mod reconciler;
-mod rollout;
 mod scope;
 mod startup;
 mod templates;

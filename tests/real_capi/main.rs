@@ -15,4 +15,5 @@ mod grace;
 mod marks;
 mod pools;
 mod preflight;
+mod rollout;
 mod rules;

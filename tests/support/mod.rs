@@ -31,7 +31,6 @@ pub mod procs;
 pub mod provider;
 pub mod real_capi;
 pub mod real_capi_scenario;
-pub mod reconciler;
 pub mod render;
 pub mod standin;
 pub mod workload;

@@ -17,6 +17,8 @@ pub const MIN_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-m
 pub const MAX_SIZE: &str = "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size";
 pub const DELETE_MACHINE: &str = "cluster.x-k8s.io/delete-machine";
 pub const DEPLOYMENT_NAME: &str = "cluster.x-k8s.io/deployment-name";
+/// The MachineDeployment revision CAPI puts on each MachineSet it makes.
+pub const REVISION: &str = "machinedeployment.clusters.x-k8s.io/revision";
 pub const CAPACITY: &str = "capacity.cluster-autoscaler.kubernetes.io";
 /// How long CAPI may take to bring Machines up, or to delete one (drain of an empty Node included).
 pub const MACHINES: Duration = Duration::from_secs(60);

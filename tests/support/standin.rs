@@ -33,7 +33,8 @@
 //! conditions CAPI reads: Ready True; Memory-, Disk- and PIDPressure False; the label
 //! `e2e-scenario=<ns>` that only this namespace's workload pods select); pods on its Nodes that
 //! are being deleted (evicted by a drain) are finished, as a kubelet would. A Node is made once per
-//! machine: one CAPI deleted is never made again.
+//! machine: one CAPI deleted is never made again. A Node whose instance is gone is deleted, as a
+//! cloud's node lifecycle controller does (CAPI deletes a Node only through a Machine's node ref).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -411,6 +412,68 @@ impl Worker {
         if let Err(e) = self.finish_deleted_pods().await {
             self.error(e);
         }
+        if let Err(e) = self.delete_nodes_of_gone_instances().await {
+            self.error(e);
+        }
+    }
+
+    /// Deletes this namespace's Nodes whose instance is gone (no `StandInMachine` of that name, no
+    /// machine pool listing it), as a cloud's node lifecycle controller deletes the Node of a
+    /// terminated instance. Cluster API deletes a Machine's Node itself only through its node ref:
+    /// a Machine deleted before it had one (capacity cancelled while the cloud was still bringing
+    /// it up) leaves its Node to the cloud. The Nodes are listed before the instances, and a Node
+    /// is made only for an instance that exists, so a Node whose instance is missing from the later
+    /// lists lost it.
+    async fn delete_nodes_of_gone_instances(&self) -> Result<(), String> {
+        let nodes = Api::<Node>::all(self.client.clone());
+        let ours: Vec<(String, String)> = nodes
+            .list(&ListParams::default().labels(&format!("{NODE_LABEL}={}", self.ns)))
+            .await
+            .map_err(|e| format!("list the Nodes of {}: {e}", self.ns))?
+            .items
+            .into_iter()
+            .filter_map(|n| {
+                let id = n.spec.as_ref()?.provider_id.clone()?;
+                Some((n.metadata.name?, id))
+            })
+            .collect();
+        if ours.is_empty() {
+            return Ok(());
+        }
+        let mut instances: BTreeSet<String> = self
+            .machines()
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| format!("list {MACHINE_KIND}s in {}: {e}", self.ns))?
+            .items
+            .iter()
+            .filter_map(|m| m.metadata.name.as_ref())
+            .map(|name| provider_id(&self.ns, name))
+            .collect();
+        let pools: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &resource(MACHINE_POOL_KIND));
+        for pool in pools
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| format!("list {MACHINE_POOL_KIND}s in {}: {e}", self.ns))?
+            .items
+        {
+            instances.extend(
+                pool.data["spec"]["providerIDList"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(String::from)),
+            );
+        }
+        for (name, id) in ours.iter().filter(|(_, id)| !instances.contains(id)) {
+            match nodes.delete(name, &DeleteParams::default()).await {
+                Ok(_) => self.act(format!("Node {name} deleted: its instance {id} is gone")),
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(format!("delete Node {name}: {e}")),
+            }
+        }
+        Ok(())
     }
 
     /// Keeps each machine pool at the replicas of the MachinePool that refers to it.
@@ -696,15 +759,22 @@ impl Worker {
         }
         let id = provider_id(&self.ns, &name);
         if machine.data["spec"]["providerID"].as_str() != Some(id.as_str()) {
-            self.machines()
+            match self
+                .machines()
                 .patch(
                     &name,
                     &PatchParams::default(),
                     &Patch::Merge(&json!({"spec": {"providerID": id}})),
                 )
                 .await
-                .map_err(|e| format!("set the providerID of {MACHINE_KIND} {name}: {e}"))?;
-            self.act(format!("{MACHINE_KIND} {name}: providerID {id}"));
+            {
+                Ok(_) => self.act(format!("{MACHINE_KIND} {name}: providerID {id}")),
+                // CAPI deleted it since the list (a Machine cancelled before it was up).
+                Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+                Err(e) => {
+                    return Err(format!("set the providerID of {MACHINE_KIND} {name}: {e}"));
+                }
+            }
         }
         let made = lock(&self.state).nodes_made.contains(&name);
         if !made {
@@ -725,11 +795,16 @@ impl Worker {
         }
         if machine.data["status"]["initialization"]["provisioned"] != json!(true) {
             let status = json!({"status": {"initialization": {"provisioned": true}}});
-            self.machines()
+            match self
+                .machines()
                 .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
                 .await
-                .map_err(|e| format!("write the status of {MACHINE_KIND} {name}: {e}"))?;
-            self.act(format!("{MACHINE_KIND} {name}: provisioned"));
+            {
+                Ok(_) => self.act(format!("{MACHINE_KIND} {name}: provisioned")),
+                // Its Node, made meanwhile, goes with the next pass (its instance is gone).
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(format!("write the status of {MACHINE_KIND} {name}: {e}")),
+            }
         }
         Ok(())
     }
