@@ -30,9 +30,11 @@ clippy:
 	$(CARGO) clippy --all-targets -- -D warnings
 
 # Builds (or finds in the cache) etcd, kube-apiserver and the Cluster API CRDs, then the real Cluster API
-# core manager with its 13 CRDs (tests/upstream/capi, a Go module of its own); prints both cache dirs.
+# core manager with its 13 CRDs (tests/upstream/capi, a Go module of its own), then promtool
+# (tests/upstream/promtool: the alerts' unit tests, tests/monitoring.rs); prints the cache dirs.
 upstream:
 	@start=$$(date +%s); bash tests/upstream/build.sh; nice bash tests/upstream/capi/build.sh; \
+	nice bash tests/upstream/promtool/build.sh; \
 	echo "upstream: ok after $$(( $$(date +%s) - start ))s" >&2
 
 # Unit tests only: no control plane.

@@ -12,7 +12,7 @@ pub mod discovery;
 mod events;
 mod index;
 pub mod logging;
-mod metrics;
+pub mod metrics;
 mod object;
 pub mod options;
 pub mod pricing;

@@ -243,6 +243,7 @@ async fn serve_http(listener: tokio::net::TcpListener, store: Arc<Store>, metric
                 let store = Arc::clone(&store_for_metrics);
                 async move {
                     store.publish_watch_metrics();
+                    metrics.observe_groups(&store.snapshot());
                     (
                         [(
                             "content-type",
