@@ -216,9 +216,28 @@ async fn the_running_provider_serves_every_metric_the_alerts_and_dashboard_use()
     let (cp, capi) = fresh_capi(SETUP, VERSION).await;
     capi.create_deployment(&Scalable::md("md").bounds(1, 5).replicas(1), false)
         .await;
-    let (provider, mut rpc) = provider_for_namespace(cp, &capi.ns).await;
+    // A small message limit, so that one call is refused by it: every family has a series.
+    let discovery = format!("clusterapi:namespace={}", capi.ns);
+    let provider = support::start_provider(
+        &[
+            "--node-group-auto-discovery",
+            &discovery,
+            "--max-message-size",
+            "4Ki",
+        ],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut rpc = support::capi::Rpc::connect(&provider).await;
     let id = capi.id(Kind::MachineDeployment, "md");
     rpc.increase(&id, 2).await.expect("IncreaseSize +2");
+    let mut big = grpc_node(&capi.provider_id("x"), "x");
+    big.labels.insert("padding".into(), "x".repeat(8 << 10));
+    support::capi::expect_code(
+        "DeleteNodes over --max-message-size",
+        rpc.delete_nodes(&id, vec![big]).await,
+        tonic::Code::ResourceExhausted,
+    );
 
     let (code, text) = support::procs::http_get(&provider.metrics_address, "/metrics")
         .await
@@ -253,5 +272,16 @@ async fn the_running_provider_serves_every_metric_the_alerts_and_dashboard_use()
         "{text}"
     );
     assert_eq!(value("ready", &[]), 1.0, "{text}");
+    assert_eq!(
+        value(
+            "grpc_rejected_total",
+            &[
+                ("method", "NodeGroupDeleteNodes"),
+                ("reason", "message-size")
+            ]
+        ),
+        1.0,
+        "{text}"
+    );
     assert_eq!(value("problems", &[]), 0.0, "{text}");
 }
