@@ -266,6 +266,36 @@ fn landed(before: &str, wanted: &Change, now: &GroupState) -> bool {
     }
 }
 
+/// The reason of the Normal Event a size change records on its group.
+pub const REPLICAS_CHANGED: &str = "ReplicasChanged";
+
+/// The action and note of the Event for a size change written by `operation`: who asked, from,
+/// to, and for a removal the Machines (or MachinePool nodes) it pays for.
+fn size_change_event(operation: &str, from: i32, change: &Change) -> (&'static str, String) {
+    let action = match operation {
+        "increase-size" => "IncreaseSize",
+        "decrease-target-size" => "DecreaseTargetSize",
+        "delete-nodes" => "DeleteNodes",
+        _ => "Scale",
+    };
+    let mut note = format!(
+        "replicas {from} → {} for cluster-autoscaler {action}",
+        change.replicas
+    );
+    let removed: Vec<&str> = change
+        .entries
+        .iter()
+        .map(|e| match e.rsplit_once('@') {
+            Some((machine, _)) if !e.starts_with("id:") => machine,
+            _ => e.as_str(),
+        })
+        .collect();
+    if !removed.is_empty() {
+        note.push_str(&format!(" ({})", removed.join(", ")));
+    }
+    (action, note)
+}
+
 /// How often an unknown outcome (an answer lost in transit) is looked up before giving up.
 const RESOLVE_ATTEMPTS: u32 = 3;
 
@@ -499,18 +529,19 @@ impl Actuator {
         let what = format!("scaling {} {key}", group.kind());
         let mut state = self.cached(group)?;
         // Attempts whose answer was lost and that were read back as not applied (yet).
-        let mut unanswered: Vec<(String, Change)> = Vec::new();
+        let mut unanswered: Vec<(String, i32, Change)> = Vec::new();
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
                 state = self.live(group).await?;
                 if machines_too {
                     self.sync_machines(&key.namespace).await?;
                 }
-                if let Some((_, late)) = unanswered
+                if let Some((_, from, late)) = unanswered
                     .iter()
-                    .find(|(before, wanted)| landed(before, wanted, &state))
+                    .find(|(before, _, wanted)| landed(before, wanted, &state))
                 {
                     tracing::info!(group = %group.id, to = late.replicas, "{operation}: an earlier attempt whose answer was lost has landed");
+                    self.size_changed(group, operation, *from, late);
                     return Ok(late.replicas);
                 }
             }
@@ -542,25 +573,35 @@ impl Actuator {
             .await
             {
                 Ok(object) => {
-                    self.metrics.api_write(operation, "ok");
+                    self.metrics.api_write(operation, "ok", started.elapsed());
                     self.store.record(Some(group.kind()), object);
                     tracing::info!(group = %group.id, from = state.replicas, to = wanted.replicas, elapsed = ?started.elapsed(), "{operation}");
+                    self.size_changed(group, operation, state.replicas, &wanted);
                     return Ok(wanted.replicas);
                 }
                 Err(ApiFailure::Conflict) => {
-                    self.metrics.api_write(operation, "conflict");
+                    self.metrics
+                        .api_write(operation, "conflict", started.elapsed());
                 }
                 Err(ApiFailure::Other(e)) => {
-                    self.metrics.api_write(operation, "error");
+                    self.metrics
+                        .api_write(operation, "error", started.elapsed());
                     if !e.is_unreachable() {
                         return Err(e);
                     }
                     // The write may have landed before its answer was lost.
                     match self.resolve(group, &state, &wanted).await {
-                        Some(true) => return Ok(wanted.replicas),
+                        Some(true) => {
+                            self.size_changed(group, operation, state.replicas, &wanted);
+                            return Ok(wanted.replicas);
+                        }
                         // Not applied yet: the next attempt recomputes from a fresh read, unless
                         // that read shows this one arrived meanwhile.
-                        Some(false) => unanswered.push((state.resource_version.clone(), wanted)),
+                        Some(false) => unanswered.push((
+                            state.resource_version.clone(),
+                            state.replicas,
+                            wanted,
+                        )),
                         None => {
                             return Err(ActuatorError::unreachable(format!(
                                 "{e}; whether the write landed is unknown (it is looked up again on retry)"
@@ -573,6 +614,19 @@ impl Actuator {
         Err(ActuatorError::Conflict(format!(
             "{what}: still conflicting after {MAX_ATTEMPTS} attempts"
         )))
+    }
+
+    /// Records a Normal Event on the group for a size change written (best effort: the write
+    /// stands whether or not the Event is recorded).
+    fn size_changed(&self, group: &NodeGroup, operation: &str, from: i32, change: &Change) {
+        let (action, note) = size_change_event(operation, from, change);
+        self.store.group_event(
+            group.kind(),
+            &group.resource.key,
+            REPLICAS_CHANGED,
+            action,
+            note,
+        );
     }
 
     /// Whether `wanted` landed over `before`: `Some(applied)` once the object could be read.
@@ -1048,6 +1102,7 @@ impl Actuator {
         if let Some(machine) = self.store.cached_machine(key) {
             patch["metadata"]["resourceVersion"] = json!(machine.resource_version);
         }
+        let started = Instant::now();
         match call(
             &what,
             api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
@@ -1055,16 +1110,19 @@ impl Actuator {
         .await
         {
             Ok(marked) => {
-                self.metrics.api_write("mark-machine", "ok");
+                self.metrics
+                    .api_write("mark-machine", "ok", started.elapsed());
                 self.store.record(None, marked);
                 Ok(true)
             }
             Err(ApiFailure::Conflict) => {
-                self.metrics.api_write("mark-machine", "conflict");
+                self.metrics
+                    .api_write("mark-machine", "conflict", started.elapsed());
                 Ok(false)
             }
             Err(ApiFailure::Other(e)) => {
-                self.metrics.api_write("mark-machine", "error");
+                self.metrics
+                    .api_write("mark-machine", "error", started.elapsed());
                 Err(e)
             }
         }
@@ -1120,6 +1178,7 @@ impl Actuator {
         if let Some(rv) = resource_version {
             unmark["metadata"]["resourceVersion"] = json!(rv);
         }
+        let started = Instant::now();
         match call(
             &what,
             api.patch(&key.name, &write_params(), &Patch::Merge(&unmark)),
@@ -1127,13 +1186,15 @@ impl Actuator {
         .await
         {
             Ok(obj) => {
-                self.metrics.api_write("unmark-machine", "ok");
+                self.metrics
+                    .api_write("unmark-machine", "ok", started.elapsed());
                 self.store.record(None, obj);
                 true
             }
             Err(ApiFailure::Other(ActuatorError::NotFound(_))) => true,
             Err(e) => {
-                self.metrics.api_write("unmark-machine", "error");
+                self.metrics
+                    .api_write("unmark-machine", "error", started.elapsed());
                 tracing::warn!(machine = %key, "{what} failed: {e:?}; the repair retries it");
                 false
             }
@@ -1201,7 +1262,7 @@ impl Actuator {
             for (key, version) in confirmed {
                 if self.unmark(&key, &delete_key, None, Some(&version)).await {
                     repaired += 1;
-                    self.metrics.api_write("repair-unmark", "ok");
+                    self.metrics.mark_repaired();
                     let note = format!(
                         "{}: delete mark taken back: the replicas of {} do not pay for it (a removal interrupted part-way, or a raise absorbed its decrement); the node stays",
                         group.id, group.resource.key
@@ -1240,6 +1301,7 @@ impl Actuator {
             "resourceVersion": live.resource_version,
             "annotations": {TAKING_BACK_ANNOTATION: record.render()},
         }});
+        let started = Instant::now();
         match call(
             &what,
             api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
@@ -1247,18 +1309,21 @@ impl Actuator {
         .await
         {
             Ok(object) => {
-                self.metrics.api_write("repair-record", "ok");
+                self.metrics
+                    .api_write("repair-record", "ok", started.elapsed());
                 self.store.record(Some(group.kind()), object);
                 Ok(())
             }
             Err(ApiFailure::Conflict) => {
-                self.metrics.api_write("repair-record", "conflict");
+                self.metrics
+                    .api_write("repair-record", "conflict", started.elapsed());
                 Err(ActuatorError::Conflict(format!(
                     "{what}: the group changed since the repair read it"
                 )))
             }
             Err(ApiFailure::Other(e)) => {
-                self.metrics.api_write("repair-record", "error");
+                self.metrics
+                    .api_write("repair-record", "error", started.elapsed());
                 Err(e)
             }
         }
@@ -1468,6 +1533,40 @@ fn removal_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn size_change_events_say_who_asked_from_and_to() {
+        let change = |replicas, entries: &[&str]| Change {
+            replicas,
+            entries: entries.iter().map(|e| e.to_string()).collect(),
+        };
+        assert_eq!(
+            size_change_event("increase-size", 1, &change(3, &[])),
+            (
+                "IncreaseSize",
+                "replicas 1 → 3 for cluster-autoscaler IncreaseSize".to_string()
+            )
+        );
+        assert_eq!(
+            size_change_event(
+                "delete-nodes",
+                3,
+                &change(1, &["md-0-a@1700000000", "md-0-b@1700000001"])
+            ),
+            (
+                "DeleteNodes",
+                "replicas 3 → 1 for cluster-autoscaler DeleteNodes (md-0-a, md-0-b)".to_string()
+            )
+        );
+        assert_eq!(
+            size_change_event("delete-nodes", 2, &change(1, &["id:aws:///i-1"])).1,
+            "replicas 2 → 1 for cluster-autoscaler DeleteNodes (id:aws:///i-1)"
+        );
+        assert_eq!(
+            size_change_event("decrease-target-size", 4, &change(2, &[])).0,
+            "DecreaseTargetSize"
+        );
+    }
 
     #[test]
     fn api_errors_map_to_grpc_codes() {

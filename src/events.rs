@@ -1,5 +1,6 @@
 //! Kubernetes Events: a Warning on the object for each configuration problem the first time it
-//! appears (and a log line when it goes away), and for the provider's repairs.
+//! appears (and a log line when it goes away), and for the provider's repairs; a Normal one on a
+//! group for each size change the provider writes.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -50,11 +51,27 @@ impl Events {
     /// Publishes a Warning Event on `reference` in the background (a failure is only logged: an
     /// Event is never worth holding up the caller).
     pub fn warn(&self, reference: ObjectReference, reason: &str, action: String, note: &str) {
+        self.publish(EventType::Warning, reference, reason, action, note);
+    }
+
+    /// Publishes a Normal Event on `reference` in the background, as [`Events::warn`] does.
+    pub fn normal(&self, reference: ObjectReference, reason: &str, action: String, note: &str) {
+        self.publish(EventType::Normal, reference, reason, action, note);
+    }
+
+    fn publish(
+        &self,
+        type_: EventType,
+        reference: ObjectReference,
+        reason: &str,
+        action: String,
+        note: &str,
+    ) {
         let Some(recorder) = self.recorder.clone() else {
             return;
         };
         let event = Event {
-            type_: EventType::Warning,
+            type_,
             reason: reason.to_string(),
             note: Some(problem::cut(note, NOTE_MAX).to_string()),
             action,
@@ -157,10 +174,8 @@ mod tests {
 
     #[test]
     fn distinct_problems_of_one_object_get_distinct_actions() {
-        let problem = |message: &str| Problem {
-            object: "MachineDeployment ns/md".into(),
-            field: "metadata.annotations".into(),
-            message: message.into(),
+        let problem = |message: &str| {
+            Problem::new("MachineDeployment ns/md", "metadata.annotations", message)
         };
         assert_ne!(problem_hash(&problem("a")), problem_hash(&problem("b")));
         assert_eq!(problem_hash(&problem("a")), problem_hash(&problem("a")));

@@ -12,7 +12,7 @@ use crate::capi::{
     ScalableResource,
 };
 use crate::object::ApiObject;
-use crate::problem::Problem;
+use crate::problem::{Problem, ProblemKind};
 use crate::snapshot::{Index, InfraKind, InfraKindState};
 
 /// What one watch is over.
@@ -56,8 +56,9 @@ pub(crate) enum Prepared {
 pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) -> Prepared {
     let key = object_key(&obj);
     let json = obj.into_json();
-    let problem =
-        |kind: &str, e: ParseError| Problem::new(format!("{kind} {key}"), e.field, e.message);
+    let problem = |kind: &str, e: ParseError| {
+        Problem::new(format!("{kind} {key}"), e.field, e.message).with_kind(ProblemKind::Malformed)
+    };
     match what {
         Watched::Scalable(kind) => {
             let parsed = ScalableResource::from_json(*kind, keys, &json)

@@ -13,7 +13,7 @@ mod events;
 pub mod explain;
 mod index;
 pub mod logging;
-mod metrics;
+pub mod metrics;
 mod object;
 pub mod options;
 pub mod preflight;

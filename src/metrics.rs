@@ -1,4 +1,5 @@
 //! Prometheus metrics: RPCs, API writes, watches, snapshot builds, node groups and problems.
+//! deploy/monitoring/ (alerts, dashboard) uses these names; tests/monitoring.rs checks it uses no other.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -11,7 +12,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
-use crate::snapshot::Snapshot;
+use crate::problem::ProblemKind;
+use crate::snapshot::{NotServed, Snapshot};
 use crate::version;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -48,24 +50,56 @@ pub struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GroupLabels {
+    pub node_group: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
     pub operation: &'static str,
     pub outcome: &'static str,
 }
+
+/// The `operation` of every write to the management cluster (`api_writes_total`,
+/// `api_write_duration_seconds`); `repair-unmark` counts the marks the repair took back.
+pub const WRITE_OPERATIONS: [&str; 6] = [
+    "increase-size",
+    "decrease-target-size",
+    "delete-nodes",
+    "mark-machine",
+    "unmark-machine",
+    "repair-record",
+];
 
 pub struct Metrics {
     registry: Registry,
     rpc_requests: Family<RpcLabels, Counter>,
     rpc_seconds: Family<MethodLabels, Histogram>,
     api_writes: Family<WriteLabels, Counter>,
+    api_write_seconds: Family<WriteLabels, Histogram>,
     watch_events: Family<WatchLabels, Counter>,
     watch_stale: Family<ResourceLabels, Gauge<f64, AtomicU64>>,
     rejected: Family<RejectLabels, Counter>,
     tls_reloads: Family<OutcomeLabels, Counter>,
     snapshot_seconds: Histogram,
     node_groups: Gauge,
+    group_target: Family<GroupLabels, Gauge>,
+    group_min: Family<GroupLabels, Gauge>,
+    group_max: Family<GroupLabels, Gauge>,
+    not_served: Family<ReasonLabels, Gauge>,
     machines: Gauge,
-    problems: Gauge,
+    problems: Family<KindLabels, Gauge>,
+    ready: Gauge,
 }
 
 impl Default for Metrics {
@@ -107,6 +141,15 @@ impl Metrics {
             "writes to the management cluster by operation and outcome",
             api_writes.clone(),
         );
+        // From 1 ms (a write on a quiet local API server) to about 65 s (past every retry).
+        let api_write_seconds = Family::<WriteLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.001, 2.0, 17))
+        });
+        registry.register(
+            "api_write_duration_seconds",
+            "latency of each write to the management cluster by operation and outcome",
+            api_write_seconds.clone(),
+        );
         let watch_events = Family::<WatchLabels, Counter>::default();
         registry.register(
             "watch_events",
@@ -139,27 +182,94 @@ impl Metrics {
         );
         let node_groups = Gauge::default();
         registry.register("node_groups", "node groups served", node_groups.clone());
+        // Per served group, by the id CA knows it by (CA's own node_group label).
+        let group_target = Family::<GroupLabels, Gauge>::default();
+        registry.register(
+            "node_group_target_size",
+            "target size (spec.replicas) of each node group served",
+            group_target.clone(),
+        );
+        let group_min = Family::<GroupLabels, Gauge>::default();
+        registry.register(
+            "node_group_min_size",
+            "configured min size of each node group served",
+            group_min.clone(),
+        );
+        let group_max = Family::<GroupLabels, Gauge>::default();
+        registry.register(
+            "node_group_max_size",
+            "max size of each node group served",
+            group_max.clone(),
+        );
+        let not_served = Family::<ReasonLabels, Gauge>::default();
+        registry.register(
+            "node_groups_not_served",
+            "candidate node groups not served (`check`'s NOT SERVED) by reason",
+            not_served.clone(),
+        );
         let machines = Gauge::default();
         registry.register("machines", "Machines cached", machines.clone());
-        let problems = Gauge::default();
+        let problems = Family::<KindLabels, Gauge>::default();
         registry.register(
             "problems",
-            "problems found in the Cluster API objects (see `check`)",
+            "problems found in the Cluster API objects (see `check`) by kind",
             problems.clone(),
         );
+        let ready = Gauge::default();
+        registry.register(
+            "ready",
+            "1 while /readyz answers 200 (every watch in sync, some group served), else 0",
+            ready.clone(),
+        );
+        // Every label value from the start, so a rule sees 0 rather than no series (and
+        // `increase()` sees the first write, repair or failure as one).
+        for operation in WRITE_OPERATIONS {
+            for outcome in ["ok", "conflict", "error"] {
+                api_writes
+                    .get_or_create(&WriteLabels { operation, outcome })
+                    .get();
+            }
+        }
+        api_writes
+            .get_or_create(&WriteLabels {
+                operation: "repair-unmark",
+                outcome: "ok",
+            })
+            .get();
+        for outcome in ["success", "error"] {
+            tls_reloads.get_or_create(&OutcomeLabels { outcome }).get();
+        }
+        for kind in ProblemKind::ALL {
+            problems
+                .get_or_create(&KindLabels { kind: kind.label() })
+                .set(0);
+        }
+        for reason in NotServed::ALL {
+            not_served
+                .get_or_create(&ReasonLabels {
+                    reason: reason.label(),
+                })
+                .set(0);
+        }
         Metrics {
             registry,
             rpc_requests,
             rpc_seconds,
             api_writes,
+            api_write_seconds,
             watch_events,
             watch_stale,
             rejected,
             tls_reloads,
             snapshot_seconds,
             node_groups,
+            group_target,
+            group_min,
+            group_max,
+            not_served,
             machines,
             problems,
+            ready,
         }
     }
 
@@ -175,10 +285,29 @@ impl Metrics {
             .observe(elapsed.as_secs_f64());
     }
 
-    pub fn api_write(&self, operation: &'static str, outcome: &'static str) {
+    /// One write to the management cluster and how long its request took.
+    pub fn api_write(&self, operation: &'static str, outcome: &'static str, elapsed: Duration) {
+        let labels = WriteLabels { operation, outcome };
+        self.api_writes.get_or_create(&labels).inc();
+        self.api_write_seconds
+            .get_or_create(&labels)
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// A delete mark the repair took back (`api_writes_total{operation="repair-unmark"}`: its
+    /// request is counted as `unmark-machine`).
+    pub fn mark_repaired(&self) {
         self.api_writes
-            .get_or_create(&WriteLabels { operation, outcome })
+            .get_or_create(&WriteLabels {
+                operation: "repair-unmark",
+                outcome: "ok",
+            })
             .inc();
+    }
+
+    /// Whether the provider is ready (what /readyz answers).
+    pub fn ready(&self, ready: bool) {
+        self.ready.set(i64::from(ready));
     }
 
     pub fn watch_event(&self, resource: &'static str, event: &'static str) {
@@ -213,7 +342,46 @@ impl Metrics {
         self.snapshot_seconds.observe(elapsed.as_secs_f64());
         self.node_groups.set(snapshot.groups.len() as i64);
         self.machines.set(snapshot.machines as i64);
-        self.problems.set(snapshot.problems.len() as i64);
+        for kind in ProblemKind::ALL {
+            let count = snapshot.problems.iter().filter(|p| p.kind == kind).count();
+            self.problems
+                .get_or_create(&KindLabels { kind: kind.label() })
+                .set(count as i64);
+        }
+        for reason in NotServed::ALL {
+            let count = snapshot
+                .not_served
+                .values()
+                .filter(|r| **r == reason)
+                .count();
+            self.not_served
+                .get_or_create(&ReasonLabels {
+                    reason: reason.label(),
+                })
+                .set(count as i64);
+        }
+    }
+
+    /// Target, min and max size of each group `snapshot` serves (groups gone are dropped). Set
+    /// when scraped rather than on every snapshot build: it costs a series per group.
+    pub fn observe_groups(&self, snapshot: &Snapshot) {
+        for family in [&self.group_target, &self.group_min, &self.group_max] {
+            family.clear();
+        }
+        for (id, group) in snapshot.groups.iter() {
+            let labels = GroupLabels {
+                node_group: id.to_string(),
+            };
+            self.group_target
+                .get_or_create(&labels)
+                .set(i64::from(group.target));
+            self.group_min
+                .get_or_create(&labels)
+                .set(i64::from(group.min));
+            self.group_max
+                .get_or_create(&labels)
+                .set(i64::from(group.max));
+        }
     }
 
     /// The text exposition format.
@@ -257,7 +425,7 @@ mod tests {
     fn rpc_calls_show_up_in_the_exposition() {
         let m = Metrics::new();
         m.rpc("NodeGroups", tonic::Code::Ok, Duration::from_micros(30));
-        m.api_write("scale", "conflict");
+        m.api_write("scale", "conflict", Duration::from_millis(3));
         let text = m.encode();
         assert!(
             text.contains(
@@ -282,6 +450,114 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
         }
+    }
+
+    #[test]
+    fn write_latency_is_a_histogram_by_operation_and_outcome() {
+        let m = Metrics::new();
+        m.api_write("increase-size", "ok", Duration::from_millis(3));
+        m.api_write("increase-size", "ok", Duration::from_millis(40));
+        m.api_write("mark-machine", "error", Duration::from_secs(2));
+        m.mark_repaired();
+        let text = m.encode();
+        for line in [
+            "capi_autoscaler_provider_api_write_duration_seconds_count{operation=\"increase-size\",outcome=\"ok\"} 2",
+            "capi_autoscaler_provider_api_write_duration_seconds_bucket{le=\"0.004\",operation=\"increase-size\",outcome=\"ok\"} 1",
+            "capi_autoscaler_provider_api_write_duration_seconds_bucket{le=\"0.064\",operation=\"increase-size\",outcome=\"ok\"} 2",
+            "capi_autoscaler_provider_api_write_duration_seconds_count{operation=\"mark-machine\",outcome=\"error\"} 1",
+            "capi_autoscaler_provider_api_writes_total{operation=\"increase-size\",outcome=\"ok\"} 2",
+            "capi_autoscaler_provider_api_writes_total{operation=\"repair-unmark\",outcome=\"ok\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+        // The repair's count is not a request of its own: no latency observed for it.
+        assert!(!text.contains("api_write_duration_seconds_count{operation=\"repair-unmark\""));
+    }
+
+    #[test]
+    fn problems_are_counted_by_kind_and_groups_not_served_by_reason() {
+        let m = Metrics::new();
+        let before = m.encode();
+        // Every kind and reason is there from the start, at 0.
+        for kind in ProblemKind::ALL {
+            let line = format!(
+                "capi_autoscaler_provider_problems{{kind=\"{}\"}} 0",
+                kind.label()
+            );
+            assert!(before.lines().any(|l| l == line), "{line} not in\n{before}");
+        }
+        for reason in NotServed::ALL {
+            let line = format!(
+                "capi_autoscaler_provider_node_groups_not_served{{reason=\"{}\"}} 0",
+                reason.label()
+            );
+            assert!(before.lines().any(|l| l == line), "{line} not in\n{before}");
+        }
+        let mut snapshot = Snapshot::default();
+        snapshot.problems = vec![
+            crate::problem::Problem::new("MachineDeployment ns/a", "spec.replicas", "not set"),
+            crate::problem::Problem::new(
+                "MachineDeployment ns/b",
+                "metadata.annotations[capacity.cluster-autoscaler.kubernetes.io/memory]",
+                "bad",
+            ),
+            crate::problem::Problem::new(
+                "MachineDeployment ns/c",
+                "metadata.annotations[capacity.cluster-autoscaler.kubernetes.io/cpu]",
+                "bad",
+            ),
+        ];
+        snapshot.not_served = [
+            (
+                "MachineDeployment/ns/a".to_string(),
+                NotServed::ReplicasUnset,
+            ),
+            (
+                "MachineDeployment/ns/x".to_string(),
+                NotServed::OtherCluster,
+            ),
+            (
+                "MachineDeployment/ns/y".to_string(),
+                NotServed::OtherCluster,
+            ),
+        ]
+        .into();
+        m.observe_snapshot(&snapshot, Duration::from_millis(1));
+        let text = m.encode();
+        for line in [
+            "capi_autoscaler_provider_problems{kind=\"replicas\"} 1",
+            "capi_autoscaler_provider_problems{kind=\"capacity\"} 2",
+            "capi_autoscaler_provider_problems{kind=\"bounds\"} 0",
+            "capi_autoscaler_provider_node_groups_not_served{reason=\"replicas-unset\"} 1",
+            "capi_autoscaler_provider_node_groups_not_served{reason=\"other-cluster\"} 2",
+            "capi_autoscaler_provider_node_groups_not_served{reason=\"paused\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+        // Gone again: back to 0, not absent.
+        m.observe_snapshot(&Snapshot::default(), Duration::from_millis(1));
+        let text = m.encode();
+        assert!(
+            text.lines()
+                .any(|l| l == "capi_autoscaler_provider_problems{kind=\"capacity\"} 0"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn readiness_is_a_gauge() {
+        let m = Metrics::new();
+        assert!(
+            m.encode()
+                .lines()
+                .any(|l| l == "capi_autoscaler_provider_ready 0")
+        );
+        m.ready(true);
+        assert!(
+            m.encode()
+                .lines()
+                .any(|l| l == "capi_autoscaler_provider_ready 1")
+        );
     }
 
     #[test]

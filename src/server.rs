@@ -250,6 +250,7 @@ async fn serve_http(
                 let store = Arc::clone(&store_for_metrics);
                 async move {
                     store.publish_watch_metrics();
+                    metrics.observe_groups(&store.snapshot());
                     (
                         [(
                             "content-type",

@@ -14,7 +14,7 @@ use crate::capi::{
 use crate::discovery::{self, DiscoverySpec};
 use crate::options::{self, GroupOptions};
 use crate::pricing::{self, PriceSource, PricedNode, ReferencePrices};
-use crate::problem::Problem;
+use crate::problem::{Problem, ProblemKind};
 use crate::scope::{self, ClusterRef, Scope};
 use crate::template::{self, FailureDomainZone, InfraSource, TemplateInputs, TemplateNode};
 
@@ -472,11 +472,49 @@ pub struct Snapshot {
     basis: u64,
     /// Resources that are candidates but not served (paused, bad bounds, …) by id, for `check`.
     pub skipped: BTreeMap<String, String>,
+    /// The same resources, by id, with the kind of reason (the `node_groups_not_served` metric).
+    pub not_served: BTreeMap<String, NotServed>,
     pub problems: Vec<Problem>,
     /// Prices per CPU-hour and GiB-hour for PricingPodPrice, and where each came from.
     pub reference_prices: ReferencePrices,
     pub reference_sources: [PriceSource; 2],
     pub machines: usize,
+}
+
+/// Why a candidate resource is not served: a small fixed set, so it can label a metric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NotServed {
+    /// It belongs to another Cluster than the one served: expected where one management cluster
+    /// holds several Clusters, each with its own autoscaler.
+    OtherCluster,
+    /// Its min/max size annotations are missing or wrong.
+    Bounds,
+    /// Its max size is 0.
+    MaxZero,
+    /// It or its Cluster is paused.
+    Paused,
+    /// `spec.replicas` is unset.
+    ReplicasUnset,
+}
+
+impl NotServed {
+    pub const ALL: [NotServed; 5] = [
+        NotServed::OtherCluster,
+        NotServed::Bounds,
+        NotServed::MaxZero,
+        NotServed::Paused,
+        NotServed::ReplicasUnset,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            NotServed::OtherCluster => "other-cluster",
+            NotServed::Bounds => "bounds",
+            NotServed::MaxZero => "max-zero",
+            NotServed::Paused => "paused",
+            NotServed::ReplicasUnset => "replicas-unset",
+        }
+    }
 }
 
 /// The served node groups by id. A group, and its id, are shared by every snapshot it did not
@@ -689,6 +727,7 @@ struct Builder<'a> {
     /// Problems not of a served group (see `Snapshot::base_problems`); a group's are collected apart.
     problems: Vec<Problem>,
     skipped: BTreeMap<String, String>,
+    not_served: BTreeMap<String, NotServed>,
     /// Which Cluster's groups this build serves.
     scope: Scope,
     /// Candidate groups left out because they belong to another Cluster.
@@ -931,6 +970,7 @@ impl<'a> Builder<'a> {
             journal,
             problems: Vec::new(),
             skipped: BTreeMap::new(),
+            not_served: BTreeMap::new(),
             scope: Scope::Unknown,
             out_of_scope: 0,
         }
@@ -958,7 +998,8 @@ impl<'a> Builder<'a> {
             .collect()
     }
 
-    fn skip(&mut self, id: String, why: impl Into<String>) {
+    fn skip(&mut self, id: String, reason: NotServed, why: impl Into<String>) {
+        self.not_served.insert(id.clone(), reason);
         self.skipped.insert(id, why.into());
     }
 
@@ -1211,7 +1252,7 @@ impl<'a> Builder<'a> {
         {
             self.problems
                 .push(Problem::new(&object, "spec.clusterName", why.clone()));
-            self.skip(id, why);
+            self.skip(id, NotServed::OtherCluster, why);
             self.out_of_scope += 1;
             return None;
         }
@@ -1219,19 +1260,23 @@ impl<'a> Builder<'a> {
             Ok(Some(bounds)) => bounds,
             Ok(None) => return None,
             Err(problem) => {
-                self.skip(id, format!("{}: {}", problem.field, problem.message));
+                self.skip(
+                    id,
+                    NotServed::Bounds,
+                    format!("{}: {}", problem.field, problem.message),
+                );
                 self.problems.push(problem);
                 return None;
             }
         };
         if max == 0 {
-            self.skip(id, "max size is 0");
+            self.skip(id, NotServed::MaxZero, "max size is 0");
             return None;
         }
         if let Some((field, why)) = self.pause_of(resource) {
             self.problems
-                .push(Problem::new(&object, field, why.clone()));
-            self.skip(id, why);
+                .push(Problem::new(&object, field, why.clone()).with_kind(ProblemKind::Paused));
+            self.skip(id, NotServed::Paused, why);
             return None;
         }
         let Some(target) = resource.replicas else {
@@ -1240,7 +1285,11 @@ impl<'a> Builder<'a> {
                 "spec.replicas",
                 "not set: the group has no target size",
             );
-            self.skip(id, format!("{}: {}", problem.field, problem.message));
+            self.skip(
+                id,
+                NotServed::ReplicasUnset,
+                format!("{}: {}", problem.field, problem.message),
+            );
             self.problems.push(problem);
             return None;
         };
@@ -1407,6 +1456,7 @@ impl<'a> Builder<'a> {
         );
         snapshot.scope = std::mem::take(&mut self.scope);
         snapshot.scope_reason = scope_reason;
+        snapshot.not_served = std::mem::take(&mut self.not_served);
         snapshot
     }
 
@@ -1710,6 +1760,7 @@ impl<'a> Builder<'a> {
             scope_reason: None,
             basis,
             skipped,
+            not_served: BTreeMap::new(),
             problems,
             reference_prices,
             reference_sources,
@@ -1872,6 +1923,7 @@ impl<'a> Builder<'a> {
         );
         snapshot.scope = previous.scope.clone();
         snapshot.scope_reason = previous.scope_reason.clone();
+        snapshot.not_served = previous.not_served.clone();
         Some(snapshot)
     }
 

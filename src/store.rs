@@ -411,6 +411,7 @@ impl Store {
 
     /// Sets `watch_stale_seconds` of every watch to now.
     pub fn publish_watch_metrics(&self) {
+        self.metrics.ready(self.not_ready_reasons().is_empty());
         let now = Instant::now();
         for (name, h) in lock(&self.health).iter() {
             let since = match (&h.failure, h.listed) {
@@ -568,6 +569,26 @@ impl Store {
         let reference = object_reference(&self.apis.machine, key.clone(), uid);
         self.events
             .warn(reference, reason, reason.to_string(), &note);
+    }
+
+    /// Records a Normal Event on a cached group object (no-op for read-only uses).
+    pub fn group_event(
+        &self,
+        kind: ScalableKind,
+        key: &ObjectKey,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        let Some(uid) = lock(&self.index).resource(kind, key).map(|r| r.uid.clone()) else {
+            return;
+        };
+        let Some(resource) = self.apis.scalable.get(&kind) else {
+            return;
+        };
+        let reference = object_reference(resource, key.clone(), uid);
+        self.events
+            .normal(reference, reason, action.to_string(), &note);
     }
 
     pub fn cached_machine(&self, key: &ObjectKey) -> Option<Arc<Machine>> {

@@ -493,3 +493,174 @@ fn the_placeholder_left_as_is_stops_the_provider_at_start() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Monitoring: what scrapes the provider's /metrics in each packaging.
+
+/// The port of the provider's `--metrics-address` (flag or environment).
+fn metrics_port(c: &Value) -> u64 {
+    setting(
+        c,
+        "--metrics-address",
+        "CAPI_AUTOSCALER_PROVIDER_METRICS_ADDRESS",
+    )
+    .and_then(|a| a.rsplit_once(':').and_then(|(_, p)| p.parse().ok()))
+    .unwrap_or(8087)
+}
+
+/// Whether `labels` carries every entry of `selector` (a matchLabels or a Service selector).
+fn selects(selector: &Value, labels: &Value) -> bool {
+    selector
+        .as_object()
+        .is_some_and(|s| !s.is_empty() && s.iter().all(|(k, v)| labels[k] == *v))
+}
+
+/// The pods (their Deployment's namespace and pod spec) whose labels `selector` selects in `namespace`.
+fn selected_pods<'a>(
+    objects: &'a [Value],
+    selector: &Value,
+    namespaces: &[&str],
+) -> Vec<&'a Value> {
+    all(objects, "Deployment")
+        .into_iter()
+        .filter(|d| {
+            namespaces.contains(&d["metadata"]["namespace"].as_str().unwrap_or_default())
+                && selects(selector, &d["spec"]["template"]["metadata"]["labels"])
+        })
+        .map(|d| &d["spec"]["template"]["spec"])
+        .collect()
+}
+
+/// The container and container port a (named or numbered) port of a pod spec is.
+fn container_port<'a>(spec: &'a Value, port: &Value) -> Option<(&'a Value, u64)> {
+    containers(spec).into_iter().find_map(|c| {
+        c["ports"].as_array()?.iter().find_map(|p| {
+            let hit = match port {
+                Value::String(name) => p["name"] == name.as_str(),
+                Value::Number(n) => p["containerPort"].as_u64() == n.as_u64(),
+                _ => false,
+            };
+            hit.then(|| (c, p["containerPort"].as_u64().unwrap_or_default()))
+        })
+    })
+}
+
+/// What each scrape target is: (is the provider, its container port).
+fn targets(pods: &[&Value], port: &Value) -> Vec<(bool, u64)> {
+    pods.iter()
+        .filter_map(|spec| container_port(spec, port))
+        .map(|(c, p)| (is_provider(c), p))
+        .collect()
+}
+
+/// `kubectl apply -k deploy/monitoring` beside a kustomize overlay: its PodMonitor selects the pods the
+/// provider runs in (CA's pod with the sidecar, the provider's own standalone) and scrapes the
+/// provider's --metrics-address port; the dashboard ConfigMap carries dashboard.json for Grafana's
+/// sidecar.
+#[test]
+fn the_pod_monitor_scrapes_the_providers_metrics_port_in_the_kustomize_overlays() {
+    let monitoring = render::kustomize("deploy/monitoring");
+    let monitor = find(&monitoring, "PodMonitor", "capi-autoscaler-provider");
+    let namespace = monitor["metadata"]["namespace"]
+        .as_str()
+        .unwrap_or_default();
+    let endpoints = monitor["spec"]["podMetricsEndpoints"]
+        .as_array()
+        .expect("podMetricsEndpoints");
+    for overlay in ["deploy/overlays/sidecar", "deploy/overlays/standalone"] {
+        let objects = render::kustomize(overlay);
+        let pods = selected_pods(
+            &objects,
+            &monitor["spec"]["selector"]["matchLabels"],
+            &[namespace],
+        );
+        assert_eq!(
+            pods.len(),
+            1,
+            "{overlay}: the PodMonitor selects the provider's pods"
+        );
+        let provider = containers(pods[0])
+            .into_iter()
+            .find(|c| is_provider(c))
+            .expect("a provider container in the selected pods");
+        let scraped: Vec<(bool, u64)> = endpoints
+            .iter()
+            .flat_map(|e| targets(&pods, &e["port"]))
+            .collect();
+        assert_eq!(
+            scraped,
+            vec![(true, metrics_port(provider))],
+            "{overlay}: the PodMonitor scrapes the provider's --metrics-address port alone"
+        );
+        assert_eq!(endpoints[0]["path"], "/metrics");
+    }
+    assert!(all(&monitoring, "PrometheusRule").len() == 1);
+    let dashboard = find(
+        &monitoring,
+        "ConfigMap",
+        "capi-autoscaler-provider-dashboard",
+    );
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    assert_eq!(
+        dashboard["data"]["capi-autoscaler-provider.json"].as_str(),
+        Some(
+            std::fs::read_to_string(render::repo("deploy/monitoring/dashboard.json"))
+                .expect("read dashboard.json")
+                .as_str()
+        )
+    );
+}
+
+/// With the chart's `serviceMonitor.enabled`, its ServiceMonitor selects the values' Service for the
+/// provider too (same labels, port named like the chart's): it scrapes CA's port and the provider's
+/// --metrics-address port, each through its own Service.
+#[test]
+fn the_charts_service_monitor_scrapes_the_provider_through_the_values_service() {
+    for (values, namespace) in [
+        ("deploy/helm/values-sidecar.yaml", "kube-system"),
+        ("deploy/helm/values-kind-capd.yaml", "default"),
+    ] {
+        let objects = render::helm_template_set(
+            values,
+            "cluster-autoscaler",
+            namespace,
+            &[("serviceMonitor.enabled", "true")],
+        );
+        let monitors = all(&objects, "ServiceMonitor");
+        assert_eq!(monitors.len(), 1, "{values}");
+        let monitor = monitors[0];
+        let namespaces: Vec<&str> = monitor["spec"]["namespaceSelector"]["matchNames"]
+            .as_array()
+            .expect("namespaceSelector.matchNames")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let mut scraped = BTreeSet::new();
+        for service in all(&objects, "Service") {
+            if !namespaces.contains(
+                &service["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default(),
+            ) || !selects(
+                &monitor["spec"]["selector"]["matchLabels"],
+                &service["metadata"]["labels"],
+            ) {
+                continue;
+            }
+            let pods = selected_pods(&objects, &service["spec"]["selector"], &namespaces);
+            for endpoint in monitor["spec"]["endpoints"].as_array().expect("endpoints") {
+                for port in service["spec"]["ports"].as_array().into_iter().flatten() {
+                    if port["name"] == endpoint["port"] {
+                        scraped.extend(targets(&pods, &port["targetPort"]));
+                    }
+                }
+            }
+        }
+        let provider = provider_containers(&objects)[0];
+        assert_eq!(
+            scraped,
+            BTreeSet::from([(false, 8085), (true, metrics_port(provider))]),
+            "{values}: the ServiceMonitor scrapes CA's metrics and the provider's"
+        );
+    }
+}

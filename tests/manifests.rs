@@ -566,6 +566,72 @@ async fn run(mut variant: Variant) {
         fail(variant.name, &pods, &e);
     }
 
+    // The provider recorded who asked for the change on the group, and its metrics, scraped where the
+    // packaging's monitoring scrapes them (the values' Service for the chart's ServiceMonitor, the
+    // PodMonitor of deploy/monitoring for the overlays), count the write and show the new size.
+    let recorded = poll_until(
+        "the provider's ReplicasChanged Event on the MachineDeployment",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || {
+            let capi = &capi;
+            let md_name = &md_name;
+            async move {
+                let events = capi.events_about(md_name).await;
+                match events
+                    .iter()
+                    .find(|e| e.reason.as_deref() == Some("ReplicasChanged"))
+                {
+                    Some(e) => Check::Done((e.type_.clone(), e.note.clone())),
+                    None => Check::Wait(format!("{} other Events", events.len())),
+                }
+            }
+        },
+    )
+    .await;
+    match recorded {
+        Ok((Some(kind), Some(note)))
+            if kind == "Normal" && note == "replicas 0 → 1 for cluster-autoscaler IncreaseSize" =>
+            {}
+        Ok(other) => fail(
+            variant.name,
+            &pods,
+            &format!("ReplicasChanged Event {other:?}"),
+        ),
+        Err(e) => fail(variant.name, &pods, &e),
+    }
+    let provider_port = provider_scrape_port(&variant.objects);
+    let scrape_port = kubelet.ports.get(provider_port);
+    let provider_metrics =
+        support::autoscaler::http_get(&format!("127.0.0.1:{scrape_port}"), "/metrics")
+            .await
+            .unwrap_or_default();
+    let provider_value = |name: &str, labels: &[(&str, &str)]| {
+        support::autoscaler::metric_sum(
+            &provider_metrics,
+            &format!("capi_autoscaler_provider_{name}"),
+            labels,
+        )
+    };
+    let group_id = format!("MachineDeployment/{group_ns}/{md_name}");
+    let write = [("operation", "increase-size"), ("outcome", "ok")];
+    let seen = (
+        provider_value("api_writes_total", &write),
+        provider_value("api_write_duration_seconds_count", &write),
+        provider_value("node_group_target_size", &[("node_group", &group_id)]),
+        provider_value("ready", &[]),
+    );
+    if seen != (1.0, 1.0, 1.0, 1.0) {
+        fail(
+            variant.name,
+            &pods,
+            &format!(
+                "the provider's metrics on port {scrape_port}: writes, their latency count, the \
+                 group's target, ready = {seen:?}, want 1 each"
+            ),
+        );
+    }
+
     // `kubectl exec … -c provider -- /capi-autoscaler-provider check` (the README's way to see what CA sees)
     // works in the pod: it reaches the same clusters as `serve` and shows the group.
     let provider = pods
@@ -712,6 +778,8 @@ async fn run(mut variant: Variant) {
         "e2e: manifests {}: {}\n  CA's first main loop {:.1}s after its start; {} autoscaled node group(s); \
          pending pod → {group_ns}/{md_name} replicas 0 → 1 {:.1}s after CA's start (TriggeredScaleUp); \
          status ConfigMap {ca_ns}/{}; `check` in the provider container: {check_line}; \
+         ReplicasChanged Event \"replicas 0 → 1 for cluster-autoscaler IncreaseSize\"; provider \
+         metrics scraped on container port {provider_port} where the packaging's monitoring does; \
          variant done in {:.1}s",
         variant.name,
         summaries.join("\n  "),
@@ -723,6 +791,36 @@ async fn run(mut variant: Variant) {
     ));
     drop(pods);
     drop(applied);
+}
+
+/// The container port the packaging's monitoring scrapes the provider on: the port of the values'
+/// Service for the provider (labelled `app.kubernetes.io/component: capi-autoscaler-provider`), which the
+/// chart's ServiceMonitor selects, or else the port deploy/monitoring's PodMonitor names.
+fn provider_scrape_port(objects: &[Value]) -> u16 {
+    let service = render::all(objects, "Service").into_iter().find(|s| {
+        s["metadata"]["labels"]["app.kubernetes.io/component"] == "capi-autoscaler-provider"
+    });
+    let port = match service {
+        Some(service) => service["spec"]["ports"][0]["targetPort"].clone(),
+        None => {
+            let monitoring = render::kustomize("deploy/monitoring");
+            let monitor = render::find(&monitoring, "PodMonitor", "capi-autoscaler-provider");
+            monitor["spec"]["podMetricsEndpoints"][0]["port"].clone()
+        }
+    };
+    render::all(objects, "Deployment")
+        .iter()
+        .flat_map(|d| render::containers(&d["spec"]["template"]["spec"]))
+        .filter(|c| {
+            c["image"]
+                .as_str()
+                .is_some_and(|i| i.starts_with(PROVIDER_IMAGE_NAME))
+        })
+        .flat_map(|c| c["ports"].as_array().into_iter().flatten())
+        .find(|p| p["name"] == port || p["containerPort"] == port)
+        .and_then(|p| p["containerPort"].as_u64())
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or_else(|| panic!("no provider container port {port}"))
 }
 
 /// The standalone provider speaks TLS only, and only to clients with a certificate from its CA: plaintext

@@ -327,6 +327,24 @@ fn unannotated_zero_max_paused_and_replica_less_resources_are_not_served() {
         s.groups.keys().collect::<Vec<_>>()
     );
     assert!(s.skipped.contains_key("MachineDeployment/ns/paused"));
+    // The reasons the node_groups_not_served metric is labelled with.
+    assert_eq!(
+        s.not_served.get("MachineDeployment/ns/paused"),
+        Some(&NotServed::Paused)
+    );
+    assert_eq!(
+        s.not_served.get("MachineDeployment/ns/zero"),
+        Some(&NotServed::MaxZero)
+    );
+    assert_eq!(
+        s.not_served.get("MachineSet/ns/unset"),
+        Some(&NotServed::ReplicasUnset)
+    );
+    assert!(
+        s.problems
+            .iter()
+            .any(|p| p.object == "MachineDeployment ns/paused" && p.kind == ProblemKind::Paused)
+    );
     assert!(
         s.problems
             .iter()
@@ -363,6 +381,17 @@ fn the_groups_of_a_paused_cluster_are_not_served() {
     index.apply_cluster(cluster(true));
     let s = index.snapshot(&settings());
     assert!(s.groups.is_empty());
+    assert_eq!(
+        s.not_served.get("MachineDeployment/ns/md"),
+        Some(&NotServed::Paused)
+    );
+    assert!(
+        s.problems
+            .iter()
+            .any(|p| p.field == "spec.clusterName" && p.kind == ProblemKind::Paused),
+        "{:?}",
+        s.problems
+    );
     assert!(
         s.skipped
             .get("MachineDeployment/ns/md")
@@ -1232,6 +1261,11 @@ fn groups_of_another_cluster_are_absent_and_reported_naming_their_cluster() {
         problem.message
     );
     assert!(s.skipped.contains_key("MachineSet/ns/other"));
+    assert_eq!(
+        s.not_served.get("MachineSet/ns/other"),
+        Some(&NotServed::OtherCluster)
+    );
+    assert_eq!(problem.kind, ProblemKind::Scope);
     assert_eq!(s.scope_reason, None);
 }
 

@@ -8,6 +8,7 @@ pub mod support;
 
 mod check;
 mod nodegroups;
+mod observability;
 mod operator;
 mod preflight;
 mod pricing;

@@ -37,7 +37,7 @@ const SETUP: Setup = Setup::shipped();
 const VERSION: &str = "v1beta2";
 
 /// Shared by every test; taken exclusively by the one that counts apiserver requests.
-static API_QUIET: RwLock<()> = RwLock::const_new(());
+pub(crate) static API_QUIET: RwLock<()> = RwLock::const_new(());
 
 struct Env {
     cp: &'static ControlPlane,

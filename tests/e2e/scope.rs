@@ -164,13 +164,22 @@ async fn groups_of_a_second_cluster_are_not_served_never_written_and_reported_wi
     let theirs_cluster = format!("Cluster {}/c2", capi.ns);
     let mine_cluster = format!("Cluster {cluster}");
     support::infra::wait_problem_event(&capi, "theirs", &[&theirs_cluster, &mine_cluster]).await;
-    // Counted with the problems.
+    // Counted with the problems (of kind scope), and among the groups not served.
     let metrics = support::autoscaler::http_get(&provider.metrics_address, "/metrics")
         .await
         .unwrap_or_else(|e| panic!("GET /metrics: {e}"));
-    let problems =
-        support::autoscaler::metric_sum(&metrics, "capi_autoscaler_provider_problems", &[]);
+    let problems = support::autoscaler::metric_sum(
+        &metrics,
+        "capi_autoscaler_provider_problems",
+        &[("kind", "scope")],
+    );
     assert!(problems >= 1.0, "problems {problems}");
+    let not_served = support::autoscaler::metric_sum(
+        &metrics,
+        "capi_autoscaler_provider_node_groups_not_served",
+        &[("reason", "other-cluster")],
+    );
+    assert!(not_served >= 1.0, "not served {not_served}");
     // And by `check`, which also names the served Cluster.
     let report = check(&capi, &["--cluster", &cluster]).await;
     assert!(
@@ -255,6 +264,14 @@ async fn a_cluster_the_workload_nodes_contradict_serves_nothing_and_readyz_says_
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
     assert!(reason.contains("no node group is served"), "{reason}");
+    // The ready gauge says what /readyz says (CapiAutoscalerProviderNotReady fires on it).
+    let ready = |address: String| async move {
+        let (_, metrics) = procs::http_get(&address, "/metrics")
+            .await
+            .expect("GET /metrics");
+        support::autoscaler::metric_sum(&metrics, "capi_autoscaler_provider_ready", &[])
+    };
+    assert_eq!(ready(address.clone()).await, 0.0);
 
     // Not ready for gRPC health either; nothing served, nothing written: every group answers NOT_FOUND.
     assert_eq!(
@@ -291,6 +308,7 @@ async fn a_cluster_the_workload_nodes_contradict_serves_nothing_and_readyz_says_
         .await
         .expect("GET /readyz");
     assert_eq!(code, 200, "{body}");
+    assert_eq!(ready(provider.metrics_address.clone()).await, 1.0);
 }
 
 #[tokio::test]

@@ -26,6 +26,7 @@ pub mod ha;
 pub mod hardening;
 pub mod infra;
 pub mod kubelet;
+pub mod monitoring;
 pub mod pki;
 pub mod procs;
 pub mod provider;
