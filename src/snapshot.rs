@@ -783,6 +783,8 @@ fn same_machine_layout(a: &Machine, b: &Machine) -> bool {
         owners,
         phase,
         failure,
+        // Read by the removal rules from the index, never by the snapshot.
+        conditions_unhealthy: _,
     } = a;
     *key == b.key
         && *uid == b.uid
@@ -1731,9 +1733,16 @@ impl<'a> Builder<'a> {
                     .filter(|i| i.state == InstanceState::Running)
                     .count() as i32
             };
-            let unlisted = old.registered - running(&old.instances);
+            // Machines with a Node but no providerID stay with the group (the removal counts and
+            // the repair read them); one that has an id now is an instance: built from scratch.
+            for key in &old.unlisted {
+                if self.instance_of(index.machine(key)?).is_some() {
+                    return None;
+                }
+            }
+            group.unlisted = old.unlisted.clone();
             self.mark_leaving(&mut list, group.target);
-            group.registered = running(&list) + unlisted;
+            group.registered = running(&list) + group.unlisted.len() as i32;
             group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
             group.instances = list;
             // Nodes did not change: the labels copied from the group's Node neither.
