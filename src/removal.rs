@@ -462,11 +462,11 @@ pub fn deletion<'a>(
     // Each fresh mark is one more Machine beyond replicas; marks the count does not remove yet
     // (ours unpaid, or someone else's on a named Machine) are paid too. What the count as it
     // stands removes (capacity cancelled, replicas lowered by hand) still goes.
-    let marked_before = counts.pool_paid
-        + others_marked.len()
-        + named_active.iter().filter(|m| m.mark.is_some()).count();
+    // (The surplus a paid MachinePool instance takes is not the marks': it is paid already.)
+    let marked_before =
+        others_marked.len() + named_active.iter().filter(|m| m.mark.is_some()).count();
     let fresh = named_active.iter().filter(|m| m.mark.is_none()).count();
-    let decrement = fresh + marked_before.saturating_sub(counts.surplus());
+    let decrement = fresh + marked_before.saturating_sub(counts.marks_surplus());
     Deletion::Proceed {
         mark: named_active
             .iter()

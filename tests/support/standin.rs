@@ -318,7 +318,8 @@ impl StandIn {
     }
 
     /// Machines cloned from template `name` stay unprovisioned (no providerID, no Node) until
-    /// [`StandIn::release`]: a cloud that is slow to deliver.
+    /// [`StandIn::release`]: a cloud that is slow to deliver. A machine pool of that name keeps
+    /// its instances as they are (none added, none dropped) until then.
     pub fn hold(&self, template: &str) {
         lock(&self.state).held.insert(template.to_string());
     }
@@ -405,7 +406,8 @@ impl Worker {
                     .then(|| mp.data["spec"]["replicas"].as_u64())
                     .flatten()
             });
-            if pool.metadata.deletion_timestamp.is_some() {
+            if pool.metadata.deletion_timestamp.is_some() || lock(&self.state).held.contains(&name)
+            {
                 continue;
             }
             if let Some(want) = want {
