@@ -271,15 +271,36 @@ async fn answered(provider: &ProviderProcess, method: &str, code: &str) -> u64 {
     ) as u64
 }
 
-/// CA's log lines about the provider's refusals, for the record (not asserted on).
+/// CA's log lines about the provider's refusals and what it did next (the failed scale-down, its
+/// taint taken off, the next attempt), for the record (not asserted on).
 fn refusals_in(ca: &AutoscalerProcess) -> String {
-    ca.log_contents()
-        .lines()
-        .filter(|l| l.contains("FailedPrecondition") || l.contains("failed to delete"))
-        .take(3)
-        .map(|l| l.chars().take(400).collect::<String>())
-        .collect::<Vec<_>>()
-        .join(" | ")
+    let log = ca.log_contents();
+    let mut lines: Vec<String> = Vec::new();
+    for pattern in [
+        "FailedPrecondition",
+        "failed to delete",
+        "ToBeDeleted",
+        "Scale-down: removing",
+        "couldn't delete",
+        "DecreaseTargetSize",
+        "Failed to fix",
+    ] {
+        let matching: Vec<&str> = log.lines().filter(|l| l.contains(pattern)).collect();
+        if matching.is_empty() {
+            continue;
+        }
+        let shown: Vec<String> = matching
+            .iter()
+            .take(2)
+            .map(|l| l.chars().take(300).collect::<String>())
+            .collect();
+        lines.push(format!(
+            "[{pattern}: {} lines] {}",
+            matching.len(),
+            shown.join(" / ")
+        ));
+    }
+    lines.join(" | ")
 }
 
 /// Waits until the provider has answered `method` with FAILED_PRECONDITION `at_least` times.
