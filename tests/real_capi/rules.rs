@@ -1046,3 +1046,176 @@ async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
         t_release.elapsed().as_secs_f64()
     ));
 }
+
+/// Cluster API ranks a registered Machine whose Node is unhealthy with the ones that never got a
+/// Node, ties broken by name. Two registered Machines and a third held by the cloud (pending); the
+/// first registered one by name gets a NotReady Node, and CAPI sets its `NodeHealthy` condition
+/// False. DecreaseTargetSize(-1): if that Machine sorts before the pending one, it is refused,
+/// naming it, and nothing is written; replicas then lowered by hand show what the refusal spared:
+/// CAPI deletes the unhealthy registered Machine, not the pending one. If the pending one sorts
+/// first, the decrease goes through and CAPI deletes the pending one only. (Machine names are
+/// random: which branch runs is printed.)
+#[tokio::test]
+async fn decrease_target_size_follows_the_unhealthy_rank_cluster_api_deletes_by() {
+    let s = Scenario::new().await;
+    s.group("sick", ("1", "5", 2), |_| {}).await;
+    let names = s.machines("sick", 2).await;
+    s.standin.hold("small");
+    s.patch(
+        "MachineDeployment",
+        "sick",
+        json!({"spec": {"replicas": 3}}),
+    )
+    .await;
+    let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
+    let selector = ListParams::default().labels(&format!("{DEPLOYMENT_NAME}=sick"));
+    let pending = poll_until(
+        "the third Machine, held by the cloud",
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            match machine_api.list(&selector).await {
+                Ok(l) => match l.items.iter().map(name_of).find(|n| !names.contains(n)) {
+                    Some(n) => Check::Done(n),
+                    None => Check::Wait("2 Machines".into()),
+                },
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let sick = names[0].clone();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(s.client.clone());
+    let condition = |type_: &str, status: &str| {
+        json!({"type": type_, "status": status, "reason": "StandIn", "message": "set by the test",
+               "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"})
+    };
+    nodes
+        .patch_status(
+            &sick,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"conditions": [
+                condition("Ready", "False"),
+                condition("MemoryPressure", "False"),
+                condition("DiskPressure", "False"),
+                condition("PIDPressure", "False"),
+            ]}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("make Node {sick} NotReady: {e}"));
+    poll_until(
+        "CAPI sets the Machine's NodeHealthy False",
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            match machine_api.get(&sick).await {
+                Ok(m) => {
+                    let conditions = m.data["status"]["conditions"].as_array().cloned();
+                    let healthy = conditions
+                        .iter()
+                        .flatten()
+                        .find(|c| c["type"] == "NodeHealthy");
+                    match healthy {
+                        Some(c) if c["status"] == "False" => Check::Done(()),
+                        other => Check::Wait(format!("NodeHealthy {other:?}")),
+                    }
+                }
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    // The provider decides from the Machines it lists: wait until it serves all three.
+    s.until(
+        "the provider serves the group's 3 instances",
+        Duration::from_secs(30),
+        &provider,
+        None,
+        || {
+            let mut rpc = rpc.clone();
+            let id = id.clone();
+            async move {
+                match rpc.nodes(&id).await {
+                    Ok(n) if n.len() == 3 => Check::Done(()),
+                    other => Check::Wait(format!("{:?}", other.map(|n| n.len()))),
+                }
+            }
+        },
+    )
+    .await;
+    let decrease = rpc.decrease(&id, -1).await;
+    let sick_first = sick < pending;
+    let t = Instant::now();
+    let want: BTreeSet<String> = if sick_first {
+        match &decrease {
+            Err(e)
+                if e.code() == tonic::Code::FailedPrecondition
+                    && e.message().contains(&sick)
+                    && e.message().contains("unhealthy") => {}
+            other => s.fail(
+                format!("DecreaseTargetSize with {sick} (unhealthy) before {pending}: {other:?}"),
+                &provider,
+                None,
+            ),
+        }
+        assert_eq!(s.replicas("sick").await, Ok(3), "nothing written");
+        // What the refusal spared: the same count written by hand.
+        s.patch(
+            "MachineDeployment",
+            "sick",
+            json!({"spec": {"replicas": 2}}),
+        )
+        .await;
+        BTreeSet::from([sick.clone()])
+    } else {
+        if let Err(e) = &decrease {
+            s.fail(
+                format!("DecreaseTargetSize with {pending} before {sick} (unhealthy): {e}"),
+                &provider,
+                None,
+            );
+        }
+        BTreeSet::from([pending.clone()])
+    };
+    s.until(
+        "CAPI deleted the Machine its unhealthy rank puts first",
+        Duration::from_secs(60),
+        &provider,
+        None,
+        || async {
+            let gone = deleted.names();
+            if gone.len() > 1 {
+                return Check::Fatal(format!("more than one Machine deleted: {gone:?}"));
+            }
+            match s.replicas("sick").await {
+                Ok(2) if gone == want => Check::Done(()),
+                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
+            }
+        },
+    )
+    .await;
+    procs::announce(&format!(
+        "e2e: scenario rules-unhealthy-rank passed in {:.1}s: unhealthy {sick}, pending {pending}, \
+         {}; CAPI deleted {:?} in {:.1}s",
+        s.started.elapsed().as_secs_f64(),
+        if sick_first {
+            format!(
+                "DecreaseTargetSize refused ({}); replicas lowered by hand",
+                decrease
+                    .err()
+                    .map(|e| e.message().to_string())
+                    .unwrap_or_default()
+            )
+        } else {
+            "DecreaseTargetSize accepted".to_string()
+        },
+        deleted.names(),
+        t.elapsed().as_secs_f64()
+    ));
+}
