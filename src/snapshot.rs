@@ -1501,7 +1501,8 @@ impl<'a> Builder<'a> {
             }
             list.sort_by(|a, b| a.id.cmp(&b.id));
             list.dedup_by(|a, b| a.id == b.id);
-            self.mark_leaving(&mut list, group.target);
+            let unlisted = found.unlisted.get(id).map_or(0, Vec::len);
+            self.mark_leaving(&mut list, unlisted, group.target);
             let pool: BTreeSet<&str> = group
                 .resource
                 .provider_id_list
@@ -1741,7 +1742,7 @@ impl<'a> Builder<'a> {
                 }
             }
             group.unlisted = old.unlisted.clone();
-            self.mark_leaving(&mut list, group.target);
+            self.mark_leaving(&mut list, group.unlisted.len(), group.target);
             group.registered = running(&list) + group.unlisted.len() as i32;
             group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
             group.instances = list;
@@ -1803,12 +1804,16 @@ impl<'a> Builder<'a> {
     /// stops counting them: an unregistered one is otherwise "removed" again every loop and its
     /// group scaled up again for the capacity CA believes it lost. A mark replicas still cover (a
     /// decrement not yet written) leaves the instance as it was, so CA's retry can complete it.
-    fn mark_leaving(&self, list: &mut [Instance], target: i32) {
+    /// Every member counts toward the Machines beyond replicas, as in the removal rules: a
+    /// MachinePool's instances without a Machine, and the `unlisted` Machines (a Node, no
+    /// providerID).
+    fn mark_leaving(&self, list: &mut [Instance], unlisted: usize, target: i32) {
         let delete_key = &self.settings.keys.delete_machine;
         let active = list
             .iter()
-            .filter(|i| i.machine.is_some() && i.state != InstanceState::Deleting)
-            .count();
+            .filter(|i| i.state != InstanceState::Deleting)
+            .count()
+            + unlisted;
         let mut surplus = crate::removal::surplus(active, target);
         for instance in list.iter_mut() {
             if surplus == 0 {

@@ -1394,10 +1394,32 @@ fn marks_the_provider_did_not_write_are_listed_and_unlisted_machines_kept() {
     assert_eq!(group.unlisted, [ObjectKey::new("ns", "no-id")]);
     assert_eq!(group.foreign_marks, ["by-hand", "no-id"]);
     assert_eq!(group.registered, 3, "ours, by-hand, no-id");
+    // Replicas 2 under three members: one marked Machine is beyond them (the unlisted one counts).
+    let mut r = ScalableResource::clone(
+        index
+            .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "ms"))
+            .expect("added"),
+    );
+    r.replicas = Some(2);
+    r.resource_version = "3".into();
+    add(&mut index, r);
+    let lowered = index.snapshot_reusing(&settings(), &next);
+    let leaving: Vec<&str> = lowered
+        .group("MachineSet/ns/ms")
+        .expect("served")
+        .instances
+        .iter()
+        .filter(|i| i.state == InstanceState::Deleting)
+        .map(|i| i.id.as_str())
+        .collect();
+    assert!(
+        leaving.contains(&"p:///by-hand") && leaving.len() == 2,
+        "{leaving:?}"
+    );
     // Given a providerID, it is an instance: built from scratch.
     no_id.provider_id = Some("p:///no-id".into());
     add_machine(&mut index, no_id);
-    let last = index.snapshot_reusing(&settings(), &next);
+    let last = index.snapshot_reusing(&settings(), &lowered);
     let group = last.group("MachineSet/ns/ms").expect("served");
     assert!(group.unlisted.is_empty());
     assert!(group.instances.iter().any(|i| i.id == "p:///no-id"));
