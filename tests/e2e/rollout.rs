@@ -132,8 +132,12 @@ async fn an_old_machine_set_with_replicas_pauses_scale_down_until_it_is_drained(
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 4);
     wait_min(&rpc, &id, 4).await;
 
-    // The old MachineSet is drained (nobody writes its status here): back to normal.
+    // The old MachineSet is drained (nobody writes its status here), and the new one has the
+    // Machine of the raise (no controller creates it here; DeleteNodes is refused while Cluster
+    // API has Machines to create): back to normal.
     capi.scale(Kind::MachineSet, "md-old", 0).await;
+    capi.create_machine(&capi.running("new-2", Owner::MachineSet("md-new".into())))
+        .await;
     wait_min(&rpc, &id, 1).await;
     rpc.delete_nodes(&id, vec![capi.grpc_node("new-0")])
         .await
