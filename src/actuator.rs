@@ -19,7 +19,7 @@ use crate::object::ApiObject;
 use crate::preflight;
 use crate::removal::{
     self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState,
-    RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time,
+    RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time, payment_entry,
     pool_node_entry, raised_at,
 };
 use crate::service::Backend;
@@ -486,13 +486,21 @@ impl Actuator {
             .collect()
     }
 
-    /// The time of our mark on Machine `name` of `group`, as cached (`None`: gone, unmarked, or
-    /// marked by someone else): what ledger and taking-back entries are matched against.
-    fn cached_mark_time(&self, group: &NodeGroup, name: &str) -> Option<u64> {
+    /// The delete mark on Machine `name` of `group`, as cached (`None`: gone or unmarked): what
+    /// ledger entries are matched against.
+    fn cached_mark(&self, group: &NodeGroup, name: &str) -> Option<String> {
         let delete_key = &self.store.settings().keys.delete_machine;
         self.store
             .cached_machine(&ObjectKey::new(group.resource.key.namespace.as_str(), name))
-            .and_then(|m| m.annotations.get(delete_key).and_then(|v| our_mark_time(v)))
+            .and_then(|m| m.annotations.get(delete_key).cloned())
+    }
+
+    /// The time of our mark on Machine `name` of `group`, as cached (`None`: gone, unmarked, or
+    /// marked by someone else): what taking-back entries are matched against.
+    fn cached_mark_time(&self, group: &NodeGroup, name: &str) -> Option<u64> {
+        self.cached_mark(group, name)
+            .as_deref()
+            .and_then(our_mark_time)
     }
 
     /// The ledger as the next write leaves it: entries that need no record any more dropped (see
@@ -500,7 +508,7 @@ impl Actuator {
     fn next_ledger(&self, group: &NodeGroup, state: &GroupState, entries: &[String]) -> Ledger {
         let mut ledger = state.ledger.pruned(
             &state.listed,
-            |name| self.cached_mark_time(group, name),
+            |name| self.cached_mark(group, name),
             now_unix(),
         );
         for entry in entries {
@@ -759,10 +767,7 @@ impl Actuator {
             if ordered {
                 let (_, now) = self.group(id)?;
                 let machines = self.machines(&now);
-                let members: Vec<MachineState<'_>> = machines
-                    .iter()
-                    .map(|(k, m)| machine_state(k, m, &delete_key))
-                    .collect();
+                let members = members(&now, &machines, &delete_key);
                 removal::cancellation(&members, current, delta.unsigned_abs())
                     .map_err(|why| cancellation_refusal(&now, current, delta, &why))?;
             }
@@ -907,10 +912,7 @@ impl Actuator {
                 group.resource.key.namespace
             )));
         }
-        let states: Vec<MachineState<'_>> = machines
-            .iter()
-            .map(|(k, m)| machine_state(k, m, delete_key))
-            .collect();
+        let states = members(&group, &machines, delete_key);
         let marks: Vec<(String, Option<String>)> = machines
             .iter()
             .map(|(k, m)| (k.name.clone(), m.annotations.get(delete_key).cloned()))
@@ -930,6 +932,13 @@ impl Actuator {
             )),
             Deletion::OthersMarked(others) => {
                 Decided::Refused(others_marked_refusal(&group, state, &others))
+            }
+            Deletion::NotCreated { replicas, members } => {
+                Decided::Refused(ActuatorError::Refused(format!(
+                    "{id}: replicas ({replicas}) exceed the {members} Machine(s) of {} {} not being deleted: Cluster API creates Machines for them first, so lowering replicas now would cancel one not created yet and the named node(s) would stay; nothing written. Once the Machines exist the removal can proceed (or DecreaseTargetSize cancels those never created)",
+                    group.kind(),
+                    group.resource.key,
+                )))
             }
         };
         Ok((group, marks, decided))
@@ -1044,14 +1053,16 @@ impl Actuator {
                         "{id}: the delete mark of Machine {name} is being taken back by a repair (its {TAKING_BACK_ANNOTATION} annotation): nothing written; ask again once it is gone, as a fresh removal"
                     )));
                 }
-                // The named Machines' marks (all ours by now) that no entry pays for yet.
+                // The named Machines' marks (ours, or another's kept as its writer left it) that
+                // no entry pays for yet.
+                let paid_at = now_unix();
                 let unpaid: Vec<String> = marks
                     .iter()
                     .filter(|(name, _)| names.contains(name.as_str()))
                     .filter_map(|(name, mark)| {
-                        let time = our_mark_time(mark.as_deref()?)?;
-                        let entry = mark_entry(name, time);
-                        (!state.ledger.contains(&entry)).then_some(entry)
+                        let mark = mark.as_deref()?;
+                        (!state.ledger.pays(name, Some(mark)))
+                            .then(|| payment_entry(name, mark, paid_at))
                     })
                     .collect();
                 let owed = removal::still_owed(
@@ -1340,10 +1351,7 @@ impl Actuator {
     ) -> Vec<(ObjectKey, String)> {
         let delete_key = &self.store.settings().keys.delete_machine;
         let machines = self.machines(group);
-        let states: Vec<MachineState<'_>> = machines
-            .iter()
-            .map(|(k, m)| machine_state(k, m, delete_key))
-            .collect();
+        let states = members(group, &machines, delete_key);
         let counts = Counts::of(state.replicas, &state.ledger, states.iter().copied());
         removal::orphans(
             &states,
@@ -1427,6 +1435,10 @@ fn cancellation_refusal(
         Cancellation::Registered { removes, pending } => format!(
             "Cluster API would remove {removes} unmarked Machine(s) and only {pending} never got a node"
         ),
+        Cancellation::Unhealthy(names) => format!(
+            "Cluster API ranks the registered Machine(s) {} unhealthy (NodeHealthy or HealthCheckSucceeded False), like those without a node, and would remove them by name first",
+            names.join(", ")
+        ),
     };
     ActuatorError::Refused(format!(
         "{}: attempt to delete existing nodes: replicas {replicas}, delta {delta}: {what}",
@@ -1463,11 +1475,14 @@ fn machine_state<'a>(
     machine: &'a crate::capi::Machine,
     delete_key: &str,
 ) -> MachineState<'a> {
+    let registered = machine.node_ref.is_some();
     MachineState {
         name: &key.name,
         deleting: machine.deleting,
         mark: machine.annotations.get(delete_key).map(String::as_str),
-        registered: machine.node_ref.is_some(),
+        registered,
+        unhealthy: registered && (machine.conditions_unhealthy || machine.failure.is_some()),
+        machineless: false,
     }
 }
 
@@ -1475,6 +1490,34 @@ fn machine_state<'a>(
 /// carries the instance id as providerID and name).
 fn is_held(node: &NodeToDelete) -> bool {
     preflight::is_held_id(&node.provider_id) || preflight::is_held_id(&node.name)
+}
+
+/// The group's members in the rules' terms: its Machines (as cached: `machines`, see
+/// [`Actuator::machines`]) and, for a MachinePool, the instances of its providerIDList without a
+/// Machine.
+fn members<'a>(
+    group: &'a NodeGroup,
+    machines: &'a [(ObjectKey, Arc<crate::capi::Machine>)],
+    delete_key: &str,
+) -> Vec<MachineState<'a>> {
+    machines
+        .iter()
+        .map(|(k, m)| machine_state(k, m, delete_key))
+        .chain(
+            group
+                .instances
+                .iter()
+                .filter(|i| i.machine.is_none())
+                .map(|i| MachineState {
+                    name: &i.id,
+                    deleting: false,
+                    mark: None,
+                    registered: true,
+                    unhealthy: false,
+                    machineless: true,
+                }),
+        )
+        .collect()
 }
 
 /// Each node to remove with its Machine (`None`: a MachinePool node listed in its providerIDList

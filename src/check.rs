@@ -293,7 +293,7 @@ pub fn render_table(report: &Report) -> String {
             (!g.foreign_marks.is_empty()).then(|| {
                 format!(
                     "delete marks not written by this provider (Cluster API deletes them first; \
-                     scale-down refused until replicas remove them): {}",
+                     scale-down of other nodes refused until replicas remove them): {}",
                     g.foreign_marks.join(", ")
                 )
             }),

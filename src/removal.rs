@@ -109,11 +109,45 @@ pub fn mark_entry(machine: &str, mark_time: u64) -> String {
     format!("{machine}@{mark_time}")
 }
 
-/// The Machine and mark time of a mark entry (`None` for pool entries and garbage).
+/// The Machine and mark time of a mark entry (`None` for pool entries, foreign-mark entries and
+/// garbage).
 fn parse_mark_entry(entry: &str) -> Option<(&str, u64)> {
     let (machine, time) = entry.rsplit_once('@')?;
     (!machine.is_empty() && !machine.contains(':')).then_some(())?;
     Some((machine, time.parse().ok()?))
+}
+
+/// The ledger entry of a decrement paying for a mark someone else wrote on a Machine DeleteNodes
+/// named: `<machine>@<paid unix seconds>#<hash of the mark's value>`. The mark is left as it is
+/// (the Machine goes either way; its writer's record stays), and the entry pays for that very
+/// value: another value written later is another removal.
+pub fn foreign_entry(machine: &str, mark: &str, paid_unix: u64) -> String {
+    format!("{machine}@{paid_unix}#{}", mark_hash(mark))
+}
+
+/// A stable hash of a mark's value (FNV-1a, 64 bits, hex): the same in every process and build.
+fn mark_hash(mark: &str) -> String {
+    let hash = mark.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{hash:016x}")
+}
+
+/// The Machine, payment time and mark hash of a foreign-mark entry.
+fn parse_foreign_entry(entry: &str) -> Option<(&str, u64, &str)> {
+    let (rest, hash) = entry.rsplit_once('#')?;
+    let (machine, paid) = rest.rsplit_once('@')?;
+    (!machine.is_empty() && !machine.contains(':')).then_some(())?;
+    Some((machine, paid.parse().ok()?, hash))
+}
+
+/// The entry a decrement writes to pay for `mark` on Machine `machine` at `now_unix`: ours by its
+/// time, another's by [`foreign_entry`].
+pub fn payment_entry(machine: &str, mark: &str, now_unix: u64) -> String {
+    match our_mark_time(mark) {
+        Some(t) => mark_entry(machine, t),
+        None => foreign_entry(machine, mark, now_unix),
+    }
 }
 
 impl Ledger {
@@ -140,10 +174,23 @@ impl Ledger {
         self.0.insert(entry);
     }
 
-    /// Whether Machine `name`, carrying `mark`, carries a mark of ours that a decrement paid for.
+    /// Whether Machine `name`, carrying `mark`, carries a mark a decrement paid for: ours by its
+    /// time, someone else's by its value ([`foreign_entry`]).
     pub fn pays(&self, name: &str, mark: Option<&str>) -> bool {
-        mark.and_then(our_mark_time)
-            .is_some_and(|t| self.contains(&mark_entry(name, t)))
+        let Some(mark) = mark else {
+            return false;
+        };
+        match our_mark_time(mark) {
+            Some(t) => self.contains(&mark_entry(name, t)),
+            None => self.pays_foreign(name, mark),
+        }
+    }
+
+    fn pays_foreign(&self, name: &str, mark: &str) -> bool {
+        let hash = mark_hash(mark);
+        self.0.iter().any(|e| {
+            parse_foreign_entry(e).is_some_and(|(m, _, h)| m == name && h == hash.as_str())
+        })
     }
 
     /// The entries whose Machine still carries that very mark (`mark_time_of`: the time of our mark
@@ -177,23 +224,27 @@ impl Ledger {
 
     /// The ledger without the entries that need no record any more: a pool node's once its id left
     /// `listed` (the pool's `spec.providerIDList`); a Machine's once the Machine is gone or carries
-    /// another mark (`mark_time_of`: the time of our mark on a Machine of the group, `None` when
-    /// absent or unmarked), and the entry is older than [`STALE_ENTRY_SECS`].
+    /// another mark (`mark_of`: the delete mark on a Machine of the group, `None` when absent or
+    /// unmarked), and the entry (its mark's time, or its payment's for another's mark) is older
+    /// than [`STALE_ENTRY_SECS`].
     pub fn pruned(
         &self,
         listed: &BTreeSet<String>,
-        mark_time_of: impl Fn(&str) -> Option<u64>,
+        mark_of: impl Fn(&str) -> Option<String>,
         now_unix: u64,
     ) -> Ledger {
+        let young = |t: u64| now_unix.saturating_sub(t) < STALE_ENTRY_SECS;
         Ledger(
             self.0
                 .iter()
-                .filter(|e| match parse_mark_entry(e) {
-                    Some((machine, t)) => {
-                        mark_time_of(machine) == Some(t)
-                            || now_unix.saturating_sub(t) < STALE_ENTRY_SECS
+                .filter(|e| {
+                    if let Some((machine, t)) = parse_mark_entry(e) {
+                        young(t) || mark_of(machine).as_deref().and_then(our_mark_time) == Some(t)
+                    } else if let Some((machine, paid, hash)) = parse_foreign_entry(e) {
+                        young(paid) || mark_of(machine).is_some_and(|m| mark_hash(&m) == hash)
+                    } else {
+                        listed.contains(e.as_str())
                     }
-                    None => listed.contains(e.as_str()),
                 })
                 .cloned()
                 .collect(),
@@ -206,31 +257,50 @@ impl Ledger {
     }
 }
 
-/// The view of a Machine the rules need.
+/// The view of a group member the rules need: a Machine, or a MachinePool instance without one.
 #[derive(Clone, Copy, Debug)]
 pub struct MachineState<'a> {
+    /// The Machine's name; a MachinePool instance without a Machine: its providerID.
     pub name: &'a str,
     pub deleting: bool,
     /// The delete-machine annotation's value, when present.
     pub mark: Option<&'a str>,
-    /// It has a Node (`status.nodeRef`): Cluster API ranks Machines without one right after the
-    /// marked ones when it deletes.
+    /// It has a Node (`status.nodeRef`).
     pub registered: bool,
+    /// Registered, but its `NodeHealthy` or `HealthCheckSucceeded` condition is `False` (or it
+    /// reports a terminal failure, which Cluster API before v1beta2 ranked so): with the
+    /// unregistered ones, what Cluster API's MachineSet deletes right after the marked Machines.
+    pub unhealthy: bool,
+    /// A MachinePool instance listed in `spec.providerIDList` without a Machine: counted among
+    /// the pool's members, never marked; its removal is paid by its pool entry in the ledger.
+    pub machineless: bool,
 }
 
-/// A group's Machines and replicas, as far as the rules need them.
+impl MachineState<'_> {
+    /// Whether Cluster API ranks it "unhealthy" when it deletes: no Node, or an unhealthy one
+    /// (`isMachineHealthy`, machineset_deletion_order.go).
+    pub fn ranks_unhealthy(&self) -> bool {
+        !self.registered || self.unhealthy
+    }
+}
+
+/// A group's members and replicas, as far as the rules need them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts {
     pub replicas: i32,
-    /// Machines not being deleted.
+    /// Members not being deleted: Machines, and MachinePool instances without a Machine.
     pub active: usize,
-    /// Of those, the ones carrying a mark of ours the ledger pays for.
+    /// Of those, the Machines carrying a mark a decrement paid for (ours, or another's a
+    /// DeleteNodes named).
     pub paid: usize,
     /// Of those, the ones carrying a mark of ours without a ledger entry.
     pub unledgered: usize,
-    /// Of those, the ones carrying a mark someone else wrote (a person, another tool): Cluster API
-    /// deletes them first all the same.
+    /// Of those, the ones carrying a mark someone else wrote (a person, another tool) that no
+    /// decrement paid for: Cluster API deletes them first all the same.
     pub foreign: usize,
+    /// MachinePool instances without a Machine whose removal a decrement paid for, still listed:
+    /// each takes one Machine beyond replicas (the pool's provider removes an instance for it).
+    pub pool_paid: usize,
 }
 
 impl Counts {
@@ -245,7 +315,11 @@ impl Counts {
         };
         for m in machines.into_iter().filter(|m| !m.deleting) {
             counts.active += 1;
-            if ledger.pays(m.name, m.mark) {
+            if m.machineless {
+                if ledger.contains(&pool_node_entry(m.name)) {
+                    counts.pool_paid += 1;
+                }
+            } else if ledger.pays(m.name, m.mark) {
                 counts.paid += 1;
             } else if m.mark.is_some_and(is_our_mark) {
                 counts.unledgered += 1;
@@ -256,14 +330,28 @@ impl Counts {
         counts
     }
 
-    /// Machines beyond replicas: how many marked Machines Cluster API deletes.
+    /// Members beyond replicas: how many Cluster API deletes, marked ones first.
     pub fn surplus(&self) -> usize {
         surplus(self.active, self.replicas)
     }
 
+    /// Replicas beyond the members not being deleted: Machines Cluster API has not created yet
+    /// (or will create again once those being deleted are gone). While there are any, a
+    /// decrement cancels them before it removes anything.
+    pub fn not_created(&self) -> usize {
+        usize::try_from(self.replicas)
+            .unwrap_or(0)
+            .saturating_sub(self.active)
+    }
+
+    /// The surplus that marked Machines take: what paid pool instances leave of it.
+    fn marks_surplus(&self) -> usize {
+        self.surplus().saturating_sub(self.pool_paid)
+    }
+
     /// Paid marks replicas no longer make Cluster API delete: absorbed by raises.
     pub fn absorbed(&self) -> usize {
-        self.paid.saturating_sub(self.surplus())
+        self.paid.saturating_sub(self.marks_surplus())
     }
 
     /// Marks of ours without a ledger entry that the surplus left after the paid marks and the
@@ -271,7 +359,7 @@ impl Counts {
     /// ours without its decrement is the one to take back.)
     pub fn owed(&self) -> usize {
         let covered = self
-            .surplus()
+            .marks_surplus()
             .saturating_sub(self.paid)
             .saturating_sub(self.foreign);
         self.unledgered.saturating_sub(covered)
@@ -286,14 +374,18 @@ pub fn surplus(active: usize, replicas: i32) -> usize {
 
 /// What a DeleteNodes naming some of a group's Machines writes, by Cluster API's own order: when
 /// a group has more Machines (not being deleted) than replicas, the MachineSet controller deletes
-/// every Machine carrying the delete mark first, whoever wrote it. So the call removes exactly the
-/// named Machines only if, after its writes, every marked Machine is one the replicas remove: the
-/// named ones, and marked ones the replicas as they stand already remove.
+/// every Machine carrying the delete mark first, whoever wrote it, then the unhealthy ones (no
+/// Node, or an unhealthy one), then the rest. So the call removes exactly the named Machines only
+/// if, after its writes, every marked Machine is one the replicas remove: the named ones, and
+/// marked ones the replicas as they stand already remove. (Which unhealthy or other Machines the
+/// count as it stands removes beyond the marked ones does not change: each named Machine's mark
+/// comes with one more Machine beyond replicas.)
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Deletion<'a> {
-    /// Write our mark on `mark` (named Machines without one), then lower replicas by `decrement`,
-    /// with the ledger entries of `pay` in the same write. Nothing to write: done already (a retry,
-    /// or replicas lowered for these Machines already, e.g. by hand just before).
+    /// Write our mark on `mark` (named Machines without any mark), then lower replicas by
+    /// `decrement`, with the ledger entries of `pay` in the same write (a named Machine carrying
+    /// someone else's mark keeps it; the entry pays for that mark). Nothing to write: done
+    /// already (a retry, or replicas lowered for these Machines already, e.g. by hand just before).
     Proceed {
         mark: Vec<&'a str>,
         decrement: usize,
@@ -304,16 +396,24 @@ pub enum Deletion<'a> {
     /// Refused, nothing written, until the repair takes the absorbed marks back (after the grace
     /// period since the raise); then it is a fresh removal. A paid mark is never paid again.
     Absorbed(Vec<&'a str>),
-    /// Other Machines carry a delete mark the replicas do not remove yet: any decrement would make
-    /// Cluster API delete one of them before or instead of a named one. Refused, nothing written.
+    /// Other Machines carry a delete mark the replicas do not remove yet (or MachinePool
+    /// instances a decrement paid for): any decrement would make Cluster API delete one of them
+    /// before or instead of a named one. Refused, nothing written.
     OthersMarked(Vec<&'a str>),
+    /// Replicas exceed the members not being deleted: Cluster API creates Machines for them
+    /// first, so a decrement of one cancels a Machine not created yet and the named one stays
+    /// (marked, paid, never deleted). Refused, nothing written: the Machines get created (and
+    /// CA removes the named node on a later loop), or CA cancels the capacity that never comes
+    /// (DecreaseTargetSize, which cancels Machines not created yet first).
+    NotCreated { replicas: i32, members: usize },
 }
 
 /// What a DeleteNodes of `named` (Machine names of the group) writes over `replicas`, `ledger` and
-/// the group's `machines`, by [`Deletion`]'s rule. The decrement is what makes the marked
-/// Machines exactly as many as the Machines beyond replicas: a Machine already surplus (replicas
-/// lowered before the call, its removal not begun) is taken by a named one's mark instead of a
-/// decrement, and a named Machine being deleted is done.
+/// the group's `machines` (its MachinePool instances without a Machine included), by
+/// [`Deletion`]'s rule. The decrement is what makes the marked Machines exactly as many as the
+/// Machines beyond replicas: what the count as it stands removes (replicas lowered before the
+/// call, capacity cancelled) still goes, each fresh mark is one more, and a named Machine being
+/// deleted is done.
 pub fn deletion<'a>(
     machines: &[MachineState<'a>],
     named: &BTreeSet<&str>,
@@ -322,8 +422,9 @@ pub fn deletion<'a>(
 ) -> Deletion<'a> {
     let counts = Counts::of(replicas, ledger, machines.iter().copied());
     let active: Vec<&MachineState<'a>> = machines.iter().filter(|m| !m.deleting).collect();
-    let (named_active, others): (Vec<&MachineState<'a>>, Vec<&MachineState<'a>>) =
-        active.iter().partition(|m| named.contains(m.name));
+    let (named_active, others): (Vec<&MachineState<'a>>, Vec<&MachineState<'a>>) = active
+        .iter()
+        .partition(|m| !m.machineless && named.contains(m.name));
     let paid_named: Vec<&'a str> = named_active
         .iter()
         .filter(|m| ledger.pays(m.name, m.mark))
@@ -332,30 +433,44 @@ pub fn deletion<'a>(
     if counts.absorbed() > 0 && !paid_named.is_empty() {
         return Deletion::Absorbed(paid_named);
     }
-    let others_marked: Vec<&'a str> = others
-        .iter()
-        .filter(|m| m.mark.is_some())
-        .map(|m| m.name)
-        .collect();
-    if others_marked.len() + paid_named.len() > counts.surplus() {
-        return Deletion::OthersMarked(others_marked);
-    }
-    // Each fresh mark is one more Machine beyond replicas; marks the count does not remove yet
-    // (ours unpaid, or someone else's on a named Machine) are paid too. What the count as it
-    // stands removes (capacity cancelled, replicas lowered by hand) still goes.
-    let marked_before =
-        others_marked.len() + named_active.iter().filter(|m| m.mark.is_some()).count();
-    let fresh = named_active.iter().filter(|m| m.mark.is_none()).count();
     let unpaid_named: Vec<&'a str> = named_active
         .iter()
         .filter(|m| !ledger.pays(m.name, m.mark))
         .map(|m| m.name)
         .collect();
-    let decrement = fresh + marked_before.saturating_sub(counts.surplus());
+    if !unpaid_named.is_empty() && counts.not_created() > 0 {
+        return Deletion::NotCreated {
+            replicas,
+            members: counts.active,
+        };
+    }
+    let others_marked: Vec<&'a str> = others
+        .iter()
+        .filter(|m| !m.machineless && m.mark.is_some())
+        .map(|m| m.name)
+        .collect();
+    if others_marked.len() + paid_named.len() > counts.marks_surplus() {
+        let mut going = others_marked;
+        going.extend(
+            others
+                .iter()
+                .filter(|m| m.machineless && ledger.contains(&pool_node_entry(m.name)))
+                .map(|m| m.name),
+        );
+        return Deletion::OthersMarked(going);
+    }
+    // Each fresh mark is one more Machine beyond replicas; marks the count does not remove yet
+    // (ours unpaid, or someone else's on a named Machine) are paid too. What the count as it
+    // stands removes (capacity cancelled, replicas lowered by hand) still goes.
+    // (The surplus a paid MachinePool instance takes is not the marks': it is paid already.)
+    let marked_before =
+        others_marked.len() + named_active.iter().filter(|m| m.mark.is_some()).count();
+    let fresh = named_active.iter().filter(|m| m.mark.is_none()).count();
+    let decrement = fresh + marked_before.saturating_sub(counts.marks_surplus());
     Deletion::Proceed {
         mark: named_active
             .iter()
-            .filter(|m| !m.mark.is_some_and(is_our_mark))
+            .filter(|m| m.mark.is_none())
             .map(|m| m.name)
             .collect(),
         decrement,
@@ -379,15 +494,19 @@ pub fn still_owed(decrement: usize, decided: (i32, &Ledger), now: (i32, &Ledger)
 pub enum Cancellation<'a> {
     /// Marked Machines the replicas do not remove yet: Cluster API deletes them first.
     Marked(Vec<&'a str>),
-    /// Cluster API would remove `removes` Machines beyond the marked ones, and only `pending`
-    /// (unmarked, without a Node) can go without removing a registered node.
+    /// Cluster API would remove `removes` unmarked Machines and only `pending` (unmarked,
+    /// without a Node) can go without removing a registered node.
     Registered { removes: usize, pending: usize },
+    /// Registered Machines Cluster API ranks unhealthy (like those without a Node) and would
+    /// remove, by name, before or instead of the pending ones.
+    Unhealthy(Vec<&'a str>),
 }
 
-/// Whether lowering `replicas` by `by` removes only Machines without a Node and without a mark:
-/// Cluster API removes the marked Machines first, then those without a Node (its "unhealthy"
-/// rank), then the rest, so the Machines beyond the new count must be no more than the marked
-/// ones the current count already removes plus the pending ones.
+/// Whether lowering `replicas` by `by` removes only Machines without a Node and without a mark,
+/// in Cluster API's order: Machines not created yet are cancelled first; then it deletes the
+/// marked Machines, then the unhealthy ones (no Node, or an unhealthy Node or MachineHealthCheck:
+/// one rank, ties broken by name), then the rest. So the Machines beyond the new count must be
+/// the marked ones the current count already removes, then, in that order, only pending ones.
 pub fn cancellation<'a>(
     machines: &[MachineState<'a>],
     replicas: i32,
@@ -403,18 +522,29 @@ pub fn cancellation<'a>(
     if marked.len() > now {
         return Err(Cancellation::Marked(marked));
     }
-    let pending = active
-        .iter()
-        .filter(|m| m.mark.is_none() && !m.registered)
-        .count();
-    // Machines not created yet are cancelled first: only those beyond the new count go.
     let after = surplus(
         active.len(),
         replicas.saturating_sub(i32::try_from(by).unwrap_or(i32::MAX)),
     );
     let removes = after - marked.len();
-    if removes > pending {
+    let mut unhealthy: Vec<&MachineState<'a>> = active
+        .iter()
+        .copied()
+        .filter(|m| m.mark.is_none() && m.ranks_unhealthy())
+        .collect();
+    unhealthy.sort_by_key(|m| m.name);
+    let pending = unhealthy.iter().filter(|m| !m.registered).count();
+    if removes > unhealthy.len() {
         return Err(Cancellation::Registered { removes, pending });
+    }
+    let registered: Vec<&'a str> = unhealthy
+        .iter()
+        .take(removes)
+        .filter(|m| m.registered)
+        .map(|m| m.name)
+        .collect();
+    if !registered.is_empty() {
+        return Err(Cancellation::Unhealthy(registered));
     }
     Ok(())
 }
@@ -496,6 +626,25 @@ mod tests {
             deleting,
             mark,
             registered: true,
+            unhealthy: false,
+            machineless: false,
+        }
+    }
+
+    /// A registered Machine Cluster API ranks unhealthy (NodeHealthy or its MachineHealthCheck
+    /// False).
+    fn sick(name: &'static str) -> MachineState<'static> {
+        MachineState {
+            unhealthy: true,
+            ..m(name, false, None)
+        }
+    }
+
+    /// A MachinePool instance without a Machine.
+    fn instance(id: &'static str) -> MachineState<'static> {
+        MachineState {
+            machineless: true,
+            ..m(id, false, None)
         }
     }
 
@@ -673,7 +822,7 @@ mod tests {
 
     /// Someone else's mark counts like any: Cluster API deletes it first. A removal of another
     /// Machine is refused while replicas do not remove it, and proceeds once they do (or names
-    /// it itself, overwriting the mark with ours and paying for it).
+    /// it itself: the mark stays as its writer left it, and the decrement pays for it).
     #[test]
     fn a_mark_someone_else_wrote_counts_and_refuses_a_removal_it_would_preempt() {
         let none = Ledger::default();
@@ -693,7 +842,8 @@ mod tests {
         );
         assert_eq!(
             deletion(&machines, &named(&["a"]), 3, &none),
-            proceed(&["a"], 1, &["a"])
+            proceed(&[], 1, &["a"]),
+            "named itself: kept, paid"
         );
         let counts = Counts::of(3, &none, machines);
         assert_eq!((counts.foreign, counts.owed()), (1, 0));
@@ -704,6 +854,201 @@ mod tests {
         assert_eq!(
             (counts.foreign, counts.unledgered, counts.owed()),
             (1, 1, 1)
+        );
+    }
+
+    /// A named Machine carrying someone else's mark keeps it (the Machine goes either way; its
+    /// writer's record stays): the decrement pays for that very value, so a retry is done, a raise
+    /// absorbs it like ours, the repair never takes it back, and a new value is a new removal.
+    #[test]
+    fn a_foreign_mark_on_a_named_machine_is_kept_and_paid_once() {
+        let machines = [
+            m("a", false, Some("by hand")),
+            m("b", false, None),
+            m("c", false, None),
+        ];
+        let entry = foreign_entry("a", "by hand", 500);
+        assert_eq!(payment_entry("a", "by hand", 500), entry);
+        assert_eq!(
+            payment_entry("a", &our_mark(7), 500),
+            "a@7",
+            "ours by its time"
+        );
+        let ledger = Ledger::parse(Some(&entry));
+        assert!(ledger.pays("a", Some("by hand")));
+        assert!(!ledger.pays("a", Some("by hand, again")), "another value");
+        assert!(!ledger.pays("b", Some("by hand")), "another Machine");
+        assert_eq!(parse_mark_entry(&entry), None, "not one of our marks");
+        let counts = Counts::of(2, &ledger, machines);
+        assert_eq!(
+            (
+                counts.paid,
+                counts.foreign,
+                counts.owed(),
+                counts.absorbed()
+            ),
+            (1, 0, 0, 0)
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 2, &ledger),
+            proceed(&[], 0, &[]),
+            "a retry is done"
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["c"]), 2, &ledger),
+            proceed(&["c"], 1, &["c"])
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 3, &ledger),
+            Deletion::Absorbed(vec!["a"])
+        );
+        assert!(
+            orphans(
+                &machines,
+                &ledger,
+                &Counts::of(3, &ledger, machines),
+                None,
+                9_999,
+                60
+            )
+            .is_empty(),
+            "someone else's mark is never taken back"
+        );
+        // Kept while the Machine carries that value; once it does not, until it is old.
+        let mark_of = |value: Option<&'static str>| move |_: &str| value.map(str::to_string);
+        let none = BTreeSet::new();
+        let old = 500 + STALE_ENTRY_SECS;
+        assert_eq!(ledger.pruned(&none, mark_of(Some("by hand")), old), ledger);
+        assert_eq!(ledger.pruned(&none, mark_of(None), old - 1), ledger);
+        assert_eq!(
+            ledger.pruned(&none, mark_of(Some("other")), old).render(),
+            None
+        );
+        assert_eq!(ledger.pruned(&none, mark_of(None), old).render(), None);
+    }
+
+    /// A MachinePool's instances without a Machine are members like its Machines: with one beside
+    /// a paid mark, a retry is done (counting the Machines alone, the paid mark would look
+    /// absorbed, or owed again); a paid instance still listed takes one Machine beyond replicas.
+    #[test]
+    fn machinepool_instances_without_a_machine_count_like_machines() {
+        let mark = leak(our_mark(100));
+        let ledger = Ledger::parse(Some("m1@100"));
+        let pool = [
+            m("m1", false, Some(mark)),
+            m("m2", false, None),
+            instance("i-3"),
+            instance("i-4"),
+        ];
+        assert_eq!(
+            deletion(&pool, &named(&["m1"]), 3, &ledger),
+            proceed(&[], 0, &[]),
+            "4 members, replicas 3: m1's paid mark is the one beyond"
+        );
+        let machines_only = [pool[0], pool[1]];
+        assert_eq!(
+            deletion(&machines_only, &named(&["m1"]), 3, &ledger),
+            Deletion::Absorbed(vec!["m1"]),
+            "(what counting the Machines alone would have made of it)"
+        );
+        let pool_paid = Ledger::parse(Some("id:i-3"));
+        let unmarked = [m("m1", false, None), pool[1], pool[2], pool[3]];
+        let counts = Counts::of(3, &pool_paid, unmarked);
+        assert_eq!(
+            (counts.active, counts.pool_paid, counts.surplus()),
+            (4, 1, 1)
+        );
+        assert_eq!(
+            deletion(&unmarked, &named(&["m1"]), 3, &pool_paid),
+            proceed(&["m1"], 1, &["m1"]),
+            "the pool's paid instance still goes, m1 is one more"
+        );
+        let foreign = [
+            m("m1", false, None),
+            m("f", false, Some("yes")),
+            pool[2],
+            pool[3],
+        ];
+        assert_eq!(
+            deletion(&foreign, &named(&["m1"]), 3, &pool_paid),
+            Deletion::OthersMarked(vec!["f", "i-3"]),
+            "the one beyond replicas is i-3's: f's mark is not removed yet"
+        );
+        // A Machine without providerID (but with a Node) is a member like any: the rules see it
+        // as a Machine; the actuator lists it with the group's Machines.
+        let unlisted = [pool[0], pool[1], m("no-id", false, None)];
+        assert_eq!(
+            deletion(&unlisted, &named(&["m1"]), 2, &ledger),
+            proceed(&[], 0, &[])
+        );
+    }
+
+    /// Replicas above the members Cluster API has (Machines not created yet, or to be created
+    /// again once those being deleted are gone): a decrement would cancel one of those and the
+    /// named Machine would stay, so a removal is refused; a retry of a paid one is still done.
+    #[test]
+    fn a_removal_while_machines_are_not_created_yet_is_refused() {
+        let machines = [
+            m("a", false, None),
+            m("b", false, None),
+            m("c", true, Some("yes")),
+        ];
+        let none = Ledger::default();
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 3, &none),
+            Deletion::NotCreated {
+                replicas: 3,
+                members: 2
+            }
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["a"]), 2, &none),
+            proceed(&["a"], 1, &["a"])
+        );
+        assert_eq!(
+            deletion(&machines, &named(&["c"]), 3, &none),
+            proceed(&[], 0, &[]),
+            "a named Machine being deleted is done"
+        );
+        assert_eq!(Counts::of(5, &none, machines).not_created(), 3);
+        // DecreaseTargetSize cancels them first.
+        assert_eq!(cancellation(&machines, 4, 2), Ok(()));
+        assert!(cancellation(&machines, 4, 3).is_err());
+    }
+
+    /// Cluster API ranks a registered Machine with an unhealthy Node (or a failed health check)
+    /// with those that never got one, ties broken by name: a decrease that would reach it before
+    /// the pending one is refused; one that reaches only pending ones goes through.
+    #[test]
+    fn a_decrease_never_reaches_an_unhealthy_registered_machine() {
+        let group = [m("a", false, None), sick("b-sick"), pending("p")];
+        assert_eq!(
+            cancellation(&group, 3, 1),
+            Err(Cancellation::Unhealthy(vec!["b-sick"])),
+            "b-sick sorts before p in the unhealthy rank"
+        );
+        let after = [m("a", false, None), sick("x-sick"), pending("p")];
+        assert_eq!(cancellation(&after, 3, 1), Ok(()), "p sorts first");
+        assert_eq!(
+            cancellation(&after, 3, 2),
+            Err(Cancellation::Unhealthy(vec!["x-sick"]))
+        );
+        assert_eq!(
+            cancellation(&[sick("b-sick"), group[0]], 2, 1),
+            Err(Cancellation::Unhealthy(vec!["b-sick"])),
+            "no pending Machine at all"
+        );
+        let marked = [m("a", false, Some("yes")), sick("b-sick"), pending("p")];
+        assert_eq!(
+            cancellation(&marked, 2, 1),
+            Err(Cancellation::Unhealthy(vec!["b-sick"])),
+            "after the mark the count removes, the unhealthy rank by name"
+        );
+        // DeleteNodes: marks go before the unhealthy rank, so the named one goes exactly.
+        let none = Ledger::default();
+        assert_eq!(
+            deletion(&group, &named(&["a"]), 3, &none),
+            proceed(&["a"], 1, &["a"])
         );
     }
 
@@ -845,8 +1190,8 @@ mod tests {
         ));
         let listed = BTreeSet::from(["id:i-1".to_string()]);
         let mark_of = |name: &str| match name {
-            "kept" => Some(100),
-            "remarked" => Some(900),
+            "kept" => Some(our_mark(100)),
+            "remarked" => Some(our_mark(900)),
             _ => None,
         };
         let now = 100 + STALE_ENTRY_SECS;

@@ -832,6 +832,8 @@ fn same_machine_layout(a: &Machine, b: &Machine) -> bool {
         owners,
         phase,
         failure,
+        // Read by the removal rules from the index, never by the snapshot.
+        conditions_unhealthy: _,
     } = a;
     *key == b.key
         && *uid == b.uid
@@ -1580,7 +1582,7 @@ impl<'a> Builder<'a> {
             list.dedup_by(|a, b| a.id == b.id);
             let unlisted = found.unlisted.get(id).map_or(0, Vec::len);
             let held = held_instances(group, &list, unlisted);
-            self.mark_leaving(&mut list, group.target);
+            self.mark_leaving(&mut list, unlisted, group.target);
             list.extend(held);
             let pool: BTreeSet<&str> = group
                 .resource
@@ -1880,8 +1882,15 @@ impl<'a> Builder<'a> {
                     .filter(|i| i.state == InstanceState::Running)
                     .count() as i32
             };
-            let unlisted = old.registered - running(&old.instances);
-            let held = held_instances(&group, &list, old.unlisted.len());
+            // Machines with a Node but no providerID stay with the group (the removal counts and
+            // the repair read them); one that has an id now is an instance: built from scratch.
+            for key in &old.unlisted {
+                if self.instance_of(index.machine(key)?).is_some() {
+                    return None;
+                }
+            }
+            group.unlisted = old.unlisted.clone();
+            let held = held_instances(&group, &list, group.unlisted.len());
             if held
                 .iter()
                 .map(|i| i.id.as_str())
@@ -1889,9 +1898,9 @@ impl<'a> Builder<'a> {
             {
                 return None;
             }
-            self.mark_leaving(&mut list, group.target);
+            self.mark_leaving(&mut list, group.unlisted.len(), group.target);
             list.extend(held);
-            group.registered = running(&list) + unlisted;
+            group.registered = running(&list) + group.unlisted.len() as i32;
             group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
             group.instances = list;
             // Nodes did not change: the labels copied from the group's Node neither.
@@ -1956,12 +1965,16 @@ impl<'a> Builder<'a> {
     /// stops counting them: an unregistered one is otherwise "removed" again every loop and its
     /// group scaled up again for the capacity CA believes it lost. A mark replicas still cover (a
     /// decrement not yet written) leaves the instance as it was, so CA's retry can complete it.
-    fn mark_leaving(&self, list: &mut [Instance], target: i32) {
+    /// Every member counts toward the Machines beyond replicas, as in the removal rules: a
+    /// MachinePool's instances without a Machine, and the `unlisted` Machines (a Node, no
+    /// providerID).
+    fn mark_leaving(&self, list: &mut [Instance], unlisted: usize, target: i32) {
         let delete_key = &self.settings.keys.delete_machine;
         let active = list
             .iter()
-            .filter(|i| i.machine.is_some() && i.state != InstanceState::Deleting)
-            .count();
+            .filter(|i| i.state != InstanceState::Deleting)
+            .count()
+            + unlisted;
         let mut surplus = crate::removal::surplus(active, target);
         for instance in list.iter_mut() {
             if surplus == 0 {

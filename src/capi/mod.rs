@@ -237,6 +237,9 @@ pub struct Machine {
     pub owners: Vec<OwnerRef>,
     pub phase: Option<String>,
     pub failure: Option<MachineFailure>,
+    /// Its `NodeHealthy` or `HealthCheckSucceeded` (MachineHealthCheck) condition is `False`: with
+    /// no nodeRef, what makes Cluster API's MachineSet delete it right after the marked Machines.
+    pub conditions_unhealthy: bool,
 }
 
 /// The node description an infrastructure machine template publishes for scale from zero.

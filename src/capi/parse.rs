@@ -197,6 +197,26 @@ fn preflight_hold(obj: &Value) -> Result<Option<crate::preflight::PreflightHold>
     Ok(crate::preflight::hold_of(&conditions))
 }
 
+/// Whether the condition `type` is `False` (v1beta2 conditions of either serving, as
+/// [`condition_is_true`]; v1beta1 `status.conditions` use the same type names for these).
+fn condition_is_false(obj: &Value, type_: &str) -> Result<bool, ParseError> {
+    for path in [
+        &["status", "conditions"][..],
+        &["status", "v1beta2", "conditions"][..],
+    ] {
+        let Some(conditions) = opt_array(obj, path)? else {
+            continue;
+        };
+        if conditions.iter().filter_map(Value::as_object).any(|c| {
+            c.get("type").and_then(Value::as_str) == Some(type_)
+                && c.get("status").and_then(Value::as_str) == Some("False")
+        }) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// `spec.template.spec.infrastructureRef`: `None` when absent; `Some(Err)` when present but unusable.
 /// The outer `Err` is reserved for a `spec`/`spec.template`/`spec.template.spec` that is not an object.
 fn infra_ref(obj: &Value) -> Result<Option<Result<InfraRef, ParseError>>, ParseError> {
@@ -334,6 +354,10 @@ impl Machine {
         let failure_domain = non_empty(opt_str(obj, &["spec", "failureDomain"])?);
         let phase = non_empty(opt_str(obj, &["status", "phase"])?);
         let failure = machine_failure(obj, meta.deleting, phase.as_deref())?;
+        // What Cluster API's MachineSet deletion order reads besides the nodeRef
+        // (`isMachineHealthy`, machineset_deletion_order.go).
+        let conditions_unhealthy = condition_is_false(obj, "NodeHealthy")?
+            || condition_is_false(obj, "HealthCheckSucceeded")?;
         // Machines are the many objects: keep only the keys decisions read (all under the group), so
         // e.g. a kubectl last-applied-configuration annotation is not cached ten thousand times.
         let prefix = format!("{}/", keys.group);
@@ -355,6 +379,7 @@ impl Machine {
             owners: meta.owners,
             phase,
             failure,
+            conditions_unhealthy,
         })
     }
 }

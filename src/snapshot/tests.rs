@@ -70,6 +70,7 @@ fn machine(
         }],
         phase: None,
         failure: None,
+        conditions_unhealthy: false,
     }
 }
 
@@ -1402,10 +1403,62 @@ fn marks_the_provider_did_not_write_are_listed_and_unlisted_machines_kept() {
     );
     add_machine(&mut index, marked("going", "yes", true));
     add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));
-    let s = index.snapshot(&settings());
+    let s = index.snapshot_reusing(&settings(), &Snapshot::default());
     let group = s.group("MachineSet/ns/ms").expect("served");
     assert_eq!(group.foreign_marks, ["by-hand"]);
     assert_eq!(group.unlisted, [ObjectKey::new("ns", "no-id")]);
+
+    // A rebuild after a local change (replicas) keeps it, and its mark counts.
+    let mut r = ScalableResource::clone(
+        index
+            .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "ms"))
+            .expect("added"),
+    );
+    r.replicas = Some(3);
+    r.resource_version = "2".into();
+    add(&mut index, r);
+    let mut no_id = Machine::clone(
+        index
+            .machine(&ObjectKey::new("ns", "no-id"))
+            .expect("added"),
+    );
+    no_id.annotations.insert(delete_key.clone(), "yes".into());
+    add_machine(&mut index, no_id.clone());
+    let next = index.snapshot_reusing(&settings(), &s);
+    assert!(Arc::ptr_eq(&next.lookup, &s.lookup), "patched, not rebuilt");
+    let group = next.group("MachineSet/ns/ms").expect("served");
+    assert_eq!(group.unlisted, [ObjectKey::new("ns", "no-id")]);
+    assert_eq!(group.foreign_marks, ["by-hand", "no-id"]);
+    assert_eq!(group.registered, 3, "ours, by-hand, no-id");
+    // Replicas 2 under three members: one marked Machine is beyond them (the unlisted one counts).
+    let mut r = ScalableResource::clone(
+        index
+            .resource(ScalableKind::MachineSet, &ObjectKey::new("ns", "ms"))
+            .expect("added"),
+    );
+    r.replicas = Some(2);
+    r.resource_version = "3".into();
+    add(&mut index, r);
+    let lowered = index.snapshot_reusing(&settings(), &next);
+    let leaving: Vec<&str> = lowered
+        .group("MachineSet/ns/ms")
+        .expect("served")
+        .instances
+        .iter()
+        .filter(|i| i.state == InstanceState::Deleting)
+        .map(|i| i.id.as_str())
+        .collect();
+    assert!(
+        leaving.contains(&"p:///by-hand") && leaving.len() == 2,
+        "{leaving:?}"
+    );
+    // Given a providerID, it is an instance: built from scratch.
+    no_id.provider_id = Some("p:///no-id".into());
+    add_machine(&mut index, no_id);
+    let last = index.snapshot_reusing(&settings(), &lowered);
+    let group = last.group("MachineSet/ns/ms").expect("served");
+    assert!(group.unlisted.is_empty());
+    assert!(group.instances.iter().any(|i| i.id == "p:///no-id"));
 }
 
 /// Group `zero` (at zero, failure domain "1", capacity from annotations) beside MachineSet `busy`, whose

@@ -67,7 +67,8 @@ fn watch_machines(
 /// 1 s, marks taken back after a 3 s grace). Whatever CAPI makes of each pair (the marked Machine
 /// deleted and replaced, or its mark absorbed by the raise and taken back), no Machine is ever
 /// deleted without its mark, only the Machines named to DeleteNodes ever go, and each round
-/// settles at 3 Machines with Nodes and no mark.
+/// settles at 3 Machines with Nodes and no mark. (A DeleteNodes right after the raise is refused
+/// until CAPI has created the raise's Machine, and asked again, as CA would.)
 #[tokio::test]
 async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_machine() {
     const ROUNDS: usize = 6;
@@ -122,6 +123,7 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
 
     let mut victims = BTreeSet::new();
     let mut outcomes = Vec::new();
+    let mut refused_before_created = 0;
     for round in 0..ROUNDS {
         let delete_first = round % 2 == 0;
         let current = poll_until(
@@ -171,7 +173,22 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
             )
         } else {
             let raised = rpc.increase(&id, 1).await;
-            (rpc.delete_nodes(&id, vec![node]).await, raised)
+            // Right after the raise CAPI may not have created the Machine for it yet: DeleteNodes
+            // is then refused (a decrement would cancel that Machine and the victim would stay),
+            // and asked again, as CA does on its next loop, until the Machine exists.
+            let mut deleted = rpc.delete_nodes(&id, vec![node.clone()]).await;
+            while let Err(e) = &deleted {
+                let not_created = e.code() == tonic::Code::FailedPrecondition
+                    && e.message()
+                        .contains("Cluster API creates Machines for them first");
+                if !not_created || t.elapsed() > MACHINES {
+                    break;
+                }
+                refused_before_created += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                deleted = rpc.delete_nodes(&id, vec![node.clone()]).await;
+            }
+            (deleted, raised)
         };
         if let Err(e) = first.and(second) {
             fail(format!("round {round}: {e}"));
@@ -239,7 +256,8 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-absorbed-mark-race passed in {:.1}s: {ROUNDS} rounds, none cost an \
-         unmarked Machine ({} deleted, all marked): {outcomes:?}",
+         unmarked Machine ({} deleted, all marked): {outcomes:?}; DeleteNodes refused \
+         {refused_before_created} times before the raise's Machine existed",
         started.elapsed().as_secs_f64(),
         seen.deleting.len(),
     ));

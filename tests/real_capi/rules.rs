@@ -57,6 +57,24 @@ impl Deleted {
     }
 }
 
+/// The values a Machine's delete mark took (`None`: unmarked), until dropped.
+struct MarkValues {
+    seen: Arc<Mutex<BTreeSet<Option<String>>>>,
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for MarkValues {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl MarkValues {
+    fn values(&self) -> BTreeSet<Option<String>> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 impl Scenario {
     async fn new() -> Scenario {
         let manager = capi_manager();
@@ -135,6 +153,43 @@ impl Scenario {
         })
         .abort_handle();
         Deleted { seen, task }
+    }
+
+    /// Every value of Machine `name`'s delete mark seen (polled every 100 ms), until dropped.
+    fn watch_mark(&self, name: &str) -> MarkValues {
+        let seen = Arc::new(Mutex::new(BTreeSet::new()));
+        let record = seen.clone();
+        let machines = api(&self.client, &self.ns, "v1beta2", "Machine");
+        let name = name.to_string();
+        let task = tokio::spawn(async move {
+            loop {
+                if let Ok(Some(m)) = machines.get_opt(&name).await {
+                    let value = m
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(DELETE_MACHINE))
+                        .cloned();
+                    record
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(value);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .abort_handle();
+        MarkValues { seen, task }
+    }
+
+    /// The group object's annotation `key` (kind `kind`), empty when absent.
+    async fn annotation(&self, kind: &str, name: &str, key: &str) -> String {
+        api(&self.client, &self.ns, "v1beta2", kind)
+            .get(name)
+            .await
+            .ok()
+            .and_then(|o| o.metadata.annotations.and_then(|a| a.get(key).cloned()))
+            .unwrap_or_default()
     }
 
     async fn provider(&self) -> ProviderProcess {
@@ -216,15 +271,36 @@ async fn answered(provider: &ProviderProcess, method: &str, code: &str) -> u64 {
     ) as u64
 }
 
-/// CA's log lines about the provider's refusals, for the record (not asserted on).
+/// CA's log lines about the provider's refusals and what it did next (the failed scale-down, its
+/// taint taken off, the next attempt), for the record (not asserted on).
 fn refusals_in(ca: &AutoscalerProcess) -> String {
-    ca.log_contents()
-        .lines()
-        .filter(|l| l.contains("FailedPrecondition") || l.contains("failed to delete"))
-        .take(3)
-        .map(|l| l.chars().take(400).collect::<String>())
-        .collect::<Vec<_>>()
-        .join(" | ")
+    let log = ca.log_contents();
+    let mut lines: Vec<String> = Vec::new();
+    for pattern in [
+        "FailedPrecondition",
+        "failed to delete",
+        "ToBeDeleted",
+        "Scale-down: removing",
+        "couldn't delete",
+        "DecreaseTargetSize",
+        "Failed to fix",
+    ] {
+        let matching: Vec<&str> = log.lines().filter(|l| l.contains(pattern)).collect();
+        if matching.is_empty() {
+            continue;
+        }
+        let shown: Vec<String> = matching
+            .iter()
+            .take(2)
+            .map(|l| l.chars().take(300).collect::<String>())
+            .collect();
+        lines.push(format!(
+            "[{pattern}: {} lines] {}",
+            matching.len(),
+            shown.join(" / ")
+        ));
+    }
+    lines.join(" | ")
 }
 
 /// Waits until the provider has answered `method` with FAILED_PRECONDITION `at_least` times.
@@ -706,6 +782,439 @@ async fn max_lowered_below_replicas_lets_cluster_autoscaler_bring_the_group_back
     procs::announce(&format!(
         "e2e: scenario rules-above-max passed in {:.1}s: CAPI deleted {:?} in {:.1}s, {busy} kept",
         s.started.elapsed().as_secs_f64(),
+        deleted.names(),
+        t.elapsed().as_secs_f64()
+    ));
+}
+
+/// Someone else's mark on the very Machine CA removes: three Nodes, a person marked the empty `a`
+/// ("marked by hand"), `b` and `c` busy. CA's DeleteNodes of `a` keeps the mark as the person
+/// wrote it (never overwritten with ours), lowers replicas 3 -> 2 once and records the payment of
+/// that mark in the group's ledger; CAPI deletes exactly `a`; nothing is left marked, and no
+/// repair takes anything back.
+#[tokio::test]
+async fn a_foreign_mark_on_the_machine_cluster_autoscaler_removes_is_kept_and_paid_once() {
+    let s = Scenario::new().await;
+    s.group("fk", ("1", "5", 3), |_| {}).await;
+    let names = s.machines("fk", 3).await;
+    let (a, b, c) = (names[0].clone(), names[1].clone(), names[2].clone());
+    for (pod, node) in [("busy-b", &b), ("busy-c", &c)] {
+        workload::create_bound_pod(&s.client, &s.ns, &PodSpec::new(pod, "1500m", "1Gi"), node)
+            .await;
+    }
+    s.mark_by_hand(&a).await;
+    let marks = s.watch_mark(&a);
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+        .start(s.manager.cp)
+        .await;
+    let t = Instant::now();
+    let ledger = s
+        .until(
+            "CA removed a: replicas 2, the ledger pays a's mark, CAPI deleted exactly a",
+            Duration::from_secs(60),
+            &provider,
+            Some(&ca),
+            || async {
+                let gone = deleted.names();
+                if gone.contains(&b) || gone.contains(&c) {
+                    return Check::Fatal(format!("a busy Machine deleted: {gone:?}"));
+                }
+                let ledger = s
+                    .annotation(
+                        "MachineDeployment",
+                        "fk",
+                        "capi-autoscaler-provider/removed",
+                    )
+                    .await;
+                match s.replicas("fk").await {
+                    Ok(2) if gone == BTreeSet::from([a.clone()]) => Check::Done(ledger),
+                    r => Check::Wait(format!(
+                        "replicas {r:?}, deleted {gone:?}, ledger {ledger:?}"
+                    )),
+                }
+            },
+        )
+        .await;
+    assert!(
+        ledger.starts_with(&format!("{a}@")) && ledger.contains('#'),
+        "the decrement paid for a's foreign mark: {ledger:?}"
+    );
+    assert_eq!(
+        marks.values(),
+        BTreeSet::from([Some("marked by hand".to_string())]),
+        "a's mark stayed as the person wrote it"
+    );
+    // CA goes on looping; nothing more is written or deleted.
+    ca.wait_loops(3, Duration::from_secs(40)).await;
+    assert_eq!(s.replicas("fk").await, Ok(2), "paid once");
+    assert_eq!(deleted.names(), BTreeSet::from([a.clone()]));
+    let left = support::real_capi::machines_of(&s.client, &s.ns, "fk")
+        .await
+        .unwrap_or_default();
+    assert!(
+        left.iter().all(|(_, marked)| !marked),
+        "nothing left marked: {left:?}"
+    );
+    if let Err(e) = ca.check_alive() {
+        s.fail(e, &provider, Some(&ca));
+    }
+    procs::announce(&format!(
+        "e2e: scenario rules-foreign-mark-named passed in {:.1}s: DeleteNodes({a}) with a's mark \
+         by hand kept; ledger {ledger:?}; CAPI deleted {:?} in {:.1}s; mark values seen {:?}",
+        s.started.elapsed().as_secs_f64(),
+        deleted.names(),
+        t.elapsed().as_secs_f64(),
+        marks.values()
+    ));
+}
+
+/// A MachinePool whose instances have no Machine (the stand-in cloud's pool): three instances, two
+/// busy; the pool's cloud holds its instances for a while. CA removes the empty one: replicas
+/// 3 -> 2 with its entry in the ledger, and while the instance is still listed, a DeleteNodes of it
+/// sent again (as CA retries) writes nothing: replicas stay 2. Released, the cloud drops that
+/// instance (the newest) and CAPI deletes its Node.
+#[tokio::test]
+async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
+    let s = Scenario::new().await;
+    let pool = format!("{}-pool", s.ns);
+    let pools: kube::Api<kube::api::DynamicObject> = kube::Api::namespaced_with(
+        s.client.clone(),
+        &s.ns,
+        &standin::resource(standin::MACHINE_POOL_KIND),
+    );
+    let infra =
+        kube::api::DynamicObject::new(&pool, &standin::resource(standin::MACHINE_POOL_KIND))
+            .data(json!({"spec": {}}));
+    pools
+        .create(&kube::api::PostParams::default(), &infra)
+        .await
+        .unwrap_or_else(|e| panic!("create {} {pool}: {e}", standin::MACHINE_POOL_KIND));
+    let mut mp = machine_deployment("mp", "workload", "unused", "1", "5");
+    mp["kind"] = json!("MachinePool");
+    mp["metadata"]["annotations"][format!("{CAPACITY}/labels")] =
+        json!(scenario_labels(&s.ns, &[]));
+    for (k, v) in SIZE {
+        let key = if k == "pods" { "maxPods" } else { k };
+        mp["metadata"]["annotations"][format!("{CAPACITY}/{key}")] = json!(v);
+    }
+    mp["spec"] = json!({
+        "clusterName": "workload",
+        "replicas": 3,
+        "template": {"spec": {
+            "clusterName": "workload",
+            "version": standin::KUBERNETES_VERSION,
+            "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
+            "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, &pool),
+        }},
+    });
+    create(&api(&s.client, &s.ns, "v1beta2", "MachinePool"), &mp)
+        .await
+        .unwrap_or_else(|e| panic!("create MachinePool {}/mp: {e}", s.ns));
+    let instance = |n: u32| format!("{pool}-{n}");
+    let listed = || async {
+        api(&s.client, &s.ns, "v1beta2", "MachinePool")
+            .get("mp")
+            .await
+            .map(|mp| {
+                mp.data["spec"]["providerIDList"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| {
+                        v.as_str()
+                            .map(|id| id.rsplit('/').next().unwrap_or(id).to_string())
+                    })
+                    .collect::<BTreeSet<String>>()
+            })
+            .unwrap_or_default()
+    };
+    let all: BTreeSet<String> = (1..=3).map(instance).collect();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(s.client.clone());
+    poll_until(
+        "CAPI lists the pool's 3 instances, each with its Node",
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            let ids = listed().await;
+            for n in &all {
+                if !matches!(nodes.get_opt(n).await, Ok(Some(_))) {
+                    return Check::Wait(format!("no Node {n} yet; listed {ids:?}"));
+                }
+            }
+            if ids == all {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("listed {ids:?}"))
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (pod, n) in [("busy-1", 1), ("busy-2", 2)] {
+        workload::create_bound_pod(
+            &s.client,
+            &s.ns,
+            &PodSpec::new(pod, "1500m", "1Gi"),
+            &instance(n),
+        )
+        .await;
+    }
+    let empty = instance(3);
+    s.standin.hold(&pool);
+    let provider = s.provider().await;
+    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+        .start(s.manager.cp)
+        .await;
+    let t = Instant::now();
+    let pool_replicas = || async {
+        api(&s.client, &s.ns, "v1beta2", "MachinePool")
+            .get("mp")
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|mp| {
+                mp.data["spec"]["replicas"]
+                    .as_i64()
+                    .ok_or("no replicas".into())
+            })
+    };
+    let entry = format!("id:{}", empty);
+    s.until(
+        "CA removed the empty instance: replicas 2, its entry in the ledger",
+        Duration::from_secs(60),
+        &provider,
+        Some(&ca),
+        || async {
+            let ledger = s
+                .annotation("MachinePool", "mp", "capi-autoscaler-provider/removed")
+                .await;
+            match pool_replicas().await {
+                Ok(2) if ledger.split(',').any(|e| e.ends_with(&empty)) => Check::Done(()),
+                Ok(n) if n < 2 => Check::Fatal(format!("replicas {n}: paid twice")),
+                r => Check::Wait(format!("replicas {r:?}, ledger {ledger:?}")),
+            }
+        },
+    )
+    .await;
+    let ledger = s
+        .annotation("MachinePool", "mp", "capi-autoscaler-provider/removed")
+        .await;
+    assert!(listed().await.contains(&empty), "held: still listed");
+    // The retry, while the instance is still listed.
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let node = grpc_node(&standin::provider_id(&s.ns, &empty), &empty);
+    if let Err(e) = rpc.delete_nodes(&id, vec![node]).await {
+        s.fail(
+            format!("DeleteNodes({empty}) again: {e}"),
+            &provider,
+            Some(&ca),
+        );
+    }
+    ca.wait_loops(3, Duration::from_secs(40)).await;
+    assert_eq!(pool_replicas().await, Ok(2), "a retry pays nothing twice");
+    s.standin.release(&pool);
+    let t_release = Instant::now();
+    s.until(
+        "the cloud dropped the instance and CAPI deleted its Node; replicas 2",
+        Duration::from_secs(60),
+        &provider,
+        Some(&ca),
+        || async {
+            let ids = listed().await;
+            let node = nodes.get_opt(&empty).await;
+            match (pool_replicas().await, node) {
+                (Ok(2), Ok(None)) if !ids.contains(&empty) && ids.len() == 2 => Check::Done(()),
+                (r, n) => Check::Wait(format!(
+                    "replicas {r:?}, listed {ids:?}, Node {empty} there: {:?}",
+                    n.map(|n| n.is_some())
+                )),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = ca.check_alive() {
+        s.fail(e, &provider, Some(&ca));
+    }
+    procs::announce(&format!(
+        "e2e: scenario rules-pool-instance passed in {:.1}s: CA's DeleteNodes({empty}) -> replicas \
+         2 in {:.1}s, ledger {ledger:?} ({entry}); a DeleteNodes sent again while listed wrote \
+         nothing; released -> instance dropped, Node deleted in {:.1}s",
+        s.started.elapsed().as_secs_f64(),
+        t.elapsed().as_secs_f64(),
+        t_release.elapsed().as_secs_f64()
+    ));
+}
+
+/// Cluster API ranks a registered Machine whose Node is unhealthy with the ones that never got a
+/// Node, ties broken by name. Two registered Machines and a third held by the cloud (pending); the
+/// first registered one by name gets a NotReady Node, and CAPI sets its `NodeHealthy` condition
+/// False. DecreaseTargetSize(-1): if that Machine sorts before the pending one, it is refused,
+/// naming it, and nothing is written; replicas then lowered by hand show what the refusal spared:
+/// CAPI deletes the unhealthy registered Machine, not the pending one. If the pending one sorts
+/// first, the decrease goes through and CAPI deletes the pending one only. (Machine names are
+/// random: which branch runs is printed.)
+#[tokio::test]
+async fn decrease_target_size_follows_the_unhealthy_rank_cluster_api_deletes_by() {
+    let s = Scenario::new().await;
+    s.group("sick", ("1", "5", 2), |_| {}).await;
+    let names = s.machines("sick", 2).await;
+    s.standin.hold("small");
+    s.patch(
+        "MachineDeployment",
+        "sick",
+        json!({"spec": {"replicas": 3}}),
+    )
+    .await;
+    let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
+    let selector = ListParams::default().labels(&format!("{DEPLOYMENT_NAME}=sick"));
+    let pending = poll_until(
+        "the third Machine, held by the cloud",
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            match machine_api.list(&selector).await {
+                Ok(l) => match l.items.iter().map(name_of).find(|n| !names.contains(n)) {
+                    Some(n) => Check::Done(n),
+                    None => Check::Wait("2 Machines".into()),
+                },
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let sick = names[0].clone();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(s.client.clone());
+    let condition = |type_: &str, status: &str| {
+        json!({"type": type_, "status": status, "reason": "StandIn", "message": "set by the test",
+               "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"})
+    };
+    nodes
+        .patch_status(
+            &sick,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"conditions": [
+                condition("Ready", "False"),
+                condition("MemoryPressure", "False"),
+                condition("DiskPressure", "False"),
+                condition("PIDPressure", "False"),
+            ]}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("make Node {sick} NotReady: {e}"));
+    poll_until(
+        "CAPI sets the Machine's NodeHealthy False",
+        MACHINES,
+        Duration::from_millis(200),
+        || async {
+            match machine_api.get(&sick).await {
+                Ok(m) => {
+                    let conditions = m.data["status"]["conditions"].as_array().cloned();
+                    let healthy = conditions
+                        .iter()
+                        .flatten()
+                        .find(|c| c["type"] == "NodeHealthy");
+                    match healthy {
+                        Some(c) if c["status"] == "False" => Check::Done(()),
+                        other => Check::Wait(format!("NodeHealthy {other:?}")),
+                    }
+                }
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let mut rpc = Rpc::connect(&provider).await;
+    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    // The provider decides from the Machines it lists: wait until it serves all three.
+    s.until(
+        "the provider serves the group's 3 instances",
+        Duration::from_secs(30),
+        &provider,
+        None,
+        || {
+            let mut rpc = rpc.clone();
+            let id = id.clone();
+            async move {
+                match rpc.nodes(&id).await {
+                    Ok(n) if n.len() == 3 => Check::Done(()),
+                    other => Check::Wait(format!("{:?}", other.map(|n| n.len()))),
+                }
+            }
+        },
+    )
+    .await;
+    let decrease = rpc.decrease(&id, -1).await;
+    let sick_first = sick < pending;
+    let t = Instant::now();
+    let want: BTreeSet<String> = if sick_first {
+        match &decrease {
+            Err(e)
+                if e.code() == tonic::Code::FailedPrecondition
+                    && e.message().contains(&sick)
+                    && e.message().contains("unhealthy") => {}
+            other => s.fail(
+                format!("DecreaseTargetSize with {sick} (unhealthy) before {pending}: {other:?}"),
+                &provider,
+                None,
+            ),
+        }
+        assert_eq!(s.replicas("sick").await, Ok(3), "nothing written");
+        // What the refusal spared: the same count written by hand.
+        s.patch(
+            "MachineDeployment",
+            "sick",
+            json!({"spec": {"replicas": 2}}),
+        )
+        .await;
+        BTreeSet::from([sick.clone()])
+    } else {
+        if let Err(e) = &decrease {
+            s.fail(
+                format!("DecreaseTargetSize with {pending} before {sick} (unhealthy): {e}"),
+                &provider,
+                None,
+            );
+        }
+        BTreeSet::from([pending.clone()])
+    };
+    s.until(
+        "CAPI deleted the Machine its unhealthy rank puts first",
+        Duration::from_secs(60),
+        &provider,
+        None,
+        || async {
+            let gone = deleted.names();
+            if gone.len() > 1 {
+                return Check::Fatal(format!("more than one Machine deleted: {gone:?}"));
+            }
+            match s.replicas("sick").await {
+                Ok(2) if gone == want => Check::Done(()),
+                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
+            }
+        },
+    )
+    .await;
+    procs::announce(&format!(
+        "e2e: scenario rules-unhealthy-rank passed in {:.1}s: unhealthy {sick}, pending {pending}, \
+         {}; CAPI deleted {:?} in {:.1}s",
+        s.started.elapsed().as_secs_f64(),
+        if sick_first {
+            format!(
+                "DecreaseTargetSize refused ({}); replicas lowered by hand",
+                decrease
+                    .err()
+                    .map(|e| e.message().to_string())
+                    .unwrap_or_default()
+            )
+        } else {
+            "DecreaseTargetSize accepted".to_string()
+        },
         deleted.names(),
         t.elapsed().as_secs_f64()
     ));

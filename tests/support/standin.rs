@@ -352,7 +352,8 @@ impl StandIn {
     }
 
     /// Machines cloned from template `name` stay unprovisioned (no providerID, no Node) until
-    /// [`StandIn::release`]: a cloud that is slow to deliver.
+    /// [`StandIn::release`]: a cloud that is slow to deliver. A machine pool of that name keeps
+    /// its instances as they are (none added, none dropped) until then.
     pub fn hold(&self, template: &str) {
         lock(&self.state).held.insert(template.to_string());
     }
@@ -499,7 +500,8 @@ impl Worker {
                 let reference = &mp.data["spec"]["template"]["spec"]["infrastructureRef"];
                 reference["kind"] == MACHINE_POOL_KIND && reference["name"] == name.as_str()
             });
-            if pool.metadata.deletion_timestamp.is_some() {
+            if pool.metadata.deletion_timestamp.is_some() || lock(&self.state).held.contains(&name)
+            {
                 continue;
             }
             let Some((owner, want)) =
