@@ -17,7 +17,7 @@ use serde_json::json;
 use support::controller_manager::capi_with_controller_manager;
 use support::procs::{self, Check, poll_until};
 use support::real_capi_scenario::RealCapiScenario;
-use support::workload::SCENARIO_LABEL;
+use support::workload::{self, SCENARIO_LABEL};
 
 /// A pod of Deployment `app` as last seen: name, Node, Ready.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -213,6 +213,11 @@ async fn cluster_autoscaler_drains_a_node_within_its_pod_disruption_budget() {
         pods == vec![first.clone()],
         &format!("app's pod not evicted while the budget allows no disruption: {pods:?}"),
     );
+    let reasons = workload::pod_event_reasons(&s.client, &ns, &first.name).await;
+    s.check(
+        !reasons.iter().any(|r| r == "ScaleDown"),
+        &format!("CA did not try to evict app's pod: its Events {reasons:?}"),
+    );
 
     let t_down = Instant::now();
     budgets
@@ -232,6 +237,23 @@ async fn cluster_autoscaler_drains_a_node_within_its_pod_disruption_budget() {
         again.name != first.name,
         &format!("the ReplicaSet made a new pod: {again:?}, the evicted one {first:?}"),
     );
+    // CA's eviction (not only CAPI's drain): CA records ScaleDown on each pod it evicts.
+    let (client, evicted) = (&s.client, &first.name);
+    poll_until(
+        &format!("CA's ScaleDown Event on {evicted}"),
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let reasons = workload::pod_event_reasons(client, &ns, evicted).await;
+            if reasons.iter().any(|r| r == "ScaleDown") {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("Events {reasons:?}"))
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| s.fail(&e));
     let finished = format!("pod {ns}/{} finished", first.name);
     s.check(
         s.standin.actions().iter().any(|(_, a)| *a == finished),
