@@ -32,7 +32,9 @@
 //! `status.initialization.provisioned: true` and a Ready Node of the same name and providerID (the
 //! conditions CAPI reads: Ready True; Memory-, Disk- and PIDPressure False; the label
 //! `e2e-scenario=<ns>` that only this namespace's workload pods select); pods on its Nodes that
-//! are being deleted (evicted by a drain) are finished, as a kubelet would. A Node is made once per
+//! are being deleted (evicted by a drain) are finished, as a kubelet would; the other pods bound there
+//! stay as they are (no phase, no conditions) unless [`StandIn::run_pods`] asked for them to be
+//! reported Running and Ready (what a disruption controller counts healthy). A Node is made once per
 //! machine: one CAPI deleted is never made again. A Node whose instance is gone is deleted, as a
 //! cloud's node lifecycle controller does (CAPI deletes a Node only through a Machine's node ref).
 
