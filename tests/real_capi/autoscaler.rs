@@ -689,8 +689,9 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
         Some(kept.as_str()),
         "the pod of the kept Node stays"
     );
-    // The ReplicaSet's replacement (no controller-manager runs: the test makes it) runs on the
-    // kept Node, placed there by the real scheduler.
+    // The ReplicaSet's replacement (no controller-manager runs on the shared control plane: the
+    // test makes it) runs on the kept Node, placed there by the real scheduler. drain.rs has the
+    // real ReplicaSet controller recreate it, within a PodDisruptionBudget.
     graceful_pod(&client, &ns, "move-again", "500m", None).await;
     let placed = workload::wait_bound(&client, &ns, "move-again", Duration::from_secs(30)).await;
     assert_eq!(placed, kept, "the replacement runs on the kept Node");

@@ -10,6 +10,7 @@
 pub mod support;
 
 mod autoscaler;
+mod drain;
 mod foundation;
 mod grace;
 mod marks;

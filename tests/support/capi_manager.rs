@@ -85,7 +85,8 @@ static MANAGER: OnceLock<Result<CapiManager, String>> = OnceLock::new();
 /// The real CAPI manager of this test binary (and its control plane), started on first use. Blocks
 /// while starting; other tests wait for the same start.
 pub fn capi_manager() -> &'static CapiManager {
-    let started = MANAGER.get_or_init(|| start_on_thread(control_plane(Setup::real_capi()), None));
+    let started =
+        MANAGER.get_or_init(|| start_on_thread(control_plane(Setup::real_capi()), None, None));
     started_or_panic(started)
 }
 
@@ -122,7 +123,7 @@ pub fn capi_manager_of(pin: Option<&str>) -> &'static CapiManager {
         Some((_, started)) => *started,
         None => {
             let cp = named_control_plane(&format!("capi-{pin}"), Setup::real_capi());
-            let started: Started = Box::leak(Box::new(start_on_thread(cp, Some(pin))));
+            let started: Started = Box::leak(Box::new(start_on_thread(cp, Some(pin), None)));
             others.push((pin.to_string(), started));
             started
         }
@@ -131,10 +132,38 @@ pub fn capi_manager_of(pin: Option<&str>) -> &'static CapiManager {
     started_or_panic(started)
 }
 
+/// A real CAPI manager of the default release on a control plane of its own named `name`
+/// (`named_control_plane(name)`, files in the work directory's `capi-manager-<name>`), started on
+/// first use: for scenarios that run what must not reach the shared control plane's other
+/// scenarios (a kube-controller-manager, tests/support/controller_manager.rs).
+pub fn capi_manager_apart(name: &str) -> &'static CapiManager {
+    type Started = &'static Result<CapiManager, String>;
+    static APART: Mutex<Vec<(String, Started)>> = Mutex::new(Vec::new());
+    // Held while starting: a second caller for the same name waits for the same start.
+    let mut apart = APART.lock().unwrap_or_else(|e| e.into_inner());
+    let started = match apart.iter().find(|(n, _)| n == name) {
+        Some((_, started)) => *started,
+        None => {
+            let cp = named_control_plane(name, Setup::real_capi());
+            let started: Started = Box::leak(Box::new(start_on_thread(cp, None, Some(name))));
+            apart.push((name.to_string(), started));
+            started
+        }
+    };
+    drop(apart);
+    started_or_panic(started)
+}
+
 /// Starts the manager of `pin` on a thread of its own with its own runtime (the caller may be inside
-/// a runtime, and nothing runtime-bound may outlive the start).
-fn start_on_thread(cp: &'static ControlPlane, pin: Option<&str>) -> Result<CapiManager, String> {
+/// a runtime, and nothing runtime-bound may outlive the start); `apart` names its work directory
+/// when it is not the only manager of its release.
+fn start_on_thread(
+    cp: &'static ControlPlane,
+    pin: Option<&str>,
+    apart: Option<&str>,
+) -> Result<CapiManager, String> {
     let pin = pin.map(String::from);
+    let apart = apart.map(String::from);
     std::thread::Builder::new()
         .name("e2e-capi-manager".into())
         .spawn(move || {
@@ -142,7 +171,7 @@ fn start_on_thread(cp: &'static ControlPlane, pin: Option<&str>) -> Result<CapiM
                 .enable_all()
                 .build()
                 .map_err(|e| format!("build a tokio runtime: {e}"))?;
-            runtime.block_on(start(cp, pin.as_deref()))
+            runtime.block_on(start(cp, pin.as_deref(), apart.as_deref()))
         })
         .map_err(|e| format!("spawn the CAPI manager thread: {e}"))
         .and_then(|t| {
@@ -277,7 +306,11 @@ pub fn capi_dir_of(pin: Option<&str>) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-async fn start(cp: &'static ControlPlane, pin: Option<&str>) -> Result<CapiManager, String> {
+async fn start(
+    cp: &'static ControlPlane,
+    pin: Option<&str>,
+    apart: Option<&str>,
+) -> Result<CapiManager, String> {
     let t_lookup = Instant::now();
     let cache = capi_dir_of(pin)?;
     let lookup = t_lookup.elapsed();
@@ -292,9 +325,10 @@ async fn start(cp: &'static ControlPlane, pin: Option<&str>) -> Result<CapiManag
         .and_then(|s| s.parse().ok())
         .map(Duration::from_secs);
 
-    let dir = procs::work_dir().join(match pin {
-        None => "capi-manager".to_string(),
-        Some(pin) => format!("capi-manager-{pin}"),
+    let dir = procs::work_dir().join(match (pin, apart) {
+        (_, Some(name)) => format!("capi-manager-{name}"),
+        (None, None) => "capi-manager".to_string(),
+        (Some(pin), None) => format!("capi-manager-{pin}"),
     });
     std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     let cert_dir = dir.join("serving-certs");

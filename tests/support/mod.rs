@@ -20,6 +20,7 @@ pub mod capi;
 pub mod capi_manager;
 pub mod cert_manager;
 pub mod control_plane;
+pub mod controller_manager;
 pub mod crds;
 pub mod faults;
 pub mod ha;

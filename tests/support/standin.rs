@@ -32,7 +32,9 @@
 //! `status.initialization.provisioned: true` and a Ready Node of the same name and providerID (the
 //! conditions CAPI reads: Ready True; Memory-, Disk- and PIDPressure False; the label
 //! `e2e-scenario=<ns>` that only this namespace's workload pods select); pods on its Nodes that
-//! are being deleted (evicted by a drain) are finished, as a kubelet would. A Node is made once per
+//! are being deleted (evicted by a drain) are finished, as a kubelet would; the other pods bound there
+//! stay as they are (no phase, no conditions) unless [`StandIn::run_pods`] asked for them to be
+//! reported Running and Ready (what a disruption controller counts healthy). A Node is made once per
 //! machine: one CAPI deleted is never made again. A Node whose instance is gone is deleted, as a
 //! cloud's node lifecycle controller does (CAPI deletes a Node only through a Machine's node ref).
 
@@ -307,6 +309,8 @@ struct State {
     pool_instances: BTreeMap<String, u32>,
     /// Templates whose machines the cloud does not provision (yet).
     held: BTreeSet<String>,
+    /// Pods bound to this namespace's Nodes are reported Running and Ready ([`StandIn::run_pods`]).
+    run_pods: bool,
     actions: Vec<(Instant, String)>,
     errors: Vec<String>,
 }
@@ -363,6 +367,14 @@ impl StandIn {
         lock(&self.state).held.remove(template);
     }
 
+    /// From the next pass on, reports each pod bound to this namespace's Nodes (and not being
+    /// deleted) Running with its containers started and Ready, as a kubelet would once they run:
+    /// what a disruption controller counts as healthy. Off by default: the other scenarios' pods
+    /// stay Pending with a node, as they always were.
+    pub fn run_pods(&self) {
+        lock(&self.state).run_pods = true;
+    }
+
     /// What it did, in order, with when.
     pub fn actions(&self) -> Vec<(Instant, String)> {
         lock(&self.state).actions.clone()
@@ -411,6 +423,11 @@ impl Worker {
             self.error(e);
         }
         if let Err(e) = self.finish_deleted_pods().await {
+            self.error(e);
+        }
+        if lock(&self.state).run_pods
+            && let Err(e) = self.report_running_pods().await
+        {
             self.error(e);
         }
         if let Err(e) = self.delete_nodes_of_gone_instances().await {
@@ -864,6 +881,85 @@ impl Worker {
                 Ok(_) => self.act(format!("pod {ns}/{name} finished")),
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
                 Err(e) => return Err(format!("finish pod {ns}/{name}: {e}")),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Worker {
+    /// Reports the pods bound to this namespace's Nodes that are not being deleted and not Ready
+    /// yet as Running, their containers started and Ready (see [`StandIn::run_pods`]).
+    async fn report_running_pods(&self) -> Result<(), String> {
+        let nodes: BTreeSet<String> = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default().labels(&format!("{NODE_LABEL}={}", self.ns)))
+            .await
+            .map_err(|e| format!("list the Nodes of {}: {e}", self.ns))?
+            .items
+            .into_iter()
+            .filter_map(|n| n.metadata.name)
+            .collect();
+        if nodes.is_empty() {
+            return Ok(());
+        }
+        let pods = Api::<Pod>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| format!("list pods: {e}"))?;
+        for pod in pods.items {
+            let on_ours = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_ref())
+                .is_some_and(|n| nodes.contains(n));
+            let ready = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            if !on_ours || ready || pod.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let (ns, name) = (
+                pod.metadata.namespace.clone().unwrap_or_default(),
+                pod.metadata.name.clone().unwrap_or_default(),
+            );
+            let now = Timestamp::now()
+                .round(Unit::Second)
+                .unwrap_or_else(|_| Timestamp::now())
+                .to_string();
+            let containers: Vec<Value> = pod
+                .spec
+                .as_ref()
+                .map(|s| s.containers.iter())
+                .into_iter()
+                .flatten()
+                .map(|c| {
+                    json!({
+                        "name": c.name, "image": c.image.clone().unwrap_or_default(),
+                        "imageID": "", "ready": true, "started": true, "restartCount": 0,
+                        "state": {"running": {"startedAt": now}},
+                    })
+                })
+                .collect();
+            let condition =
+                |type_: &str| json!({"type": type_, "status": "True", "lastTransitionTime": now});
+            let status = json!({"status": {
+                "phase": "Running",
+                "startTime": now,
+                "conditions": [
+                    condition("PodScheduled"), condition("Initialized"),
+                    condition("ContainersReady"), condition("Ready"),
+                ],
+                "containerStatuses": containers,
+            }});
+            match Api::<Pod>::namespaced(self.client.clone(), &ns)
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+            {
+                Ok(_) => self.act(format!("pod {ns}/{name} running")),
+                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+                Err(e) => return Err(format!("report pod {ns}/{name} running: {e}")),
             }
         }
         Ok(())

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds (or reuses) the real upstream components the tests run, pinned by go.mod/go.sum here:
 #   bin/etcd, bin/kube-apiserver,
-#   bin/kube-scheduler                         built from Go modules with the local toolchain
+#   bin/kube-scheduler,
+#   bin/kube-controller-manager                built from Go modules with the local toolchain
 #   crds/shipped/*.yaml                        Cluster API CRDs as released (v1beta1 + v1beta2, v1beta2 storage)
 #   crds/v1beta1/*.yaml                        the same with only v1beta1, as storage
 #   crds/renamed/*.yaml                        the shipped CRDs moved to the API group $RENAMED_GROUP
@@ -46,7 +47,12 @@ go build -trimpath -pgo=off -ldflags "-s -w \
   -X k8s.io/component-base/version.gitVersion=$K8S_VERSION \
   -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$MINOR" \
   -o "$WORK/bin/kube-scheduler" k8s.io/kubernetes/cmd/kube-scheduler
-log "kube-scheduler built after $(( $(date +%s) - start ))s"
+log "kube-scheduler built after $(( $(date +%s) - start ))s; building kube-controller-manager"
+go build -trimpath -pgo=off -ldflags "-s -w \
+  -X k8s.io/component-base/version.gitVersion=$K8S_VERSION \
+  -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$MINOR" \
+  -o "$WORK/bin/kube-controller-manager" k8s.io/kubernetes/cmd/kube-controller-manager
+log "kube-controller-manager built after $(( $(date +%s) - start ))s"
 
 CAPI_DIR=$(go list -m -json sigs.k8s.io/cluster-api | python3 -c 'import json,sys; print(json.load(sys.stdin).get("Dir",""))')
 if [ -z "$CAPI_DIR" ] || [ ! -d "$CAPI_DIR" ]; then
