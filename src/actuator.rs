@@ -1043,7 +1043,9 @@ impl Actuator {
     /// another Machine's mark would go first. A mark written here is taken back when the decrement
     /// certainly did not land (a mark someone else set restored); when its outcome is unknown it
     /// stays, and the counts decide later. `pool_owed`: decrements the same call still writes for
-    /// MachinePool nodes without a Machine (checked against min together).
+    /// MachinePool nodes without a Machine (checked against min together). `operation` names the
+    /// writes (metrics, Events); `before_marking` may refuse, on every decision, the Machines about
+    /// to be marked (the call's marks taken back). DecreaseTargetSize pins its Machines this way.
     async fn remove_machines(
         &self,
         id: &str,
@@ -1051,7 +1053,7 @@ impl Actuator {
         named: &[ObjectKey],
         pool_owed: usize,
         operation: &'static str,
-        before_marking: &(dyn Fn(&NodeGroup, &[String]) -> Result<(), ActuatorError> + Sync),
+        before_marking: &BeforeMarking<'_>,
     ) -> Result<NodeGroup, ActuatorError> {
         let delete_key = self.store.settings().keys.delete_machine.clone();
         let names: BTreeSet<&str> = named.iter().map(|k| k.name.as_str()).collect();
@@ -1478,6 +1480,11 @@ impl Actuator {
         });
     }
 }
+
+/// A check [`Actuator::remove_machines`] runs over the group (as cached) and the Machines it is
+/// about to mark, before marking them: a DecreaseTargetSize never marks a Machine that got its
+/// Node since it decided.
+type BeforeMarking<'a> = dyn Fn(&NodeGroup, &[String]) -> Result<(), ActuatorError> + Sync + 'a;
 
 /// Each Machine of a group with the delete mark it carries (as cached).
 type Marks = Vec<(String, Option<String>)>;
