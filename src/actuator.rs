@@ -839,17 +839,21 @@ impl Actuator {
             .map(|name| ObjectKey::new(namespace.as_str(), name.as_str()))
             .collect();
         // A Machine that got its Node after the decision is never marked by this call: marks are
-        // guarded by the version decided from, and a conflict re-reads it and lands here.
+        // guarded by the version decided from, and a conflict re-reads it and lands here. One
+        // Cluster API started deleting meanwhile (for Machines it created beyond the count) would
+        // make the decrement look paid already, and CA's target would not drop by its delta.
         let still_pending = |group: &NodeGroup, marking: &[String]| {
             let machines = self.machines(group);
-            match marking.iter().find(|name| {
-                machines
-                    .iter()
-                    .find(|(k, _)| k.name == **name)
-                    .is_none_or(|(_, m)| m.node_ref.is_some())
-            }) {
+            let state = |name: &str| machines.iter().find(|(k, _)| k.name == name);
+            let went = pin
+                .iter()
+                .find(|name| state(name).is_none_or(|(_, m)| m.deleting));
+            let registered = marking
+                .iter()
+                .find(|name| state(name).is_some_and(|(_, m)| m.node_ref.is_some()));
+            match went.or(registered) {
                 Some(name) => Err(ActuatorError::Refused(format!(
-                    "{id}: attempt to delete existing nodes: Machine {namespace}/{name} got its Node (or went) while DecreaseTargetSize was cancelling it; marks of this call taken back, nothing more written"
+                    "{id}: attempt to delete existing nodes: Machine {namespace}/{name} got its Node, or is being deleted, while DecreaseTargetSize was cancelling it; marks of this call taken back, nothing more written"
                 ))),
                 None => Ok(()),
             }
@@ -1132,7 +1136,8 @@ impl Actuator {
         let decided = (state.replicas, state.ledger.clone());
         let result = self
             .write(&group, operation, true, |state| {
-                let (_, marks, now) = self.deletion_of(id, &names, state)?;
+                let (now_group, marks, now) = self.deletion_of(id, &names, state)?;
+                before_marking(&now_group, &[])?;
                 match now {
                     Decided::Refused(e) => return Err(e),
                     Decided::Proceed { mark, .. } if !mark.is_empty() => {
