@@ -731,9 +731,14 @@ impl Actuator {
         .map(|_| ())
     }
 
-    /// Lowers replicas only as far as Cluster API then removes Machines that never became nodes
-    /// and carry no mark ([`removal::cancellation`], decided from the group and its Machines as the
-    /// API has them); refused during a rollout like DeleteNodes.
+    /// Cancels capacity that never became nodes, pinned ([`removal::cancellation_plan`], decided
+    /// from the group and its Machines as the API has them): replicas without a Machine are
+    /// cancelled by a decrement alone, first; the pending Machines Cluster API would remove for the
+    /// rest are marked and paid like a DeleteNodes of them ([`Actuator::remove_machines`]), so
+    /// Cluster API removes exactly those even if one gets its Node before its controller acts.
+    /// Refused during a rollout like DeleteNodes. CA never repeats a DecreaseTargetSize: it
+    /// decides again from the target size and the nodes, so every call is a fresh cancellation;
+    /// within one call a conflict re-decides and a write whose answer was lost is looked up.
     async fn decrease(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
         if delta >= 0 {
             return Err(ActuatorError::BadRequest(format!(
@@ -746,39 +751,121 @@ impl Actuator {
         let (_, group) = self.group(id)?;
         refuse_during_rollout(&group, "DecreaseTargetSize")?;
         let registered = group.registered;
+        let by = delta.unsigned_abs();
+        let refuse_registered = |current: i32, delta: i32| {
+            let desired = current.saturating_add(delta);
+            (desired < registered).then(|| ActuatorError::Refused(format!(
+                "{id}: attempt to delete existing nodes: replicas {current}, delta {delta}, registered nodes {registered}"
+            )))
+        };
         // A MachinePool has no deletion order to count with: which instance goes is the
         // infrastructure provider's choice, so only the registered count guards it.
-        let ordered = group.kind() != ScalableKind::MachinePool;
-        let (group, _) = if ordered {
-            self.confirm(id, &group).await?
-        } else {
-            let state = self.cached(&group)?;
-            (group, state)
-        };
+        if group.kind() == ScalableKind::MachinePool {
+            return self
+                .write(&group, "decrease-target-size", false, |state| {
+                    if let Some(e) = refuse_registered(state.replicas, delta) {
+                        return Err(e);
+                    }
+                    let desired = state.replicas.saturating_add(delta);
+                    if !removal::within_bounds(state.replicas, desired, state.min, state.max) {
+                        return Err(state.out_of_bounds(&group, "size decrease", desired));
+                    }
+                    Ok(Some(Change {
+                        replicas: desired,
+                        entries: Vec::new(),
+                    }))
+                })
+                .await
+                .map(|_| ());
+        }
+        let (group, _) = self.confirm(id, &group).await?;
         let delete_key = self.store.settings().keys.delete_machine.clone();
-        self.write(&group, "decrease-target-size", ordered, |state| {
+        // The plan over `state` and the Machines as cached: `by` in all, every refusal checked.
+        let plan = |state: &GroupState, by: u32| -> Result<(usize, Vec<String>), ActuatorError> {
             let current = state.replicas;
-            let desired = current.saturating_add(delta);
-            if desired < registered {
-                return Err(ActuatorError::Refused(format!(
-                    "{id}: attempt to delete existing nodes: replicas {current}, delta {delta}, registered nodes {registered}"
-                )));
+            let delta = -i32::try_from(by).unwrap_or(i32::MAX);
+            if let Some(e) = refuse_registered(current, delta) {
+                return Err(e);
             }
-            if ordered {
-                let (_, now) = self.group(id)?;
-                let machines = self.machines(&now);
-                let members = members(&now, &machines, &delete_key);
-                removal::cancellation(&members, current, delta.unsigned_abs())
-                    .map_err(|why| cancellation_refusal(&now, current, delta, &why))?;
-            }
+            let (_, now) = self.group(id)?;
+            let machines = self.machines(&now);
+            let members = members(&now, &machines, &delete_key);
+            let plan = removal::cancellation_plan(&members, current, by)
+                .map_err(|why| cancellation_refusal(&now, current, delta, &why))?;
+            let desired = current.saturating_sub(i32::try_from(by).unwrap_or(i32::MAX));
             if !removal::within_bounds(current, desired, state.min, state.max) {
                 return Err(state.out_of_bounds(&group, "size decrease", desired));
             }
-            Ok(Some(Change {
-                replicas: desired,
-                entries: Vec::new(),
-            }))
-        })
+            Ok((
+                plan.uncreated,
+                plan.pin.into_iter().map(str::to_string).collect(),
+            ))
+        };
+        let (uncreated, mut pin) = plan(&self.cached(&group)?, by)?;
+        if uncreated > 0 {
+            // The pending Machines this call still pins after the decrement, as last decided.
+            let pinned = std::sync::atomic::AtomicUsize::new(pin.len());
+            self.write(&group, "decrease-target-size", true, |state| {
+                let (uncreated, pin) = plan(state, by)?;
+                pinned.store(pin.len(), std::sync::atomic::Ordering::Relaxed);
+                Ok((uncreated > 0).then(|| Change {
+                    replicas: state.replicas - uncreated as i32,
+                    entries: Vec::new(),
+                }))
+            })
+            .await?;
+            let rest = pinned.load(std::sync::atomic::Ordering::Relaxed);
+            if rest == 0 {
+                return Ok(());
+            }
+            // Decided again from the objects as they are now: the Machines to pin may have changed.
+            let (_, state) = self.confirm(id, &group).await?;
+            let rest = u32::try_from(rest).unwrap_or(u32::MAX);
+            let (left, now) = plan(&state, rest)?;
+            if left > 0 {
+                return Err(ActuatorError::Conflict(format!(
+                    "{id}: capacity without a Machine was cancelled, but replicas still exceed the Machines by {left}: Cluster API changed the group meanwhile; nothing more written"
+                )));
+            }
+            pin = now;
+        }
+        if pin.is_empty() {
+            return Ok(());
+        }
+        let (_, group) = self.group(id)?;
+        let namespace = group.resource.key.namespace.clone();
+        let named: Vec<ObjectKey> = pin
+            .iter()
+            .map(|name| ObjectKey::new(namespace.as_str(), name.as_str()))
+            .collect();
+        // A Machine that got its Node after the decision is never marked by this call: marks are
+        // guarded by the version decided from, and a conflict re-reads it and lands here. One
+        // Cluster API started deleting meanwhile (for Machines it created beyond the count) would
+        // make the decrement look paid already, and CA's target would not drop by its delta.
+        let still_pending = |group: &NodeGroup, marking: &[String]| {
+            let machines = self.machines(group);
+            let state = |name: &str| machines.iter().find(|(k, _)| k.name == name);
+            let went = pin
+                .iter()
+                .find(|name| state(name).is_none_or(|(_, m)| m.deleting));
+            let registered = marking
+                .iter()
+                .find(|name| state(name).is_some_and(|(_, m)| m.node_ref.is_some()));
+            match went.or(registered) {
+                Some(name) => Err(ActuatorError::Refused(format!(
+                    "{id}: attempt to delete existing nodes: Machine {namespace}/{name} got its Node, or is being deleted, while DecreaseTargetSize was cancelling it; marks of this call taken back, nothing more written"
+                ))),
+                None => Ok(()),
+            }
+        };
+        self.remove_machines(
+            id,
+            &group,
+            &named,
+            0,
+            "decrease-target-size",
+            &still_pending,
+        )
         .await
         .map(|_| ())
     }
@@ -823,7 +910,16 @@ impl Actuator {
             .count();
         let mut group = group;
         if !named.is_empty() {
-            group = self.remove_machines(id, &group, &named, pool_owed).await?;
+            group = self
+                .remove_machines(
+                    id,
+                    &group,
+                    &named,
+                    pool_owed,
+                    "delete-nodes",
+                    &|_, _| Ok(()),
+                )
+                .await?;
         } else if pool_owed > 0 {
             let state = self.cached(&group)?;
             let desired = state.replicas - pool_owed as i32;
@@ -951,13 +1047,17 @@ impl Actuator {
     /// another Machine's mark would go first. A mark written here is taken back when the decrement
     /// certainly did not land (a mark someone else set restored); when its outcome is unknown it
     /// stays, and the counts decide later. `pool_owed`: decrements the same call still writes for
-    /// MachinePool nodes without a Machine (checked against min together).
+    /// MachinePool nodes without a Machine (checked against min together). `operation` names the
+    /// writes (metrics, Events); `before_marking` may refuse, on every decision, the Machines about
+    /// to be marked (the call's marks taken back). DecreaseTargetSize pins its Machines this way.
     async fn remove_machines(
         &self,
         id: &str,
         group: &NodeGroup,
         named: &[ObjectKey],
         pool_owed: usize,
+        operation: &'static str,
+        before_marking: &BeforeMarking<'_>,
     ) -> Result<NodeGroup, ActuatorError> {
         let delete_key = self.store.settings().keys.delete_machine.clone();
         let names: BTreeSet<&str> = named.iter().map(|k| k.name.as_str()).collect();
@@ -977,6 +1077,10 @@ impl Actuator {
                     mark, decrement, ..
                 } => (mark, decrement),
             };
+            if let Err(e) = before_marking(&group, &mark) {
+                self.take_back(&written, &delete_key).await;
+                return Err(e);
+            }
             let total = (decrement + pool_owed) as i32;
             let desired = state.replicas - total;
             if total > 0 && !removal::within_bounds(state.replicas, desired, state.min, state.max) {
@@ -1031,8 +1135,9 @@ impl Actuator {
         // the named Machines (Cluster API deletes the marked ones first for them).
         let decided = (state.replicas, state.ledger.clone());
         let result = self
-            .write(&group, "delete-nodes", true, |state| {
-                let (_, marks, now) = self.deletion_of(id, &names, state)?;
+            .write(&group, operation, true, |state| {
+                let (now_group, marks, now) = self.deletion_of(id, &names, state)?;
+                before_marking(&now_group, &[])?;
                 match now {
                     Decided::Refused(e) => return Err(e),
                     Decided::Proceed { mark, .. } if !mark.is_empty() => {
@@ -1380,6 +1485,11 @@ impl Actuator {
         });
     }
 }
+
+/// A check [`Actuator::remove_machines`] runs over the group (as cached) and the Machines it is
+/// about to mark, before marking them: a DecreaseTargetSize never marks a Machine that got its
+/// Node since it decided.
+type BeforeMarking<'a> = dyn Fn(&NodeGroup, &[String]) -> Result<(), ActuatorError> + Sync + 'a;
 
 /// Each Machine of a group with the delete mark it carries (as cached).
 type Marks = Vec<(String, Option<String>)>;

@@ -549,6 +549,52 @@ pub fn cancellation<'a>(
     Ok(())
 }
 
+/// What a DecreaseTargetSize that [`cancellation`] allows cancels, pinned so that Cluster API's
+/// own order cannot turn it into a registered node: `uncreated` replicas beyond the members (the
+/// decrement alone cancels those, first), and the pending Machines (`pin`) Cluster API would
+/// remove for the rest of it, which get our delete mark before the decrement (marked Machines go
+/// first whatever happens to their nodeRef meanwhile).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CancellationPlan<'a> {
+    pub uncreated: usize,
+    pub pin: Vec<&'a str>,
+}
+
+/// [`cancellation`]'s decision with what it cancels: of the unmarked Machines Cluster API ranks
+/// first (pending or unhealthy, by name), those the count as it stands removes already come
+/// first (not this call's; left as they are), the next ones are this call's to pin. `uncreated`
+/// is the rest of `by`, what no Machine exists for.
+pub fn cancellation_plan<'a>(
+    machines: &[MachineState<'a>],
+    replicas: i32,
+    by: u32,
+) -> Result<CancellationPlan<'a>, Cancellation<'a>> {
+    cancellation(machines, replicas, by)?;
+    let active: Vec<&MachineState<'a>> = machines.iter().filter(|m| !m.deleting).collect();
+    let marked = active.iter().filter(|m| m.mark.is_some()).count();
+    let now = surplus(active.len(), replicas);
+    let after = surplus(
+        active.len(),
+        replicas.saturating_sub(i32::try_from(by).unwrap_or(i32::MAX)),
+    );
+    let mut first: Vec<&MachineState<'a>> = active
+        .iter()
+        .copied()
+        .filter(|m| m.mark.is_none() && m.ranks_unhealthy())
+        .collect();
+    first.sort_by_key(|m| m.name);
+    let pin: Vec<&'a str> = first
+        .iter()
+        .skip(now - marked)
+        .take(after - now)
+        .map(|m| m.name)
+        .collect();
+    Ok(CancellationPlan {
+        uncreated: (by as usize).saturating_sub(pin.len()),
+        pin,
+    })
+}
+
 /// Whether writing `wanted` replicas over `current` keeps the group within `[min, max]`, or, from
 /// outside it (bounds changed under the group), moves it toward the range without passing it.
 pub fn within_bounds(current: i32, wanted: i32, min: i32, max: i32) -> bool {
@@ -1277,6 +1323,67 @@ mod tests {
         assert_eq!(
             orphans(&machines, &ledger, &counts, None, 1_200, 60),
             ["old", "fresh"]
+        );
+    }
+
+    /// A DecreaseTargetSize pins what it cancels: replicas without a Machine are cancelled by the
+    /// decrement alone, first; then the pending Machines Cluster API ranks first for the count
+    /// written (by name), each to be marked before the decrement, so a nodeRef arriving before
+    /// Cluster API acts no longer lets its Random order reach a registered node.
+    #[test]
+    fn a_decrease_pins_the_pending_machines_it_cancels_after_uncreated_capacity() {
+        let plan = |uncreated, pin: &[&'static str]| {
+            Ok(CancellationPlan {
+                uncreated,
+                pin: pin.to_vec(),
+            })
+        };
+        let group = [m("a", false, None), pending("q"), pending("p")];
+        assert_eq!(
+            cancellation_plan(&group, 3, 1),
+            plan(0, &["p"]),
+            "p sorts first"
+        );
+        assert_eq!(cancellation_plan(&group, 3, 2), plan(0, &["p", "q"]));
+        assert_eq!(
+            cancellation_plan(&group, 5, 1),
+            plan(1, &[]),
+            "capacity not created is cancelled first, no Machine is touched"
+        );
+        assert_eq!(cancellation_plan(&group, 5, 3), plan(2, &["p"]));
+        assert_eq!(cancellation_plan(&group, 5, 4), plan(2, &["p", "q"]));
+        assert!(
+            cancellation_plan(&group, 5, 5).is_err(),
+            "a registers: never a registered node"
+        );
+        // Machines being deleted are neither counted nor pinned.
+        let deleting = [m("a", false, None), m("gone", true, None), pending("p")];
+        assert_eq!(cancellation_plan(&deleting, 2, 1), plan(0, &["p"]));
+        // A paid mark the count removes already goes first, as it stands; so does an unmarked
+        // surplus (replicas lowered by hand): this call pins the next pending ones.
+        let marked = [m("a", false, Some("yes")), pending("p"), pending("q")];
+        assert_eq!(cancellation_plan(&marked, 2, 1), plan(0, &["p"]));
+        let lowered = [m("a", false, None), pending("p"), pending("q")];
+        assert_eq!(
+            cancellation_plan(&lowered, 2, 1),
+            plan(0, &["q"]),
+            "p is the surplus the count removes already"
+        );
+        // Every refusal of `cancellation` stands.
+        assert_eq!(
+            cancellation_plan(&[sick("b-sick"), pending("p")], 2, 1),
+            Err(Cancellation::Unhealthy(vec!["b-sick"]))
+        );
+        assert_eq!(
+            cancellation_plan(&[m("a", false, Some("yes")), pending("p")], 2, 1),
+            Err(Cancellation::Marked(vec!["a"]))
+        );
+        assert_eq!(
+            cancellation_plan(&[m("a", false, None), pending("p")], 2, 2),
+            Err(Cancellation::Registered {
+                removes: 2,
+                pending: 1
+            })
         );
     }
 }

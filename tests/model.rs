@@ -27,11 +27,15 @@
 //!   by a DecreaseTargetSize decrement of its group: no removal ever cost an unmarked Machine.
 //!
 //! Real Cluster API acts seconds after a write under this load (its informers, queues and the
-//! MachineSet controller's one-at-a-time creations), so, unlike the imitation, it deletes a Machine
-//! without a node ref for a DecreaseTargetSize only if it still has none by then: one that
-//! registered meanwhile is just another Machine, and the name tie-break picks the Machine to go.
-//! The model allows both, and a DeleteNodes naming a Machine CAPI is already deleting that way is
-//! answered OK without a write.
+//! MachineSet controller's one-at-a-time creations), so a pending Machine a DecreaseTargetSize
+//! cancels may have registered by then; the provider pins it with our mark (paid in the ledger)
+//! before the decrement, so it is still the one to go. Capacity without a Machine is cancelled by
+//! a decrement alone; a Machine Cluster API creates meanwhile (its MachineSet still at the count
+//! before) can register and be the one its scale-down removes: counted and reported. A DeleteNodes naming a Machine so pinned,
+//! or one CAPI is already deleting unmarked, is answered OK without a write. A DecreaseTargetSize
+//! cancels capacity without a Machine by a write of its own first, so one refused (a pending
+//! Machine registered before it was marked) or unanswered after that write lowered replicas by
+//! part of its delta.
 //!
 //! Sequential groups have one client each (the model knows the order, so it is exact); the "hot"
 //! group has three concurrent clients (only the invariants are checked). `MODEL_SEED` and
@@ -444,9 +448,14 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
             let allowed = match code {
                 Code::Ok if fits => BTreeSet::from([before + i64::from(d)]),
                 // Below min, or it would remove registered nodes (which the model does not track).
-                Code::FailedPrecondition | Code::Aborted => BTreeSet::from([before]),
+                Code::FailedPrecondition | Code::Aborted if !fits => BTreeSet::from([before]),
+                // Capacity without a Machine is cancelled first, by a write of its own; a pending
+                // Machine that got its Node before it was pinned then refuses the rest.
+                Code::FailedPrecondition | Code::Aborted => {
+                    (before + i64::from(d) + 1..=before).collect()
+                }
                 Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
-                    BTreeSet::from([before, before + i64::from(d)])
+                    (before + i64::from(d)..=before).collect()
                 }
                 _ => BTreeSet::new(),
             };
@@ -494,6 +503,22 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
             let repeats = ids.len() as i64 - fresh;
             let absorbed = m.removed.values().filter(|a| **a).count() as i64;
             let absorbable = repeats.min(absorbed);
+            // Fresh nodes whose Machine a DecreaseTargetSize pinned (marked, paid) before this
+            // call: Cluster API deletes it for that cancellation; the removal writes nothing.
+            let pinned = if m.kind == Kind::MachineDeployment {
+                let view = GroupView::read(&sh.capi, m.kind, &m.name).await?;
+                ids.iter()
+                    .filter(|id| !m.removed.contains_key(&m.key(id)))
+                    .map(|id| id.rsplit('/').next().unwrap_or_default())
+                    .filter(|name| {
+                        view.machines
+                            .iter()
+                            .any(|x| x.name == *name && (x.deleting || x.mark.is_some()))
+                    })
+                    .count() as i64
+            } else {
+                0
+            };
             let mut code = delete(&sh, &m.id, nodes.clone()).await;
             let mut tries = 1;
             while matches!(code, Code::Aborted | Code::Unavailable) && tries < 3 {
@@ -516,7 +541,7 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
                     .filter(|id| !m.removed.contains_key(&m.key(id)))
                     .map(|id| id.rsplit('/').next().unwrap_or_default())
                     .collect();
-                sh.deleted_unmarked(&sh.capi, &m.name, &names).await
+                sh.deleted_unmarked(&sh.capi, &m.name, &names).await + pinned
             } else {
                 0
             };
@@ -1013,6 +1038,11 @@ async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
             ),
         );
     }
+    // A DecreaseTargetSize pins the pending Machines it cancels with our mark before its
+    // decrement, so none of those is deleted unmarked. What is still seen here are Machines Cluster
+    // API created after a cancellation of capacity without a Machine was decided (the MachineSet
+    // still at the count before it): registered within seconds by the stand-in, one may be the
+    // Machine a scale-down then removes. Reported, not failed: see the README (Removals).
     let registered_cancelled = deletions
         .iter()
         .filter(|d| !d.marked && d.node.is_some())

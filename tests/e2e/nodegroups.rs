@@ -678,9 +678,98 @@ async fn decrease_target_size_cancels_only_unregistered_capacity() {
             .await,
         Code::NotFound,
     );
+    assert_eq!(
+        capi.marked_machines().await,
+        ids(&["p0"]),
+        "the pending Machine cancelled is pinned by our mark; capacity never created needs none"
+    );
+    assert_eq!(
+        ledger_names(capi, "md").await,
+        ids(&["p0"]),
+        "its mark is paid in the ledger"
+    );
+    assert!(ledger_names(capi, "floor").await.is_empty());
+}
+
+/// The Machine names of MachineDeployment `name`'s ledger entries.
+async fn ledger_names(capi: &Capi, name: &str) -> BTreeSet<String> {
+    ledger_marks(capi, name)
+        .await
+        .into_iter()
+        .filter_map(|e| e.rsplit_once('@').map(|(m, _)| m.to_string()))
+        .collect()
+}
+
+/// DecreaseTargetSize marks (and pays in the ledger, in the decrement's write) exactly the pending
+/// Machines Cluster API removes first for the count written, after cancelling capacity no Machine
+/// exists for: Cluster API's order takes marked Machines first, so one that gets its Node before
+/// the MachineSet controller acts is still the one removed, never a registered node.
+#[tokio::test]
+async fn decrease_target_size_pins_the_pending_machines_it_cancels() {
+    let _shared = API_QUIET.read().await;
+    let env = env().await;
+    let capi = &env.capi;
+    let md = Owner::Deployment("md".into());
+    capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(5), false)
+        .await;
+    capi.create_machine(&capi.running("r0", md.clone())).await;
+    for p in ["p2", "p0", "p1"] {
+        capi.create_machine(&capi.pending(p, md.clone())).await;
+    }
+    let (_provider, mut rpc) = provider_for(&env).await;
+    let id = capi.id(Kind::MachineDeployment, "md");
+    let replicas = || capi.replicas(Kind::MachineDeployment, "md");
+
+    rpc.decrease(&id, -2)
+        .await
+        .expect("DecreaseTargetSize -2: one never created, one pending");
+    assert_eq!(replicas().await, 3);
+    assert_eq!(
+        capi.marked_machines().await,
+        ids(&["p0"]),
+        "the first pending Machine by name, as Cluster API ranks them"
+    );
+    let ledger = ledger_marks(capi, "md").await;
+    let mark = capi
+        .api(Kind::Machine)
+        .get("p0")
+        .await
+        .expect("get p0")
+        .metadata
+        .annotations
+        .and_then(|a| a.get(&capi.delete_key()).cloned())
+        .expect("p0 carries the delete mark");
+    assert_eq!(ledger.len(), 1, "one entry: {ledger:?}");
+    let entry = ledger.iter().next().cloned().unwrap_or_default();
     assert!(
-        capi.marked_machines().await.is_empty(),
-        "DecreaseTargetSize marks no Machine"
+        entry.starts_with("p0@") && mark.contains(entry.trim_start_matches("p0@")),
+        "the ledger entry {entry:?} pays p0's mark {mark:?}"
+    );
+
+    rpc.decrease(&id, -1)
+        .await
+        .expect("DecreaseTargetSize -1: the next pending one");
+    assert_eq!(replicas().await, 2);
+    assert_eq!(capi.marked_machines().await, ids(&["p0", "p1"]));
+    assert_eq!(ledger_names(capi, "md").await, ids(&["p0", "p1"]));
+
+    expect_code(
+        "DecreaseTargetSize reaching the registered node",
+        rpc.decrease(&id, -2).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(replicas().await, 2, "a refusal writes nothing");
+    assert_eq!(capi.marked_machines().await, ids(&["p0", "p1"]));
+
+    rpc.decrease(&id, -1)
+        .await
+        .expect("DecreaseTargetSize -1: the last pending one");
+    assert_eq!(replicas().await, 1);
+    assert_eq!(capi.marked_machines().await, ids(&["p0", "p1", "p2"]));
+    assert_eq!(ledger_names(capi, "md").await, ids(&["p0", "p1", "p2"]));
+    assert!(
+        !capi.marked_machines().await.contains("r0"),
+        "the registered node is never marked"
     );
 }
 
