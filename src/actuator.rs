@@ -177,6 +177,9 @@ pub struct Actuator {
     /// Per group that exists (pruned as groups go): one operation of this process at a time. What
     /// other processes must know (a raise, a paid removal) is written to the objects instead.
     groups: Mutex<HashMap<String, GroupLock>>,
+    /// `--mark-grace-period`: how long after a raise Cluster API may still act on it (the repair
+    /// keeps marks, a DecreaseTargetSize cancels no capacity without a Machine, meanwhile).
+    mark_grace: Duration,
 }
 
 type GroupLock = Arc<tokio::sync::Mutex<()>>;
@@ -329,7 +332,15 @@ impl Actuator {
             store,
             metrics,
             groups: Mutex::new(HashMap::new()),
+            mark_grace: Duration::from_secs(30),
         }
+    }
+
+    /// Sets `--mark-grace-period` (30 s unless set) for DecreaseTargetSize; the repair is given it
+    /// by [`Actuator::spawn_repair`].
+    pub fn with_mark_grace(mut self, grace: Duration) -> Self {
+        self.mark_grace = grace;
+        self
     }
 
     /// The operation lock of a group that exists in `snapshot`; those of groups that are gone are
@@ -801,12 +812,30 @@ impl Actuator {
                 plan.pin.into_iter().map(str::to_string).collect(),
             ))
         };
-        let (uncreated, mut pin) = plan(&self.cached(&group)?, by)?;
+        // Capacity without a Machine is not cancelled while Cluster API may still be creating
+        // Machines for the last raise (by any provider: read from the group object): one it
+        // creates after this decision could not be pinned, and the lower count could delete it,
+        // registered by then, unmarked. CA calls DecreaseTargetSize only after
+        // --max-node-provision-time, long after its raise.
+        let grace = self.mark_grace.as_secs();
+        let hold = |state: &GroupState, uncreated: usize| -> Result<(), ActuatorError> {
+            match removal::uncreated_hold(uncreated, state.raised, now_unix(), grace) {
+                Some(until) => Err(ActuatorError::Refused(format!(
+                    "{id}: {uncreated} of the replicas to cancel have no Machine yet and the group was raised at unix {} (within --mark-grace-period {grace}s): Cluster API may still be creating Machines for that raise; nothing written, retry after unix {until}",
+                    state.raised.unwrap_or_default()
+                ))),
+                None => Ok(()),
+            }
+        };
+        let cached = self.cached(&group)?;
+        let (uncreated, mut pin) = plan(&cached, by)?;
+        hold(&cached, uncreated)?;
         if uncreated > 0 {
             // The pending Machines this call still pins after the decrement, as last decided.
             let pinned = std::sync::atomic::AtomicUsize::new(pin.len());
             self.write(&group, "decrease-target-size", true, |state| {
                 let (uncreated, pin) = plan(state, by)?;
+                hold(state, uncreated)?;
                 pinned.store(pin.len(), std::sync::atomic::Ordering::Relaxed);
                 Ok((uncreated > 0).then(|| Change {
                     replicas: state.replicas - uncreated as i32,

@@ -595,6 +595,24 @@ pub fn cancellation_plan<'a>(
     })
 }
 
+/// Until when (unix seconds) a DecreaseTargetSize may not cancel `uncreated` replicas that have no
+/// Machine yet: Cluster API's MachineSet controller may still be creating Machines for the raise at
+/// `raised`, and a Machine it creates after the decision cannot be pinned; lowered under it, the
+/// MachineSet could delete that Machine, registered by then, unmarked. `None`: allowed (nothing
+/// uncreated to cancel, never raised, or the raise is `grace_secs` old). A raise dated in the
+/// future (a clock ahead of ours) holds until `grace_secs` after it.
+pub fn uncreated_hold(
+    uncreated: usize,
+    raised: Option<u64>,
+    now_unix: u64,
+    grace_secs: u64,
+) -> Option<u64> {
+    if uncreated == 0 || !raised_within(raised, now_unix, grace_secs) {
+        return None;
+    }
+    raised.map(|at| at.saturating_add(grace_secs))
+}
+
 /// Whether writing `wanted` replicas over `current` keeps the group within `[min, max]`, or, from
 /// outside it (bounds changed under the group), moves it toward the range without passing it.
 pub fn within_bounds(current: i32, wanted: i32, min: i32, max: i32) -> bool {
@@ -640,6 +658,21 @@ pub fn orphans<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_without_a_machine_is_not_cancelled_while_a_raise_may_still_create_machines() {
+        // Within the grace period after the last raise: held until the raise is `grace` old.
+        assert_eq!(uncreated_hold(1, Some(1000), 1000, 30), Some(1030));
+        assert_eq!(uncreated_hold(2, Some(1000), 1029, 30), Some(1030));
+        // The grace period over, never raised, or nothing without a Machine to cancel: allowed.
+        assert_eq!(uncreated_hold(1, Some(1000), 1030, 30), None);
+        assert_eq!(uncreated_hold(1, None, 1000, 30), None);
+        assert_eq!(uncreated_hold(0, Some(1000), 1000, 30), None);
+        // A raise dated ahead of our clock holds until grace after it.
+        assert_eq!(uncreated_hold(1, Some(1100), 1000, 30), Some(1130));
+        // No grace period: never held.
+        assert_eq!(uncreated_hold(1, Some(1000), 1000, 0), None);
+    }
 
     #[test]
     fn a_taking_back_record_keeps_only_marks_still_there_and_names_exactly_them() {

@@ -107,7 +107,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.request_timeout,
         Arc::clone(&metrics),
     );
-    let actuator = Arc::new(Actuator::new(store, Arc::clone(&metrics)));
+    let actuator = Arc::new(
+        Actuator::new(store, Arc::clone(&metrics)).with_mark_grace(args.mark_grace_period),
+    );
     actuator.spawn_repair(args.repair_interval, args.mark_grace_period);
     let service = Service::new(actuator, metrics);
     let router = Server::builder()

@@ -1039,20 +1039,28 @@ async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
         );
     }
     // A DecreaseTargetSize pins the pending Machines it cancels with our mark before its
-    // decrement, so none of those is deleted unmarked. What is still seen here are Machines Cluster
-    // API created after a cancellation of capacity without a Machine was decided (the MachineSet
-    // still at the count before it): registered within seconds by the stand-in, one may be the
-    // Machine a scale-down then removes. Reported, not failed: see the README (Removals).
-    let registered_cancelled = deletions
+    // decrement, and cancels capacity without a Machine only once Cluster API can no longer be
+    // creating Machines for a raise (--mark-grace-period after it; refused before): no Machine
+    // that had registered is ever deleted without our mark.
+    let registered_unmarked: Vec<&Deletion> = deletions
         .iter()
         .filter(|d| !d.marked && d.node.is_some())
-        .count();
+        .collect();
+    let registered_cancelled = registered_unmarked.len();
     let marked = deletions.iter().filter(|d| d.marked).count();
     let ops = sh.ops.load(Ordering::SeqCst);
     let checks = sh.checks.load(Ordering::SeqCst);
     s.check(ops >= target, &format!("{ops} operations, wanted {target}"));
     let errors = s.standin.errors();
     s.check(errors.is_empty(), &format!("stand-in errors: {errors:?}"));
+    s.check(
+        registered_unmarked.is_empty(),
+        &format!(
+            "seed {seed:#x}: CAPI deleted {registered_cancelled} registered Machines without our mark \
+             (unmarked and registered; decrements {decrements:?}; outcomes {:?}): {registered_unmarked:?}",
+            sh.outcomes.lock().unwrap_or_else(|e| e.into_inner())
+        ),
+    );
     announce(&format!(
         "model: seed {seed:#x}: {ops} operations by {} clients ({} sequential groups with exact models, \
          {HOT_CLIENTS} clients on one hot group) in {:.1}s against the real Cluster API manager \
