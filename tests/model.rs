@@ -73,7 +73,7 @@ const DEFAULT_SEED: u64 = 0x2026_1123_c0ff_ee01;
 /// Enough for every kind of operation and outcome many times over in every group, in a few
 /// minutes with the real manager on a loaded 2-core machine.
 const DEFAULT_OPS: u64 = 2_000;
-const GRACE_SECS: u64 = 3;
+const GRACE_SECS: u64 = 10;
 const REPAIR_INTERVAL: &str = "500ms";
 /// A mark younger than this may be unpaid without breaking invariant 3: the grace period, a repair
 /// round (1 s), and 2 s for the unmark and the mark's whole-second time. What the imitation's runs
