@@ -30,8 +30,10 @@
 //! MachineSet controller's one-at-a-time creations), so a pending Machine a DecreaseTargetSize
 //! cancels may have registered by then; the provider pins it with our mark (paid in the ledger)
 //! before the decrement, so it is still the one to go. Capacity without a Machine is cancelled by
-//! a decrement alone; a Machine Cluster API creates meanwhile (its MachineSet still at the count
-//! before) can register and be the one its scale-down removes: counted and reported. A DeleteNodes naming a Machine so pinned,
+//! a decrement alone, and only [`GRACE_SECS`] after the group's last raise (refused before,
+//! nothing written): a Machine Cluster API creates meanwhile (its MachineSet still acting on the
+//! raise) could register and be the one its scale-down removes. A registered Machine CAPI deleted
+//! without our mark fails the run. A DeleteNodes naming a Machine so pinned,
 //! or one CAPI is already deleting unmarked, is answered OK without a write. A DecreaseTargetSize
 //! cancels capacity without a Machine by a write of its own first, so one refused (a pending
 //! Machine registered before it was marked) or unanswered after that write lowered replicas by
@@ -73,6 +75,8 @@ const DEFAULT_SEED: u64 = 0x2026_1123_c0ff_ee01;
 /// Enough for every kind of operation and outcome many times over in every group, in a few
 /// minutes with the real manager on a loaded 2-core machine.
 const DEFAULT_OPS: u64 = 2_000;
+/// `--mark-grace-period`: under this load a MachineSet still deleting Machines created one for a
+/// raise 4.2 s after it, so 3 s let a DecreaseTargetSize cancel capacity it was about to create.
 const GRACE_SECS: u64 = 10;
 const REPAIR_INTERVAL: &str = "500ms";
 /// A mark younger than this may be unpaid without breaking invariant 3: the grace period, a repair
