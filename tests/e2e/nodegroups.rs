@@ -58,6 +58,10 @@ async fn provider_for(env: &Env) -> (ProviderProcess, Rpc) {
     provider_for_namespace(env.cp, &env.capi.ns).await
 }
 
+/// No grace period after a raise: these tests cancel capacity without a Machine right after
+/// raising it (no Cluster API controller here creates Machines for the raise).
+const NO_RAISE_HOLD: [&str; 2] = ["--mark-grace-period", "0s"];
+
 /// [`provider_for`] with more flags.
 async fn provider_for_args(env: &Env, args: &[&str]) -> (ProviderProcess, Rpc) {
     let discovery = format!("clusterapi:namespace={}", env.capi.ns);
@@ -376,7 +380,7 @@ async fn standalone_machine_set_group_scales() {
         .await;
     capi.create_machine(&capi.running("ms-1", owner.clone()))
         .await;
-    let (_provider, mut rpc) = provider_for(&env).await;
+    let (_provider, mut rpc) = provider_for_args(&env, &NO_RAISE_HOLD).await;
     let id = capi.id(Kind::MachineSet, "ms");
 
     assert_eq!(rpc.ids_in(&capi.ns).await, ids(&[&id]));
@@ -1833,7 +1837,11 @@ async fn every_rpc_works_with_exactly_the_shipped_cluster_role() {
 
     // No discovery filter: cluster-wide watches, as deployed; the Cluster named, as deployed.
     let cluster = format!("{ns}/{}", support::capi::DEFAULT_CLUSTER);
-    let provider = start_provider(&["--cluster", &cluster], &kubeconfig).await;
+    let provider = start_provider(
+        &["--cluster", &cluster, NO_RAISE_HOLD[0], NO_RAISE_HOLD[1]],
+        &kubeconfig,
+    )
+    .await;
     let mut rpc = Rpc::connect(&provider).await;
     let md_id = capi.id(Kind::MachineDeployment, "md");
     let ms_id = capi.id(Kind::MachineSet, "ms");
