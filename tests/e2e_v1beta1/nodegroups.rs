@@ -203,7 +203,20 @@ async fn v1beta1_increase_size_and_delete_nodes() {
             .provider_ids(std::slice::from_ref(&pb)),
     )
     .await;
-    let (_provider, mut rpc) = provider_for(cp, &capi).await;
+    // No grace period after a raise: this test cancels capacity without a Machine right after
+    // raising it (no Cluster API controller here creates Machines for the raise).
+    let discovery = format!("clusterapi:namespace={}", capi.ns);
+    let provider = support::start_provider(
+        &[
+            "--node-group-auto-discovery",
+            &discovery,
+            "--mark-grace-period",
+            "0s",
+        ],
+        cp.admin_kubeconfig(),
+    )
+    .await;
+    let mut rpc = Rpc::connect(&provider).await;
     let id = capi.id(Kind::MachineDeployment, "md");
     let mp_id = capi.id(Kind::MachinePool, "mp");
 
