@@ -188,7 +188,8 @@ pub struct ServeArgs {
     /// DeleteNodes + IncreaseSize pairs (0 to 1 s apart): both observed the raise 0.25–2.7 s after
     /// it (median about 1 s), and the MachineSet controller deleted the marked Machine on the
     /// lowered count up to 1.3 s after the raise (tests/real_capi/grace.rs); the default is more
-    /// than ten times the longest.
+    /// than ten times the longest. For as long after a group's last raise, DecreaseTargetSize
+    /// cancels no capacity without a Machine (Cluster API may still be creating Machines for it).
     #[arg(
         long = "mark-grace-period",
         env = "CAPI_AUTOSCALER_PROVIDER_MARK_GRACE_PERIOD",
