@@ -845,6 +845,28 @@ async fn explain_says_why_ca_did_or_did_not_scale_up_for_a_pod() {
 
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("over-max", "1500m", "1Gi")).await;
     wait_pod_event(&s, "over-max", "NotTriggerScaleUp").await;
+    // CA's verdict on a pod may change from loop to loop while md-a's new Node comes up (a first
+    // NotTriggerScaleUp can name only the Node it did not match); ask until it names md-a's max.
+    let settled = poll_until(
+        "CA's verdict on over-max names the max node group size",
+        UP,
+        Duration::from_millis(500),
+        || async {
+            let verdict = explain("over-max", true).await.json()["verdict"].clone();
+            if verdict["reasons"]
+                .to_string()
+                .contains("max node group size reached")
+            {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("{verdict:#}"))
+            }
+        },
+    )
+    .await;
+    if let Err(e) = settled {
+        s.fail(&e);
+    }
     explain_now("over-max").await;
     eprintln!("e2e: explain screens:\n{}", screens.join("\n"));
 

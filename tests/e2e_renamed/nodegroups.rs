@@ -94,6 +94,11 @@ async fn capi_group_env_renames_the_group_and_every_key() {
 
     rpc.increase(&id, 1).await.expect("IncreaseSize");
     assert_eq!(renamed.replicas(Kind::MachineDeployment, "md").await, 4);
+    // The raise's Machine, as Cluster API creates it: DeleteNodes is refused while replicas exceed
+    // the Machines (a decrement would cancel the one not created yet, not m0).
+    renamed
+        .create_machine(&renamed.running("m3", md.clone()))
+        .await;
     rpc.delete_nodes(&id, vec![renamed.grpc_node("m0")])
         .await
         .expect("DeleteNodes m0");
