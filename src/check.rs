@@ -495,7 +495,7 @@ async fn ask_server(address: &str) -> Result<ServedCheck, String> {
 pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let (served, source) = served_or_own(&args.connection, &args.server).await?;
     eprintln!("(from {source})");
-    match args.output {
+    match args.output.format {
         OutputFormat::Table => print!("{}", served.table),
         OutputFormat::Json => println!(
             "{}",

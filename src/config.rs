@@ -341,15 +341,8 @@ pub struct CheckArgs {
     pub connection: ConnectionArgs,
     #[command(flatten)]
     pub server: ServerArgs,
-    /// Output format.
-    #[arg(
-        short = 'o',
-        long = "output",
-        env = "CAPI_AUTOSCALER_PROVIDER_OUTPUT",
-        value_enum,
-        default_value = "table"
-    )]
-    pub output: OutputFormat,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -376,15 +369,8 @@ pub struct ExplainArgs {
         default_value = "cluster-autoscaler-status"
     )]
     pub status_config_map: String,
-    /// Output format.
-    #[arg(
-        short = 'o',
-        long = "output",
-        env = "CAPI_AUTOSCALER_PROVIDER_OUTPUT",
-        value_enum,
-        default_value = "table"
-    )]
-    pub output: OutputFormat,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -393,6 +379,20 @@ pub struct TemplateArgs {
     pub connection: ConnectionArgs,
     /// Node group id, e.g. `MachineDeployment/default/md-0`.
     pub id: String,
+}
+
+/// `-o`/`--output` of `check` and `explain`.
+#[derive(Debug, Clone, Args)]
+pub struct OutputArgs {
+    /// Output format.
+    #[arg(
+        short = 'o',
+        long = "output",
+        env = "CAPI_AUTOSCALER_PROVIDER_OUTPUT",
+        value_enum,
+        default_value = "table"
+    )]
+    pub format: OutputFormat,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

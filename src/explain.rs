@@ -576,7 +576,7 @@ pub async fn run(args: ExplainArgs) -> anyhow::Result<ExitCode> {
     };
     let (served, source) = crate::check::served_or_own(&args.connection, &args.server).await?;
     let explanation = explain(pod_facts(&pod), events, status, &served.report, &source);
-    match args.output {
+    match args.output.format {
         OutputFormat::Table => print!("{}", render(&explanation)),
         OutputFormat::Json => println!(
             "{}",

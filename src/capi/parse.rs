@@ -101,7 +101,7 @@ impl ScalableResource {
         let replicas = opt_i32(obj, &["spec", "replicas"])?;
         let status_replicas = opt_i32(obj, &["status", "replicas"])?;
         let rolling_out = kind == ScalableKind::MachineDeployment
-            && condition_is_true(obj, ROLLING_OUT_CONDITION)?;
+            && condition_has_status(obj, ROLLING_OUT_CONDITION, "True")?;
         let preflight = match kind {
             ScalableKind::MachineSet => preflight_hold(obj)?,
             _ => None,
@@ -149,10 +149,11 @@ impl ScalableResource {
     }
 }
 
-/// Whether the v1beta2 condition `type` is `True`: in `status.conditions` of v1beta2 objects, in
-/// `status.v1beta2.conditions` of v1beta1 objects as CAPI ≥ 1.9 serves them. Entries that are not
-/// objects are skipped.
-fn condition_is_true(obj: &Value, type_: &str) -> Result<bool, ParseError> {
+/// Whether the v1beta2 condition `type` has `status` (`"True"`, `"False"`): in `status.conditions` of
+/// v1beta2 objects, in `status.v1beta2.conditions` of v1beta1 objects as CAPI ≥ 1.9 serves them
+/// (v1beta1 `status.conditions` use the same type names for the ones read here). Entries that are
+/// not objects are skipped.
+fn condition_has_status(obj: &Value, type_: &str, status: &str) -> Result<bool, ParseError> {
     for path in [
         &["status", "conditions"][..],
         &["status", "v1beta2", "conditions"][..],
@@ -162,7 +163,7 @@ fn condition_is_true(obj: &Value, type_: &str) -> Result<bool, ParseError> {
         };
         if conditions.iter().filter_map(Value::as_object).any(|c| {
             c.get("type").and_then(Value::as_str) == Some(type_)
-                && c.get("status").and_then(Value::as_str) == Some("True")
+                && c.get("status").and_then(Value::as_str) == Some(status)
         }) {
             return Ok(true);
         }
@@ -195,26 +196,6 @@ fn preflight_hold(obj: &Value) -> Result<Option<crate::preflight::PreflightHold>
         }
     }
     Ok(crate::preflight::hold_of(&conditions))
-}
-
-/// Whether the condition `type` is `False` (v1beta2 conditions of either serving, as
-/// [`condition_is_true`]; v1beta1 `status.conditions` use the same type names for these).
-fn condition_is_false(obj: &Value, type_: &str) -> Result<bool, ParseError> {
-    for path in [
-        &["status", "conditions"][..],
-        &["status", "v1beta2", "conditions"][..],
-    ] {
-        let Some(conditions) = opt_array(obj, path)? else {
-            continue;
-        };
-        if conditions.iter().filter_map(Value::as_object).any(|c| {
-            c.get("type").and_then(Value::as_str) == Some(type_)
-                && c.get("status").and_then(Value::as_str) == Some("False")
-        }) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
 }
 
 /// `spec.template.spec.infrastructureRef`: `None` when absent; `Some(Err)` when present but unusable.
@@ -356,8 +337,8 @@ impl Machine {
         let failure = machine_failure(obj, meta.deleting, phase.as_deref())?;
         // What Cluster API's MachineSet deletion order reads besides the nodeRef
         // (`isMachineHealthy`, machineset_deletion_order.go).
-        let conditions_unhealthy = condition_is_false(obj, "NodeHealthy")?
-            || condition_is_false(obj, "HealthCheckSucceeded")?;
+        let conditions_unhealthy = condition_has_status(obj, "NodeHealthy", "False")?
+            || condition_has_status(obj, "HealthCheckSucceeded", "False")?;
         // Machines are the many objects: keep only the keys decisions read (all under the group), so
         // e.g. a kubectl last-applied-configuration annotation is not cached ten thousand times.
         let prefix = format!("{}/", keys.group);
