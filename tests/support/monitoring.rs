@@ -15,23 +15,13 @@ use capi_autoscaler_provider::metrics::Metrics;
 use capi_autoscaler_provider::snapshot::{Index, Settings};
 use serde_json::{Value, json};
 
-use super::render::repo;
+use super::render::{built_by, repo};
 
 /// The directory holding `promtool` and `promql-names` (built on first use).
 pub fn tools() -> PathBuf {
     static TOOLS: OnceLock<PathBuf> = OnceLock::new();
     TOOLS
-        .get_or_init(|| {
-            let script = repo("tests/upstream/promtool/build.sh");
-            let out = Command::new("bash")
-                .arg(&script)
-                .stdin(Stdio::null())
-                .stderr(Stdio::inherit())
-                .output()
-                .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
-            assert!(out.status.success(), "{} failed", script.display());
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        })
+        .get_or_init(|| built_by("tests/upstream/promtool/build.sh"))
         .clone()
 }
 

@@ -54,18 +54,22 @@ pub fn kustomize(dir: &str) -> Vec<Value> {
 /// The helm binary (built on first use; cached outside the repository).
 pub fn helm() -> PathBuf {
     static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| {
-        let script = repo("tests/upstream/helm/build.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .stdin(Stdio::null())
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
-        assert!(out.status.success(), "{} failed", script.display());
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    })
-    .clone()
+    HELM.get_or_init(|| built_by("tests/upstream/helm/build.sh"))
+        .clone()
+}
+
+/// Runs a build script of `tests/upstream` (it builds or finds its tools in the cache outside the
+/// repository) and returns the path it prints.
+pub fn built_by(script: &str) -> PathBuf {
+    let script = repo(script);
+    let out = Command::new("bash")
+        .arg(&script)
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed", script.display());
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// The official cluster-autoscaler chart folder ([`CHART`]).
