@@ -839,9 +839,8 @@ impl Worker {
         Ok(template.data["status"].clone())
     }
 
-    /// Deletes at once the pods on this namespace's Nodes that are being deleted (evicted): no
-    /// kubelet runs to end their containers.
-    async fn finish_deleted_pods(&self) -> Result<(), String> {
+    /// The pods bound to this namespace's Nodes (what their kubelets would run).
+    async fn pods_on_our_nodes(&self) -> Result<Vec<Pod>, String> {
         let nodes: BTreeSet<String> = Api::<Node>::all(self.client.clone())
             .list(&ListParams::default().labels(&format!("{NODE_LABEL}={}", self.ns)))
             .await
@@ -851,19 +850,29 @@ impl Worker {
             .filter_map(|n| n.metadata.name)
             .collect();
         if nodes.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let pods = Api::<Pod>::all(self.client.clone())
             .list(&ListParams::default())
             .await
             .map_err(|e| format!("list pods: {e}"))?;
-        for pod in pods.items {
-            let on_ours = pod
-                .spec
-                .as_ref()
-                .and_then(|s| s.node_name.as_ref())
-                .is_some_and(|n| nodes.contains(n));
-            if !on_ours || pod.metadata.deletion_timestamp.is_none() {
+        Ok(pods
+            .items
+            .into_iter()
+            .filter(|pod| {
+                pod.spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.as_ref())
+                    .is_some_and(|n| nodes.contains(n))
+            })
+            .collect())
+    }
+
+    /// Deletes at once the pods on this namespace's Nodes that are being deleted (evicted): no
+    /// kubelet runs to end their containers.
+    async fn finish_deleted_pods(&self) -> Result<(), String> {
+        for pod in self.pods_on_our_nodes().await? {
+            if pod.metadata.deletion_timestamp.is_none() {
                 continue;
             }
             let (ns, name) = (
@@ -891,33 +900,13 @@ impl Worker {
     /// Reports the pods bound to this namespace's Nodes that are not being deleted and not Ready
     /// yet as Running, their containers started and Ready (see [`StandIn::run_pods`]).
     async fn report_running_pods(&self) -> Result<(), String> {
-        let nodes: BTreeSet<String> = Api::<Node>::all(self.client.clone())
-            .list(&ListParams::default().labels(&format!("{NODE_LABEL}={}", self.ns)))
-            .await
-            .map_err(|e| format!("list the Nodes of {}: {e}", self.ns))?
-            .items
-            .into_iter()
-            .filter_map(|n| n.metadata.name)
-            .collect();
-        if nodes.is_empty() {
-            return Ok(());
-        }
-        let pods = Api::<Pod>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| format!("list pods: {e}"))?;
-        for pod in pods.items {
-            let on_ours = pod
-                .spec
-                .as_ref()
-                .and_then(|s| s.node_name.as_ref())
-                .is_some_and(|n| nodes.contains(n));
+        for pod in self.pods_on_our_nodes().await? {
             let ready = pod
                 .status
                 .as_ref()
                 .and_then(|s| s.conditions.as_ref())
                 .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-            if !on_ours || ready || pod.metadata.deletion_timestamp.is_some() {
+            if ready || pod.metadata.deletion_timestamp.is_some() {
                 continue;
             }
             let (ns, name) = (
