@@ -128,6 +128,32 @@ impl Scenario {
         .collect()
     }
 
+    /// With the cloud holding new machines back, raises `md` from its two Machines (`names`) to 3 and
+    /// returns the third Machine, which gets no Node until the hold ends.
+    async fn held_third_machine(&self, md: &str, names: &[String]) -> String {
+        self.standin.hold("small");
+        self.patch("MachineDeployment", md, json!({"spec": {"replicas": 3}}))
+            .await;
+        let machine_api = api(&self.client, &self.ns, "v1beta2", "Machine");
+        let selector = ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={md}"));
+        poll_until(
+            "the third Machine, held by the cloud",
+            MACHINES,
+            Duration::from_millis(200),
+            || async {
+                match machine_api.list(&selector).await {
+                    Ok(l) => match l.items.iter().map(name_of).find(|n| !names.contains(n)) {
+                        Some(n) => Check::Done(n),
+                        None => Check::Wait("2 Machines".into()),
+                    },
+                    Err(e) => Check::Wait(e.to_string()),
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
     fn watch_deletions(&self) -> Deleted {
         let seen = Arc::new(Mutex::new((BTreeSet::new(), BTreeSet::new())));
         let record = seen.clone();
@@ -403,31 +429,7 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
         let pod = PodSpec::new(&format!("busy-{i}"), "1500m", "1Gi");
         workload::create_bound_pod(&s.client, &s.ns, &pod, node).await;
     }
-    s.standin.hold("small");
-    s.patch(
-        "MachineDeployment",
-        "pend",
-        json!({"spec": {"replicas": 3}}),
-    )
-    .await;
-    let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
-    let selector = ListParams::default().labels(&format!("{DEPLOYMENT_NAME}=pend"));
-    let pending = poll_until(
-        "the third Machine, held by the cloud",
-        MACHINES,
-        Duration::from_millis(200),
-        || async {
-            match machine_api.list(&selector).await {
-                Ok(l) => match l.items.iter().map(name_of).find(|n| !names.contains(n)) {
-                    Some(n) => Check::Done(n),
-                    None => Check::Wait("2 Machines".into()),
-                },
-                Err(e) => Check::Wait(e.to_string()),
-            }
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let pending = s.held_third_machine("pend", &names).await;
     let marked = names[0].clone();
     s.mark_by_hand(&marked).await;
     let deleted = s.watch_deletions();
@@ -1060,31 +1062,8 @@ async fn decrease_target_size_follows_the_unhealthy_rank_cluster_api_deletes_by(
     let s = Scenario::new().await;
     s.group("sick", ("1", "5", 2), |_| {}).await;
     let names = s.machines("sick", 2).await;
-    s.standin.hold("small");
-    s.patch(
-        "MachineDeployment",
-        "sick",
-        json!({"spec": {"replicas": 3}}),
-    )
-    .await;
+    let pending = s.held_third_machine("sick", &names).await;
     let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
-    let selector = ListParams::default().labels(&format!("{DEPLOYMENT_NAME}=sick"));
-    let pending = poll_until(
-        "the third Machine, held by the cloud",
-        MACHINES,
-        Duration::from_millis(200),
-        || async {
-            match machine_api.list(&selector).await {
-                Ok(l) => match l.items.iter().map(name_of).find(|n| !names.contains(n)) {
-                    Some(n) => Check::Done(n),
-                    None => Check::Wait("2 Machines".into()),
-                },
-                Err(e) => Check::Wait(e.to_string()),
-            }
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
     let sick = names[0].clone();
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(s.client.clone());
     let condition = |type_: &str, status: &str| {
