@@ -1713,6 +1713,9 @@ fn removal_plan(
 }
 
 #[cfg(test)]
+mod mock_api_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
