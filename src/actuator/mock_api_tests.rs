@@ -143,6 +143,22 @@ enum Fault {
     ArriveLate,
     /// Applies the request and never answers.
     Hang,
+    /// Another writer changes the object just before the request is served (a new
+    /// resourceVersion, an annotation of its own), so a request guarded by the version before
+    /// conflicts.
+    OtherWriterFirst,
+}
+
+/// The annotation [`Fault::OtherWriterFirst`] writes: a write over it must keep it.
+const OTHER_WRITER: &str = "example.com/other-writer";
+
+/// A fault for the `nth` (from 0) request `method` `path` from now on.
+#[derive(Clone, Debug)]
+struct Rule {
+    method: Method,
+    path: String,
+    nth: usize,
+    fault: Fault,
 }
 
 /// What the fake was asked: `method` `path` (under [`API_PREFIX`]), with its query and body.
@@ -155,7 +171,7 @@ struct Seen {
 }
 
 impl Seen {
-    /// `"PATCH machines/c"`, `"LIST machines"`.
+    /// `PATCH_C`, `LIST_MACHINES`.
     fn summary(&self) -> String {
         let verb = if self.method == Method::GET && !self.path.contains('/') {
             "LIST"
@@ -172,7 +188,7 @@ struct FakeApi {
     objects: BTreeMap<String, Value>,
     /// The last resourceVersion handed out (every object starts at "1").
     version: u64,
-    faults: Vec<(Method, String, Fault)>,
+    faults: Vec<Rule>,
     /// A request that arrives late, and how many requests until it does.
     late: Option<(usize, Seen)>,
     seen: Vec<Seen>,
@@ -243,11 +259,15 @@ impl FakeApi {
                 self.late = Some((left - 1, late));
             }
         }
+        let matches = |r: &Rule| r.method == request.method && r.path == request.path;
         let fault = self
             .faults
             .iter()
-            .position(|(m, p, _)| *m == request.method && *p == request.path)
-            .map(|i| self.faults.remove(i).2);
+            .position(|r| matches(r) && r.nth == 0)
+            .map(|i| self.faults.remove(i).fault);
+        for rule in self.faults.iter_mut().filter(|r| matches(r)) {
+            rule.nth = rule.nth.saturating_sub(1);
+        }
         match fault {
             None => {
                 let (code, body) = self.apply(&request, content_type);
@@ -269,6 +289,15 @@ impl FakeApi {
             Some(Fault::Hang) => {
                 let _ = self.apply(&request, content_type);
                 Answer::Hang
+            }
+            Some(Fault::OtherWriterFirst) => {
+                let version = self.next_version();
+                if let Some(object) = self.objects.get_mut(&request.path) {
+                    object["metadata"]["annotations"][OTHER_WRITER] = json!(version);
+                    object["metadata"]["resourceVersion"] = json!(version);
+                }
+                let (code, body) = self.apply(&request, content_type);
+                Answer::Respond(code, body)
             }
         }
     }
@@ -416,9 +445,17 @@ impl Fixture {
 
     /// Makes the next `method` request to `path` meet `fault`.
     fn fault(&self, method: Method, path: &str, fault: Fault) {
-        lock(&self.api)
-            .faults
-            .push((method, path.to_string(), fault));
+        self.fault_at(method, path, 0, fault);
+    }
+
+    /// Makes the `nth` (from 0) next `method` request to `path` meet `fault`.
+    fn fault_at(&self, method: Method, path: &str, nth: usize, fault: Fault) {
+        lock(&self.api).faults.push(Rule {
+            method,
+            path: path.to_string(),
+            nth,
+            fault,
+        });
     }
 
     /// Another writer changes the object at `path` (a new resourceVersion) without the provider's
@@ -456,7 +493,7 @@ impl Fixture {
         lock(&self.api).seen.clone()
     }
 
-    /// Every request so far, as `"PATCH machines/c"`.
+    /// Every request so far, as `PATCH_C`.
     fn requests(&self) -> Vec<String> {
         self.seen().iter().map(Seen::summary).collect()
     }
@@ -502,7 +539,33 @@ fn three_running(replicas: i32, annotations: &[(&str, String)]) -> Vec<Value> {
     ]
 }
 
+/// The repair's grace period in these tests (the default `--mark-grace-period`).
+const GRACE: Duration = Duration::from_secs(30);
+
+/// md at `replicas` with `ledger`, Machines a, b and c, c carrying our mark of `mark_age` ago.
+fn marked_c(replicas: i32, ledger: bool, mark_age: u64) -> (Vec<Value>, u64) {
+    let time = now_unix() - mark_age;
+    let annotations: Vec<(&str, String)> = if ledger {
+        vec![(LEDGER_ANNOTATION, mark_entry("c", time))]
+    } else {
+        Vec::new()
+    };
+    let objects = vec![
+        deployment(replicas, &annotations),
+        machine_set(replicas),
+        machine("a", true, None),
+        machine("b", true, None),
+        machine("c", true, Some(our_mark(time))),
+    ];
+    (objects, time)
+}
+
 const MD: &str = "machinedeployments/md";
+/// The requests as [`Fixture::requests`] lists them.
+const GET_MD: &str = "GET machinedeployments/md";
+const PATCH_MD: &str = "PATCH machinedeployments/md";
+const LIST_MACHINES: &str = "LIST machines";
+const PATCH_C: &str = "PATCH machines/c";
 
 // ===== IncreaseSize =====
 
@@ -515,7 +578,7 @@ async fn increase_size_patches_replicas_guarded_by_the_cached_resource_version()
         .await
         .unwrap();
 
-    assert_eq!(fixture.requests(), ["PATCH machinedeployments/md"]);
+    assert_eq!(fixture.requests(), [PATCH_MD]);
     let seen = &fixture.seen()[0];
     assert!(
         seen.query.contains("fieldManager=capi-autoscaler-provider"),
@@ -544,28 +607,18 @@ async fn increase_size_after_a_conflict_rereads_and_lands_once_over_the_other_wr
         .await
         .unwrap();
 
+    assert_eq!(fixture.requests(), [PATCH_MD, GET_MD, PATCH_MD]);
+    let guarded: Vec<(Value, Value)> = fixture
+        .patches(MD)
+        .iter()
+        .map(|p| (p["metadata"]["resourceVersion"].clone(), p["spec"].clone()))
+        .collect();
     assert_eq!(
-        fixture.requests(),
+        guarded,
         [
-            "PATCH machinedeployments/md",
-            "GET machinedeployments/md",
-            "PATCH machinedeployments/md"
+            (json!("1"), json!({"replicas": 4})),
+            (json!("2"), json!({"replicas": 5}))
         ]
-    );
-    let patches = fixture.patches(MD);
-    assert_eq!(
-        (
-            &patches[0]["metadata"]["resourceVersion"],
-            &patches[0]["spec"]
-        ),
-        (&json!("1"), &json!({"replicas": 4}))
-    );
-    assert_eq!(
-        (
-            &patches[1]["metadata"]["resourceVersion"],
-            &patches[1]["spec"]
-        ),
-        (&json!("2"), &json!({"replicas": 5}))
     );
     // The other writer's raise and ours, each once.
     assert_eq!(fixture.replicas(), 5);
@@ -580,10 +633,7 @@ async fn increase_size_whose_answer_is_lost_after_it_landed_is_read_back_and_not
         .await
         .unwrap();
 
-    assert_eq!(
-        fixture.requests(),
-        ["PATCH machinedeployments/md", "GET machinedeployments/md"]
-    );
+    assert_eq!(fixture.requests(), [PATCH_MD, GET_MD]);
     assert_eq!(fixture.replicas(), 4);
 }
 
@@ -599,10 +649,7 @@ async fn increase_size_never_answered_times_out_reads_back_and_is_not_applied_tw
 
     // Given up on after the call timeout (4 s, below CA's 5 s gRPC deadline), then looked up.
     assert!(started.elapsed() >= Duration::from_secs(4));
-    assert_eq!(
-        fixture.requests(),
-        ["PATCH machinedeployments/md", "GET machinedeployments/md"]
-    );
+    assert_eq!(fixture.requests(), [PATCH_MD, GET_MD]);
     assert_eq!(fixture.replicas(), 4);
 }
 
@@ -618,12 +665,9 @@ async fn increase_size_lost_before_it_landed_is_read_back_and_written_once_more(
     assert_eq!(
         fixture.requests(),
         [
-            "PATCH machinedeployments/md",
-            // Looked up: not applied.
-            "GET machinedeployments/md",
-            // The next attempt, from a fresh read.
-            "GET machinedeployments/md",
-            "PATCH machinedeployments/md",
+            PATCH_MD, // Looked up: not applied.
+            GET_MD,   // The next attempt, from a fresh read.
+            GET_MD, PATCH_MD,
         ]
     );
     assert_eq!(fixture.replicas(), 4);
@@ -639,14 +683,7 @@ async fn increase_size_that_lands_after_it_was_read_back_as_lost_is_taken_as_the
         .await
         .unwrap();
 
-    assert_eq!(
-        fixture.requests(),
-        [
-            "PATCH machinedeployments/md",
-            "GET machinedeployments/md",
-            "GET machinedeployments/md",
-        ]
-    );
+    assert_eq!(fixture.requests(), [PATCH_MD, GET_MD, GET_MD,]);
     assert_eq!(fixture.replicas(), 4, "the raise was applied twice");
 }
 
@@ -675,13 +712,56 @@ async fn increase_size_refusals_come_back_as_their_error_with_nothing_written() 
             _ => panic!("{code} answered as {error:?}"),
         }
         // Not retried, not looked up: a refusal is final.
-        assert_eq!(
-            fixture.requests(),
-            ["PATCH machinedeployments/md"],
-            "{code}"
-        );
+        assert_eq!(fixture.requests(), [PATCH_MD], "{code}");
         assert_eq!(fixture.object(MD), before, "{code}");
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn increase_size_whose_outcome_cannot_be_read_back_is_unavailable_and_says_so() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    fixture.fault(Method::PATCH, MD, Fault::LoseRequest);
+    for nth in 0..3 {
+        fixture.fault_at(Method::GET, MD, nth, Fault::Refuse(503));
+    }
+
+    let error = within(fixture.actuator.increase_size(GROUP, 1))
+        .await
+        .unwrap_err();
+
+    match &error {
+        ActuatorError::Api {
+            cause: ApiCause::Unreachable,
+            message,
+        } => assert!(
+            message.contains("whether the write landed is unknown"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // Looked up three times, never written again blind.
+    assert_eq!(fixture.requests(), [PATCH_MD, GET_MD, GET_MD, GET_MD]);
+    assert_eq!(fixture.replicas(), 3);
+}
+
+#[tokio::test]
+async fn increase_size_still_conflicting_after_eight_attempts_gives_up_with_a_conflict() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    for nth in 0..8 {
+        fixture.fault_at(Method::PATCH, MD, nth, Fault::Refuse(409));
+    }
+
+    let error = within(fixture.actuator.increase_size(GROUP, 1))
+        .await
+        .unwrap_err();
+
+    assert!(matches!(error, ActuatorError::Conflict(_)), "{error:?}");
+    let mut expected = vec![PATCH_MD];
+    for _ in 1..8 {
+        expected.extend([GET_MD, PATCH_MD]);
+    }
+    assert_eq!(fixture.requests(), expected);
+    assert_eq!(fixture.replicas(), 3);
 }
 
 // ===== DeleteNodes =====
@@ -699,10 +779,10 @@ async fn delete_nodes_marks_the_machine_then_lowers_replicas_paying_that_mark_in
         fixture.requests(),
         [
             // Decided from the group and its Machines as the API has them.
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machines/c",
-            "PATCH machinedeployments/md",
+            GET_MD,
+            LIST_MACHINES,
+            PATCH_C,
+            PATCH_MD,
         ]
     );
     let mark = fixture.mark("c").expect("c is marked");
@@ -739,10 +819,7 @@ async fn delete_nodes_retried_after_it_landed_writes_nothing_more() {
         .await
         .unwrap();
 
-    assert_eq!(
-        fixture.requests()[after_first..],
-        ["GET machinedeployments/md", "LIST machines"]
-    );
+    assert_eq!(fixture.requests()[after_first..], [GET_MD, LIST_MACHINES]);
     assert_eq!(fixture.replicas(), 2);
 }
 
@@ -769,13 +846,7 @@ async fn delete_nodes_whose_replicas_write_is_refused_takes_its_mark_back() {
         }
         assert_eq!(
             fixture.requests(),
-            [
-                "GET machinedeployments/md",
-                "LIST machines",
-                "PATCH machines/c",
-                "PATCH machinedeployments/md",
-                "PATCH machines/c",
-            ],
+            [GET_MD, LIST_MACHINES, PATCH_C, PATCH_MD, PATCH_C,],
             "{code}"
         );
         // The unmark restores what c carried before (nothing), unguarded: the mark is ours.
@@ -803,12 +874,12 @@ async fn delete_nodes_whose_decrement_answer_is_lost_after_it_landed_keeps_the_m
     assert_eq!(
         fixture.requests(),
         [
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machines/c",
-            "PATCH machinedeployments/md",
+            GET_MD,
+            LIST_MACHINES,
+            PATCH_C,
+            PATCH_MD,
             // Looked up: the ledger entry is there, so it landed.
-            "GET machinedeployments/md",
+            GET_MD,
         ]
     );
     let time = fixture.mark("c").as_deref().and_then(our_mark_time);
@@ -840,14 +911,7 @@ async fn delete_nodes_whose_mark_answer_is_lost_leaves_the_mark_for_a_retry_to_p
         "{error:?}"
     );
     // Replicas untouched; the mark landed unseen and stays (owed a decrement).
-    assert_eq!(
-        fixture.requests(),
-        [
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machines/c"
-        ]
-    );
+    assert_eq!(fixture.requests(), [GET_MD, LIST_MACHINES, PATCH_C]);
     assert_eq!(fixture.replicas(), 3);
     let time = fixture
         .mark("c")
@@ -860,19 +924,79 @@ async fn delete_nodes_whose_mark_answer_is_lost_leaves_the_mark_for_a_retry_to_p
         .await
         .unwrap();
 
-    assert_eq!(
-        fixture.requests()[3..],
-        [
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machinedeployments/md"
-        ]
-    );
+    assert_eq!(fixture.requests()[3..], [GET_MD, LIST_MACHINES, PATCH_MD]);
     assert_eq!(fixture.replicas(), 2);
     assert_eq!(
         fixture.annotation(MD, LEDGER_ANNOTATION),
         Some(mark_entry("c", time))
     );
+}
+
+#[tokio::test]
+async fn delete_nodes_after_a_conflict_rereads_the_group_and_its_machines_and_lowers_once() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    // Another writer changes md between the mark and the decrement.
+    fixture.fault(Method::PATCH, MD, Fault::OtherWriterFirst);
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    assert_eq!(
+        fixture.requests(),
+        [
+            GET_MD,
+            LIST_MACHINES,
+            PATCH_C,
+            PATCH_MD,
+            // Conflict: decided again from the group and its Machines as they are now.
+            GET_MD,
+            LIST_MACHINES,
+            PATCH_MD,
+        ]
+    );
+    let time = fixture
+        .mark("c")
+        .as_deref()
+        .and_then(our_mark_time)
+        .expect("c is marked");
+    let guards: Vec<Value> = fixture
+        .patches(MD)
+        .iter()
+        .map(|p| p["metadata"]["resourceVersion"].clone())
+        .collect();
+    assert_eq!(guards, [json!("1"), json!("3")]);
+    assert_eq!(fixture.replicas(), 2);
+    assert_eq!(
+        fixture.annotation(MD, LEDGER_ANNOTATION),
+        Some(mark_entry("c", time))
+    );
+    assert!(fixture.annotation(MD, OTHER_WRITER).is_some());
+}
+
+#[tokio::test]
+async fn delete_nodes_whose_take_back_is_lost_leaves_the_mark_to_the_repair() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    fixture.fault(Method::PATCH, MD, Fault::Refuse(422));
+    // The second PATCH of c, the unmark, never arrives.
+    fixture.fault_at(Method::PATCH, "machines/c", 1, Fault::LoseRequest);
+
+    let error = within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap_err();
+
+    assert!(matches!(error, ActuatorError::Refused(_)), "{error:?}");
+    assert_eq!(
+        fixture.requests(),
+        [GET_MD, LIST_MACHINES, PATCH_C, PATCH_MD, PATCH_C]
+    );
+    assert!(fixture.mark("c").is_some());
+    assert_eq!(fixture.replicas(), 3);
+
+    // Unpaid and past the grace period (none here): the repair takes it back.
+    assert_eq!(within(fixture.actuator.repair(Duration::ZERO)).await, 1);
+    assert_eq!(fixture.mark("c"), None);
+    assert_eq!(fixture.replicas(), 3);
 }
 
 // ===== DecreaseTargetSize =====
@@ -891,14 +1015,7 @@ async fn decrease_target_size_cancels_replicas_without_a_machine_by_a_guarded_de
         .await
         .unwrap();
 
-    assert_eq!(
-        fixture.requests(),
-        [
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machinedeployments/md"
-        ]
-    );
+    assert_eq!(fixture.requests(), [GET_MD, LIST_MACHINES, PATCH_MD]);
     assert_eq!(
         fixture.patches(MD),
         [json!({"metadata": {"resourceVersion": "1"}, "spec": {"replicas": 2}})]
@@ -924,12 +1041,12 @@ async fn decrease_target_size_pins_a_pending_machine_with_a_mark_and_pays_it() {
     assert_eq!(
         fixture.requests(),
         [
-            "GET machinedeployments/md",
-            "LIST machines",
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machines/c",
-            "PATCH machinedeployments/md",
+            GET_MD,
+            LIST_MACHINES,
+            GET_MD,
+            LIST_MACHINES,
+            PATCH_C,
+            PATCH_MD,
         ]
     );
     let time = fixture
@@ -970,10 +1087,7 @@ async fn decrease_target_size_that_would_remove_a_registered_node_is_refused_wit
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(
-        fixture.requests(),
-        ["GET machinedeployments/md", "LIST machines"]
-    );
+    assert_eq!(fixture.requests(), [GET_MD, LIST_MACHINES]);
     assert_eq!(fixture.object(MD), before);
 }
 
@@ -997,34 +1111,11 @@ async fn decrease_target_size_within_the_grace_after_a_raise_is_refused_without_
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(
-        fixture.requests(),
-        ["GET machinedeployments/md", "LIST machines"]
-    );
+    assert_eq!(fixture.requests(), [GET_MD, LIST_MACHINES]);
     assert_eq!(fixture.replicas(), 3);
 }
 
 // ===== repair =====
-
-const GRACE: Duration = Duration::from_secs(30);
-
-/// md at `replicas` with `ledger`, Machines a, b and c, c carrying our mark of `mark_age` ago.
-fn marked_c(replicas: i32, ledger: bool, mark_age: u64) -> (Vec<Value>, u64) {
-    let time = now_unix() - mark_age;
-    let annotations: Vec<(&str, String)> = if ledger {
-        vec![(LEDGER_ANNOTATION, mark_entry("c", time))]
-    } else {
-        Vec::new()
-    };
-    let objects = vec![
-        deployment(replicas, &annotations),
-        machine_set(replicas),
-        machine("a", true, None),
-        machine("b", true, None),
-        machine("c", true, Some(our_mark(time))),
-    ];
-    (objects, time)
-}
 
 #[tokio::test]
 async fn repair_takes_back_an_orphaned_mark_past_the_grace_period_recording_it_first() {
@@ -1039,10 +1130,10 @@ async fn repair_takes_back_an_orphaned_mark_past_the_grace_period_recording_it_f
         fixture.requests(),
         [
             // Confirmed from the API before anything is taken back.
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machinedeployments/md",
-            "PATCH machines/c",
+            GET_MD,
+            LIST_MACHINES,
+            PATCH_MD,
+            PATCH_C,
         ]
     );
     assert_eq!(
@@ -1092,10 +1183,7 @@ async fn repair_keeps_a_mark_the_api_shows_paid_though_the_cache_does_not() {
 
     assert_eq!(within(fixture.actuator.repair(GRACE)).await, 0);
 
-    assert_eq!(
-        fixture.requests(),
-        ["GET machinedeployments/md", "LIST machines"]
-    );
+    assert_eq!(fixture.requests(), [GET_MD, LIST_MACHINES]);
     assert_eq!(fixture.mark("c"), Some(our_mark(time)));
 }
 
@@ -1109,13 +1197,22 @@ async fn repair_whose_record_conflicts_takes_nothing_back() {
 
     assert_eq!(within(fixture.actuator.repair(GRACE)).await, 0);
 
+    assert_eq!(fixture.requests(), [GET_MD, LIST_MACHINES, PATCH_MD]);
+    assert_eq!(fixture.mark("c"), Some(our_mark(time)));
+}
+
+#[tokio::test]
+async fn repair_leaves_a_mark_whose_machine_changed_since_it_decided() {
+    let (objects, time) = marked_c(3, false, 3600);
+    let fixture = Fixture::new(&objects);
+    // c changes between the repair's listing and its unmark: the guarded unmark conflicts.
+    fixture.fault(Method::PATCH, "machines/c", Fault::OtherWriterFirst);
+
+    assert_eq!(within(fixture.actuator.repair(GRACE)).await, 0);
+
     assert_eq!(
         fixture.requests(),
-        [
-            "GET machinedeployments/md",
-            "LIST machines",
-            "PATCH machinedeployments/md"
-        ]
+        [GET_MD, LIST_MACHINES, PATCH_MD, PATCH_C]
     );
     assert_eq!(fixture.mark("c"), Some(our_mark(time)));
 }
