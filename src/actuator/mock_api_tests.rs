@@ -29,7 +29,7 @@ use crate::lock;
 use crate::metrics::Metrics;
 use crate::removal::{
     LEDGER_ANNOTATION, RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark,
-    our_mark_time,
+    our_mark_time, pool_node_entry,
 };
 use crate::snapshot::{Index, Settings};
 use crate::store::Store;
@@ -107,6 +107,25 @@ fn machine(name: &str, registered: bool, mark: Option<String>) -> Value {
         object["metadata"]["annotations"] = json!({keys().delete_machine: mark});
     }
     object
+}
+
+/// MachinePool mp (min 0, max 5) with `replicas` and these instances in its providerIDList, none
+/// with a Machine (an infrastructure provider without MachinePool Machines).
+fn machine_pool(replicas: i32, instances: &[&str]) -> Value {
+    let keys = keys();
+    json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2",
+        "kind": "MachinePool",
+        "metadata": {
+            "namespace": NS, "name": "mp", "uid": "uid-mp", "resourceVersion": "1",
+            "annotations": {keys.min_size.as_str(): "0", keys.max_size.as_str(): "5"},
+        },
+        "spec": {
+            "clusterName": "c1", "replicas": replicas,
+            "providerIDList": instances.iter().map(|i| format!("e2e:///ns/{i}")).collect::<Vec<_>>(),
+            "template": {"spec": {"clusterName": "c1"}},
+        },
+    })
 }
 
 /// The node CA names for Machine `name`.
@@ -997,6 +1016,45 @@ async fn delete_nodes_whose_take_back_is_lost_leaves_the_mark_to_the_repair() {
     assert_eq!(within(fixture.actuator.repair(Duration::ZERO)).await, 1);
     assert_eq!(fixture.mark("c"), None);
     assert_eq!(fixture.replicas(), 3);
+}
+
+#[tokio::test]
+async fn delete_nodes_of_a_pool_node_without_a_machine_pays_it_once_through_a_lost_answer_and_a_retry()
+ {
+    const POOL: &str = "MachinePool/ns/mp";
+    let fixture = Fixture::new(&[machine_pool(2, &["p1", "p2"])]);
+    fixture.fault(Method::PATCH, "machinepools/mp", Fault::LoseAnswer);
+
+    within(fixture.actuator.delete_nodes(POOL, &[node("p2")]))
+        .await
+        .unwrap();
+
+    // Over the cached version, guarded; the answer lost, read back: its ledger entry is there.
+    assert_eq!(
+        fixture.requests(),
+        ["PATCH machinepools/mp", "GET machinepools/mp"]
+    );
+    let entry = pool_node_entry("e2e:///ns/p2");
+    assert_eq!(
+        fixture.patches("machinepools/mp"),
+        [json!({
+            "metadata": {"resourceVersion": "1", "annotations": {LEDGER_ANNOTATION: entry.clone()}},
+            "spec": {"replicas": 1},
+        })]
+    );
+
+    // CA asks again: paid already, nothing written.
+    within(fixture.actuator.delete_nodes(POOL, &[node("p2")]))
+        .await
+        .unwrap();
+
+    assert_eq!(fixture.requests().len(), 2);
+    let pool = fixture.object("machinepools/mp");
+    assert_eq!(pool["spec"]["replicas"], json!(1));
+    assert_eq!(
+        pool["metadata"]["annotations"][LEDGER_ANNOTATION],
+        json!(entry)
+    );
 }
 
 // ===== DecreaseTargetSize =====
