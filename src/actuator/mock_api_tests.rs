@@ -3,13 +3,14 @@
 //! task answers its requests. Here that task is a small API server ([`FakeApi`]): it keeps the
 //! objects, applies JSON merge patches under their `metadata.resourceVersion` precondition (409
 //! when it is stale, as the real API server does), lists, and records every request; a test
-//! queues faults for single requests (a refusal, an answer lost after the write landed, a request
-//! lost before it did, one that lands late, one never answered). Tests assert the requests sent,
-//! in order, with their exact bodies, and the objects the fake holds afterwards.
+//! queues faults for single requests ([`Fault`]: a refusal, an answer lost after the write landed, a
+//! request lost before it did, one that lands late, one never answered, another writer first).
+//! Tests assert the requests sent, in order, with their exact bodies, and the objects the fake
+//! holds afterwards.
 //!
-//! Group `MachineDeployment/ns/md` (min 1, max 5) has MachineSet md-1 and its Machines; the
-//! provider's cache starts as the fake's objects are, unless a test changes the fake "meanwhile"
-//! (another writer the watch has not delivered yet).
+//! Group `MachineDeployment/ns/md` (min 1, max 5) has MachineSet md-1 and its Machines (one test
+//! uses MachinePool mp instead); the provider's cache starts as the fake's objects are, unless a
+//! test changes the fake "meanwhile" (another writer the watch has not delivered yet).
 
 use std::collections::BTreeMap;
 use std::future::Future;
