@@ -1124,6 +1124,41 @@ async fn decrease_target_size_pins_a_pending_machine_with_a_mark_and_pays_it() {
 }
 
 #[tokio::test]
+async fn decrease_target_size_whose_decrement_is_refused_takes_its_pin_back() {
+    let fixture = Fixture::new(&[
+        deployment(3, &[]),
+        machine_set(3),
+        machine("a", true, None),
+        machine("b", true, None),
+        machine("c", false, None),
+    ]);
+    fixture.fault(Method::PATCH, MD, Fault::Refuse(422));
+
+    let error = within(fixture.actuator.decrease_target_size(GROUP, -1))
+        .await
+        .unwrap_err();
+
+    assert!(matches!(error, ActuatorError::Refused(_)), "{error:?}");
+    assert_eq!(
+        fixture.requests(),
+        [
+            GET_MD,
+            LIST_MACHINES,
+            GET_MD,
+            LIST_MACHINES,
+            PATCH_C,
+            PATCH_MD,
+            PATCH_C
+        ]
+    );
+    assert_eq!(fixture.mark("c"), None);
+    assert_eq!(
+        fixture.object(MD)["metadata"]["resourceVersion"],
+        json!("1")
+    );
+}
+
+#[tokio::test]
 async fn decrease_target_size_that_would_remove_a_registered_node_is_refused_without_a_write() {
     let fixture = Fixture::new(&[
         deployment(2, &[]),
