@@ -22,7 +22,7 @@ use crate::removal::{
     RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time, payment_entry,
     pool_node_entry, raised_at,
 };
-use crate::service::Backend;
+use crate::grpc::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
 use crate::store::Store;
 

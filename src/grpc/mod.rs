@@ -18,6 +18,7 @@ use crate::snapshot::{NodeGroup as Group, Snapshot};
 use crate::template::NODE_GROUP_ANNOTATION;
 
 mod convert;
+pub mod wire;
 
 use convert::{node_ref, period, wire_group};
 pub use convert::{options_response, template_bytes};
@@ -31,7 +32,7 @@ const MAX_STATUS_MESSAGE: usize = 1024;
 /// Largest `pod_bytes` decoded: the API server refuses objects over 3 MiB, so no real pod is larger.
 const MAX_POD_BYTES: usize = 3 << 20;
 
-/// Memory a pod may decode into (see [`crate::wire`]): thousands of containers, not millions.
+/// Memory a pod may decode into (see [`wire`]): thousands of containers, not millions.
 const POD_DECODE_BUDGET: u64 = 64 << 20;
 
 /// What the service answers from and writes through.
@@ -271,7 +272,7 @@ impl<B: Backend> CloudProvider for Service<B> {
                     bytes.len()
                 )));
             }
-            crate::wire::cost(bytes, crate::wire::Shape::Pod, POD_DECODE_BUDGET).map_err(|e| {
+            wire::cost(bytes, wire::Shape::Pod, POD_DECODE_BUDGET).map_err(|e| {
                 Status::resource_exhausted(format!(
                     "pod_bytes: too many containers, volumes or other elements: {e}"
                 ))
