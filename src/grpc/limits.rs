@@ -1,0 +1,49 @@
+//! What the service accepts and sends back at most: a hostile or broken client gets a bounded answer
+//! and cannot make the provider decode more than a real object could be.
+
+use tonic::Status;
+
+use super::wire::{self, Shape};
+
+/// Longest status message sent back: a hostile id or node name is not echoed whole.
+pub(super) const MAX_STATUS_MESSAGE: usize = 1024;
+
+/// Largest `pod_bytes` decoded: the API server refuses objects over 3 MiB, so no real pod is larger.
+pub(super) const MAX_POD_BYTES: usize = 3 << 20;
+
+/// Memory a pod may decode into (see [`wire`]): thousands of containers, not millions.
+pub(super) const POD_DECODE_BUDGET: u64 = 64 << 20;
+
+/// `text` cut to at most `max` bytes (at a character boundary), saying how long it was.
+pub(super) fn shorten(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    format!("{}… ({} bytes)", crate::problem::cut(text, max), text.len())
+}
+
+/// `status` with its message cut to [`MAX_STATUS_MESSAGE`].
+pub(super) fn bounded(status: Status) -> Status {
+    if status.message().len() > MAX_STATUS_MESSAGE {
+        Status::new(status.code(), shorten(status.message(), MAX_STATUS_MESSAGE))
+    } else {
+        status
+    }
+}
+
+/// Refuses `pod_bytes` larger than any Kubernetes object, or that would decode into more than
+/// [`POD_DECODE_BUDGET`], before decoding them.
+pub(super) fn pod_bytes_within_limits(bytes: &[u8]) -> Result<(), Status> {
+    if bytes.len() > MAX_POD_BYTES {
+        return Err(Status::resource_exhausted(format!(
+            "pod_bytes: {} bytes, more than any Kubernetes object can be ({MAX_POD_BYTES})",
+            bytes.len()
+        )));
+    }
+    wire::cost(bytes, Shape::Pod, POD_DECODE_BUDGET).map_err(|e| {
+        Status::resource_exhausted(format!(
+            "pod_bytes: too many containers, volumes or other elements: {e}"
+        ))
+    })?;
+    Ok(())
+}
