@@ -20,14 +20,14 @@ use tonic::transport::Server;
 
 use crate::actuator::Actuator;
 use crate::config::ServeArgs;
+use crate::grpc::Service;
+use crate::grpc::wire::{self, Shape};
 use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
-use crate::grpc::Service;
 use crate::startup::start_store;
 use crate::store::{Store, WatchSettings};
 use crate::tls::{ReloadingTls, TlsFiles};
 use crate::version;
-use crate::grpc::wire::{self, Shape};
 
 /// The CloudProvider service as served: handlers over the actuator and its store.
 type Provider = Service<Arc<Actuator>>;
