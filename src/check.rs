@@ -1,4 +1,4 @@
-//! `check` and `template`: what cluster-autoscaler will see, for people and scripts.
+//! `check`: what cluster-autoscaler will see, for people and scripts.
 //!
 //! The report is built from the same Snapshot the server answers from, so what `check` prints is what
 //! CA gets.
@@ -6,24 +6,19 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::config::{CheckArgs, Config, ConnectionArgs, OutputFormat, ServerArgs, TemplateArgs};
-use crate::metrics::Metrics;
+use crate::config::{CheckArgs, Config, ConnectionArgs, OutputFormat, ServerArgs};
 use crate::options::GroupOptions;
 use crate::pricing::{PriceSource, ReferencePrices};
 use crate::problem::Problem;
 use crate::scope::Scope;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
-use crate::startup::start_store;
-use crate::store::WatchSettings;
+use crate::startup::read_only_snapshot;
 use crate::template::{TemplateSummary, taint_string};
-
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -363,33 +358,6 @@ pub fn render_table(report: &Report) -> String {
     out
 }
 
-async fn ready_snapshot(
-    connection: &crate::config::ConnectionArgs,
-) -> anyhow::Result<Arc<Snapshot>> {
-    let config = connection.config()?;
-    // Read-only: no Events, no writes.
-    let store = start_store(
-        &config,
-        Arc::new(Metrics::new()),
-        false,
-        WatchSettings::default(),
-    )
-    .await?;
-    // A forbidden or missing resource is reported at once: waiting does not fix RBAC.
-    if let Err(reasons) = store.wait_ready_or_fatal(READY_TIMEOUT, true).await {
-        anyhow::bail!(
-            "the objects cluster-autoscaler needs could not be listed{}:\n  {}",
-            if store.watch_problems().iter().any(|p| p.fatal) {
-                String::new()
-            } else {
-                format!(" within {READY_TIMEOUT:?}")
-            },
-            reasons.join("\n  ")
-        );
-    }
-    Ok(store.snapshot())
-}
-
 /// What the running provider answers on `/check`: the report of its snapshot, rendered both ways,
 /// and the configuration it serves, so a command of another configuration does not take it.
 #[derive(Debug, Serialize, serde::Deserialize)]
@@ -444,7 +412,7 @@ pub async fn served_or_own(
             Err(e) => format!("no running provider at {address}: {e}"),
         }
     };
-    let snapshot = ready_snapshot(connection).await?;
+    let snapshot = read_only_snapshot(connection).await?;
     Ok((
         served_check(&snapshot, &fingerprint),
         format!("watches of its own ({why})"),
@@ -509,35 +477,6 @@ pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Prints one group's template Node as YAML.
-pub async fn template(args: TemplateArgs) -> anyhow::Result<ExitCode> {
-    let snapshot = ready_snapshot(&args.connection).await?;
-    let group = snapshot
-        .group(&args.id)
-        .with_context(|| format!("no node group {:?}; `check` lists them", args.id))?;
-    match &group.template {
-        Some(t) => {
-            print!(
-                "{}",
-                serde_norway::to_string(&t.node).context("encoding the template")?
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        None => {
-            let object = format!("{} {}", group.kind(), group.resource.key);
-            eprintln!("{} has no scale-from-zero template:", group.id);
-            for p in snapshot
-                .problems
-                .iter()
-                .filter(|p| p.object == object || p.message.contains(&object))
-            {
-                eprintln!("  {}: {}", p.field, p.message);
-            }
-            Ok(ExitCode::from(1))
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,6 +484,7 @@ mod tests {
     use crate::capi::{Keys, ScalableKind, ScalableResource};
     use crate::snapshot::{Index, Settings};
     use serde_json::json;
+    use std::sync::Arc;
 
     /// MachineDeployment md (min 0, max 5, replicas 3) with MachineSets md-new (revision 2) and
     /// md-old (revision 1, `old` replicas).

@@ -19,6 +19,7 @@ mod object;
 pub mod options;
 pub mod preflight;
 pub mod pricing;
+pub mod print_template;
 pub mod problem;
 pub mod proto;
 mod removal;
