@@ -309,3 +309,60 @@ impl ReloadingTls {
         futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    fn files(dir: &Path) -> TlsFiles {
+        TlsFiles {
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+            client_ca: None,
+        }
+    }
+
+    #[test]
+    fn a_missing_file_names_its_flag_and_keeps_the_io_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = files(dir.path());
+        let error = files.load().unwrap_err();
+        assert!(
+            matches!(
+                error,
+                TlsError::Read {
+                    flag: "--tls-cert",
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        let io = error
+            .source()
+            .and_then(|e| e.downcast_ref::<std::io::Error>())
+            .unwrap();
+        assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+        assert_eq!(
+            error.to_string(),
+            format!("--tls-cert {}: {io}", files.cert.display())
+        );
+    }
+
+    #[test]
+    fn a_file_without_a_certificate_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = files(dir.path());
+        std::fs::write(&files.cert, "not PEM at all\n").unwrap();
+        let error = files.load().unwrap_err();
+        assert!(error.source().is_none(), "{error:?}");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "--tls-cert {}: no PEM certificate in the file",
+                files.cert.display()
+            )
+        );
+    }
+}

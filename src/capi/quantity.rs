@@ -142,4 +142,16 @@ mod tests {
             assert!(parse_quantity(s).is_err(), "{s:?} accepted");
         }
     }
+
+    /// The texts problems quote (`check` prints them): they name the trimmed value.
+    #[test]
+    fn errors_say_what_is_wrong_with_the_value() {
+        let message = |s: &str| parse_quantity(s).unwrap_err().to_string();
+        assert_eq!(message("  "), "empty quantity");
+        assert_eq!(
+            message(" 1KB "),
+            r#""1KB" is not a quantity (e.g. 4, 500m, 16Gi, 128G)"#
+        );
+        assert_eq!(message("-500m"), r#""-500m" is negative"#);
+    }
 }

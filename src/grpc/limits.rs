@@ -47,3 +47,67 @@ pub(super) fn pod_bytes_within_limits(bytes: &[u8]) -> Result<(), Status> {
     })?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_pb::api::core::v1::{Container, Pod, PodSpec};
+    use prost::Message;
+    use tonic::Code;
+
+    fn pod_with_containers(n: usize) -> Vec<u8> {
+        Pod {
+            spec: Some(PodSpec {
+                containers: vec![Container::default(); n],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+        .encode_to_vec()
+    }
+
+    #[test]
+    fn a_long_status_message_is_cut_keeps_its_code_and_says_how_long_it_was() {
+        // Two bytes a character: the cut falls inside one unless it keeps to character boundaries.
+        let long = "é".repeat(MAX_STATUS_MESSAGE);
+        let status = bounded(Status::not_found(long.clone()));
+        assert_eq!(status.code(), Code::NotFound);
+        let (kept, note) = status.message().split_once('…').unwrap();
+        assert!(kept.len() <= MAX_STATUS_MESSAGE, "{}", kept.len());
+        assert_eq!(note, format!(" ({} bytes)", long.len()));
+
+        let short = bounded(Status::invalid_argument("node is required"));
+        assert_eq!(short.code(), Code::InvalidArgument);
+        assert_eq!(short.message(), "node is required");
+    }
+
+    #[test]
+    fn pod_bytes_larger_than_any_kubernetes_object_are_refused() {
+        let status = pod_bytes_within_limits(&vec![0; MAX_POD_BYTES + 1]).unwrap_err();
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(
+            status
+                .message()
+                .starts_with(&format!("pod_bytes: {} bytes,", MAX_POD_BYTES + 1)),
+            "{}",
+            status.message()
+        );
+    }
+
+    #[test]
+    fn pod_bytes_that_would_decode_into_too_much_memory_are_refused() {
+        // 100,000 empty containers: a few hundred KB on the wire, far more than the budget decoded.
+        let bytes = pod_with_containers(100_000);
+        assert!(bytes.len() <= MAX_POD_BYTES);
+        let status = pod_bytes_within_limits(&bytes).unwrap_err();
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(
+            status
+                .message()
+                .starts_with("pod_bytes: too many containers, volumes or other elements: "),
+            "{}",
+            status.message()
+        );
+        assert!(pod_bytes_within_limits(&pod_with_containers(10)).is_ok());
+    }
+}
