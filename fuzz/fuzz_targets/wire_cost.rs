@@ -10,8 +10,8 @@
 
 use std::mem::size_of;
 
-use capi_autoscaler_provider::proto::{ExternalGrpcNode, NodeGroupDeleteNodesRequest};
 use capi_autoscaler_provider::grpc::wire::{Shape, TooLarge, UNIT, cost};
+use capi_autoscaler_provider::proto::{ExternalGrpcNode, NodeGroupDeleteNodesRequest};
 use k8s_pb::api::core::v1::{Container, EphemeralContainer, Pod, Volume};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
