@@ -13,6 +13,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 
 use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource};
+use crate::grpc::Backend;
 use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::ApiObject;
@@ -22,7 +23,6 @@ use crate::removal::{
     RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time, payment_entry,
     pool_node_entry, raised_at,
 };
-use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
 use crate::store::Store;
 

@@ -1,4 +1,4 @@
-//! `check` and `template`: what cluster-autoscaler will see, for people and scripts.
+//! `check`: what cluster-autoscaler will see, for people and scripts.
 //!
 //! The report is built from the same Snapshot the server answers from, so what `check` prints is what
 //! CA gets.
@@ -6,24 +6,21 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::config::{CheckArgs, Config, ConnectionArgs, OutputFormat, ServerArgs, TemplateArgs};
-use crate::metrics::Metrics;
+use crate::config::{CheckArgs, OutputFormat};
 use crate::options::GroupOptions;
 use crate::pricing::{PriceSource, ReferencePrices};
 use crate::problem::Problem;
 use crate::scope::Scope;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
-use crate::startup::start_store;
-use crate::store::WatchSettings;
 use crate::template::{TemplateSummary, taint_string};
 
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
+mod served;
+
+pub use served::{ServedCheck, fingerprint, served_check, served_or_own};
 
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -363,134 +360,6 @@ pub fn render_table(report: &Report) -> String {
     out
 }
 
-async fn ready_snapshot(
-    connection: &crate::config::ConnectionArgs,
-) -> anyhow::Result<Arc<Snapshot>> {
-    let config = connection.config()?;
-    // Read-only: no Events, no writes.
-    let store = start_store(
-        &config,
-        Arc::new(Metrics::new()),
-        false,
-        WatchSettings::default(),
-    )
-    .await?;
-    // A forbidden or missing resource is reported at once: waiting does not fix RBAC.
-    if let Err(reasons) = store.wait_ready_or_fatal(READY_TIMEOUT, true).await {
-        anyhow::bail!(
-            "the objects cluster-autoscaler needs could not be listed{}:\n  {}",
-            if store.watch_problems().iter().any(|p| p.fatal) {
-                String::new()
-            } else {
-                format!(" within {READY_TIMEOUT:?}")
-            },
-            reasons.join("\n  ")
-        );
-    }
-    Ok(store.snapshot())
-}
-
-/// What the running provider answers on `/check`: the report of its snapshot, rendered both ways,
-/// and the configuration it serves, so a command of another configuration does not take it.
-#[derive(Debug, Serialize, serde::Deserialize)]
-pub struct ServedCheck {
-    pub fingerprint: String,
-    pub problems: usize,
-    pub table: String,
-    pub report: serde_json::Value,
-}
-
-/// Identifies what a provider serves: the validated configuration (clusters, discovery, Cluster,
-/// group, version, prices), hashed (FNV-1a 64). Equal in `serve` and in a command run in its
-/// container with the same environment.
-pub fn fingerprint(config: &Config) -> String {
-    let text = format!("{config:?}");
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in text.bytes() {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{hash:016x}")
-}
-
-/// The `/check` answer of a snapshot.
-pub fn served_check(snapshot: &Snapshot, fingerprint: &str) -> ServedCheck {
-    let report = report(snapshot);
-    ServedCheck {
-        fingerprint: fingerprint.to_string(),
-        problems: report.problems.len(),
-        table: render_table(&report),
-        report: serde_json::to_value(&report).unwrap_or_default(),
-    }
-}
-
-/// The report, from the running provider when it answers for this configuration, else from watches
-/// of our own. The second value says which, for a person (stderr) and for `explain`.
-pub async fn served_or_own(
-    connection: &ConnectionArgs,
-    server: &ServerArgs,
-) -> anyhow::Result<(ServedCheck, String)> {
-    let config = connection.config()?;
-    let fingerprint = fingerprint(&config);
-    let address = server.metrics_address.trim();
-    let why = if address.is_empty() {
-        "--metrics-address is empty".to_string()
-    } else {
-        match ask_server(address).await {
-            Ok(served) if served.fingerprint == fingerprint => {
-                return Ok((served, format!("the running provider at {address}")));
-            }
-            Ok(_) => format!("the provider at {address} serves another configuration"),
-            Err(e) => format!("no running provider at {address}: {e}"),
-        }
-    };
-    let snapshot = ready_snapshot(connection).await?;
-    Ok((
-        served_check(&snapshot, &fingerprint),
-        format!("watches of its own ({why})"),
-    ))
-}
-
-/// How long the running provider may take to answer: it answers from memory.
-const SERVER_TIMEOUT: Duration = Duration::from_secs(5);
-/// The largest `/check` answer read.
-const SERVER_ANSWER_LIMIT: u64 = 256 << 20;
-
-/// `GET /check` on the provider's HTTP listener (plain HTTP/1.0 on loopback, as the listener serves).
-async fn ask_server(address: &str) -> Result<ServedCheck, String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(address)
-            .await
-            .map_err(|e| e.to_string())?;
-        stream
-            .write_all(format!("GET /check HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut answer = Vec::new();
-        stream
-            .take(SERVER_ANSWER_LIMIT)
-            .read_to_end(&mut answer)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok::<Vec<u8>, String>(answer)
-    };
-    let answer = tokio::time::timeout(SERVER_TIMEOUT, exchange)
-        .await
-        .map_err(|_| format!("no answer within {SERVER_TIMEOUT:?}"))??;
-    let text = String::from_utf8_lossy(&answer);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("not an HTTP answer")?;
-    let status = head.split_whitespace().nth(1).unwrap_or_default();
-    if status != "200" {
-        let first = body.lines().next().unwrap_or_default();
-        return Err(format!(
-            "HTTP {status}: {}",
-            crate::problem::cut(first, 200)
-        ));
-    }
-    serde_json::from_str(body).map_err(|e| format!("not a check answer: {e}"))
-}
-
 /// Prints the report; exit code 1 when there are problems.
 pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let (served, source) = served_or_own(&args.connection, &args.server).await?;
@@ -509,35 +378,6 @@ pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Prints one group's template Node as YAML.
-pub async fn template(args: TemplateArgs) -> anyhow::Result<ExitCode> {
-    let snapshot = ready_snapshot(&args.connection).await?;
-    let group = snapshot
-        .group(&args.id)
-        .with_context(|| format!("no node group {:?}; `check` lists them", args.id))?;
-    match &group.template {
-        Some(t) => {
-            print!(
-                "{}",
-                serde_norway::to_string(&t.node).context("encoding the template")?
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        None => {
-            let object = format!("{} {}", group.kind(), group.resource.key);
-            eprintln!("{} has no scale-from-zero template:", group.id);
-            for p in snapshot
-                .problems
-                .iter()
-                .filter(|p| p.object == object || p.message.contains(&object))
-            {
-                eprintln!("  {}: {}", p.field, p.message);
-            }
-            Ok(ExitCode::from(1))
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,6 +385,7 @@ mod tests {
     use crate::capi::{Keys, ScalableKind, ScalableResource};
     use crate::snapshot::{Index, Settings};
     use serde_json::json;
+    use std::sync::Arc;
 
     /// MachineDeployment md (min 0, max 5, replicas 3) with MachineSets md-new (revision 2) and
     /// md-old (revision 1, `old` replicas).

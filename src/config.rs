@@ -272,7 +272,7 @@ impl ServeArgs {
 
 /// A Go-style duration (`30s`, `1m30s`), not negative.
 fn parse_duration(value: &str) -> Result<std::time::Duration, String> {
-    let nanos = crate::options::parse_go_duration(value)?;
+    let nanos = crate::options::parse_go_duration(value).map_err(|e| e.to_string())?;
     u64::try_from(nanos)
         .map(std::time::Duration::from_nanos)
         .map_err(|_| format!("{value:?} is negative"))

@@ -1,7 +1,7 @@
 //! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
 //!
 //! A functional core (capi, discovery, snapshot, template, options, pricing: plain data in, plain data
-//! out) and a thin shell (store, actuator, service, server) that does the I/O.
+//! out) and a thin shell (store, actuator, grpc, server) that does the I/O.
 
 mod actuator;
 mod apis;
@@ -11,6 +11,7 @@ pub mod config;
 pub mod discovery;
 mod events;
 pub mod explain;
+pub mod grpc;
 mod index;
 pub mod logging;
 pub mod metrics;
@@ -18,19 +19,18 @@ mod object;
 pub mod options;
 pub mod preflight;
 pub mod pricing;
+pub mod print_template;
 pub mod problem;
 pub mod proto;
 mod removal;
 pub mod scope;
 pub mod server;
-pub mod service;
 pub mod snapshot;
 mod startup;
 mod store;
 pub mod template;
 mod tls;
 pub mod version;
-pub mod wire;
 
 /// Locks `m` even if a thread panicked while holding it: every value kept behind these mutexes is
 /// whole after each single update (a map entry, a timestamp, a set swapped in), and a later event or

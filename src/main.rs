@@ -1,7 +1,7 @@
 use std::process::ExitCode;
 
 use capi_autoscaler_provider::config::{Cli, Command};
-use capi_autoscaler_provider::{check, explain, logging, server};
+use capi_autoscaler_provider::{check, explain, logging, print_template, server};
 use clap::Parser;
 
 #[tokio::main]
@@ -12,7 +12,7 @@ async fn main() -> ExitCode {
         None => server::run(cli.serve).await.map(|()| ExitCode::SUCCESS),
         Some(Command::Serve(args)) => server::run(args).await.map(|()| ExitCode::SUCCESS),
         Some(Command::Check(args)) => check::run(args).await,
-        Some(Command::Template(args)) => check::template(args).await,
+        Some(Command::Template(args)) => print_template::run(args).await,
         Some(Command::Explain(args)) => explain::run(args).await,
     };
     match result {

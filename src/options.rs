@@ -177,10 +177,7 @@ pub fn parse(
                 }
                 suffix::MAX_NODE_PROVISION_TIME => parse_option_duration(&value).and_then(|v| {
                     if v.is_zero() {
-                        Err(
-                            "0 would make CA delete every instance that has not registered yet"
-                                .to_string(),
-                        )
+                        Err(OptionValueError::ZeroProvisionTime)
                     } else {
                         options.max_node_provision_time = Some(v);
                         Ok(())
@@ -206,31 +203,61 @@ pub fn parse(
     (options, problems)
 }
 
+/// Why an option's value is not used (the problem adds the value and that the default is used).
+#[derive(Debug, thiserror::Error)]
+enum OptionValueError {
+    #[error("not a number")]
+    NotANumber(#[source] std::num::ParseFloatError),
+    #[error("not a finite number")]
+    NotFinite,
+    #[error("a utilization threshold must be between 0 and 1")]
+    ThresholdOutOfRange,
+    #[error("not a boolean (true or false)")]
+    NotABoolean,
+    #[error(transparent)]
+    Duration(#[from] DurationError),
+    #[error("a negative duration is not allowed")]
+    NegativeDuration,
+    #[error("0 would make CA delete every instance that has not registered yet")]
+    ZeroProvisionTime,
+}
+
+/// Why a text is not a Go duration, in the words of Go's `time.ParseDuration`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    #[error("invalid duration {0:?}")]
+    Invalid(String),
+    #[error("missing unit in duration {0:?}")]
+    MissingUnit(String),
+    #[error("unknown unit {unit:?} in duration {input:?}")]
+    UnknownUnit { unit: String, input: String },
+}
+
 /// A utilization threshold: a finite decimal in [0, 1].
-fn parse_threshold(value: &str) -> Result<f64, String> {
-    let v: f64 = value.parse().map_err(|_| "not a number".to_string())?;
+fn parse_threshold(value: &str) -> Result<f64, OptionValueError> {
+    let v: f64 = value.parse().map_err(OptionValueError::NotANumber)?;
     if !v.is_finite() {
-        return Err("not a finite number".to_string());
+        return Err(OptionValueError::NotFinite);
     }
     if !(0.0..=1.0).contains(&v) {
-        return Err("a utilization threshold must be between 0 and 1".to_string());
+        return Err(OptionValueError::ThresholdOutOfRange);
     }
     Ok(v)
 }
 
 /// Go `strconv.ParseBool` on the lowercased value: `true`, `t`, `1`, `false`, `f`, `0`.
-fn parse_bool(value: &str) -> Result<bool, String> {
+fn parse_bool(value: &str) -> Result<bool, OptionValueError> {
     match value {
         "true" | "t" | "1" => Ok(true),
         "false" | "f" | "0" => Ok(false),
-        _ => Err("not a boolean (true or false)".to_string()),
+        _ => Err(OptionValueError::NotABoolean),
     }
 }
 
-fn parse_option_duration(value: &str) -> Result<Duration, String> {
+fn parse_option_duration(value: &str) -> Result<Duration, OptionValueError> {
     let nanos = parse_go_duration(value)?;
     if nanos < 0 {
-        return Err("a negative duration is not allowed".to_string());
+        return Err(OptionValueError::NegativeDuration);
     }
     Ok(Duration::from_nanos(nanos.unsigned_abs()))
 }
@@ -238,9 +265,9 @@ fn parse_option_duration(value: &str) -> Result<Duration, String> {
 /// Go's `time.ParseDuration`, exactly: `[-+]?([0-9]*(\.[0-9]*)?[a-z]+)+` or `0`, units `ns`, `us`, `µs`,
 /// `μs`, `ms`, `s`, `m`, `h`; the result in nanoseconds within `i64`. Fractions are converted as Go does
 /// (float64), so results agree with Go to the nanosecond.
-pub fn parse_go_duration(input: &str) -> Result<i64, String> {
+pub fn parse_go_duration(input: &str) -> Result<i64, DurationError> {
     const MAX: u64 = 1 << 63;
-    let invalid = || format!("invalid duration {input:?}");
+    let invalid = || DurationError::Invalid(input.to_string());
     let mut s = input.as_bytes();
     let mut neg = false;
     if let Some((&c, rest)) = s.split_first()
@@ -312,7 +339,7 @@ pub fn parse_go_duration(input: &str) -> Result<i64, String> {
             i += 1;
         }
         if i == 0 {
-            return Err(format!("missing unit in duration {input:?}"));
+            return Err(DurationError::MissingUnit(input.to_string()));
         }
         let unit_bytes = &s[..i];
         s = &s[i..];
@@ -326,10 +353,10 @@ pub fn parse_go_duration(input: &str) -> Result<i64, String> {
             b"m" => 60_000_000_000,
             b"h" => 3_600_000_000_000,
             _ => {
-                return Err(format!(
-                    "unknown unit {:?} in duration {input:?}",
-                    String::from_utf8_lossy(unit_bytes)
-                ));
+                return Err(DurationError::UnknownUnit {
+                    unit: String::from_utf8_lossy(unit_bytes).into_owned(),
+                    input: input.to_string(),
+                });
             }
         };
         if v > MAX / unit {

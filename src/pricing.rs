@@ -321,9 +321,14 @@ pub fn pod_price(pod: &Pod, refs: &ReferencePrices, hours: f64) -> f64 {
     finite_or_zero((r.cpu_cores * refs.cpu_hour + r.memory_gib * refs.gib_hour) * hours)
 }
 
+/// `pod_bytes` that do not decode as a `k8s.io.api.core.v1.Pod`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("pod_bytes is not a v1.Pod: {0}")]
+pub struct NotAPod(#[from] prost::DecodeError);
+
 /// `pod_bytes` of `PricingPodPriceRequest`: the raw `k8s.io.api.core.v1.Pod` message (Go's `Pod.Marshal()`).
-pub fn decode_pod(bytes: &[u8]) -> Result<Pod, String> {
-    Pod::decode(bytes).map_err(|e| format!("pod_bytes is not a v1.Pod: {e}"))
+pub fn decode_pod(bytes: &[u8]) -> Result<Pod, NotAPod> {
+    Ok(Pod::decode(bytes)?)
 }
 
 fn finite_or_zero(v: f64) -> f64 {

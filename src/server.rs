@@ -3,7 +3,7 @@
 //!
 //! Every CloudProvider call passes [`Limits`] first: at most `--max-concurrent-requests` at a time,
 //! answered within `--request-timeout`, no request larger than `--max-message-size`, and none whose
-//! few bytes would decode into far more memory (see [`crate::wire`]).
+//! few bytes would decode into far more memory (see [`crate::grpc::wire`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -20,14 +20,14 @@ use tonic::transport::Server;
 
 use crate::actuator::Actuator;
 use crate::config::ServeArgs;
+use crate::grpc::Service;
+use crate::grpc::wire::{self, Shape};
 use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
-use crate::service::Service;
 use crate::startup::start_store;
 use crate::store::{Store, WatchSettings};
 use crate::tls::{ReloadingTls, TlsFiles};
 use crate::version;
-use crate::wire::{self, Shape};
 
 /// The CloudProvider service as served: handlers over the actuator and its store.
 type Provider = Service<Arc<Actuator>>;

@@ -168,6 +168,37 @@ pub async fn start_store(
     ))
 }
 
+/// How long the read-only commands wait for every watch to list.
+const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The snapshot of watches of our own, read-only (no Events, no writes), once every watch has listed:
+/// what `template` shows, and `check` and `explain` when no running provider answers for them.
+pub async fn read_only_snapshot(
+    connection: &crate::config::ConnectionArgs,
+) -> anyhow::Result<Arc<crate::snapshot::Snapshot>> {
+    let config = connection.config()?;
+    let store = start_store(
+        &config,
+        Arc::new(Metrics::new()),
+        false,
+        WatchSettings::default(),
+    )
+    .await?;
+    // A forbidden or missing resource is reported at once: waiting does not fix RBAC.
+    if let Err(reasons) = store.wait_ready_or_fatal(READY_TIMEOUT, true).await {
+        anyhow::bail!(
+            "the objects cluster-autoscaler needs could not be listed{}:\n  {}",
+            if store.watch_problems().iter().any(|p| p.fatal) {
+                String::new()
+            } else {
+                format!(" within {READY_TIMEOUT:?}")
+            },
+            reasons.join("\n  ")
+        );
+    }
+    Ok(store.snapshot())
+}
+
 /// Whether this cluster's watches start with a streamed initial list, from its server's version.
 async fn streams(client: &Client, cluster: &str) -> bool {
     match client.apiserver_version().await {

@@ -17,10 +17,10 @@ use futures::Stream;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::pem::{self, PemObject};
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio_rustls::rustls::server::WebPkiClientVerifier;
-use tokio_rustls::rustls::{RootCertStore, ServerConfig};
+use tokio_rustls::rustls::server::{VerifierBuilderError, WebPkiClientVerifier};
+use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 use tokio_rustls::server::TlsStream;
 
 use crate::metrics::Metrics;
@@ -36,6 +36,50 @@ const MAX_HANDSHAKES: usize = 256;
 
 /// What tells a file changed: size, modification time, inode, device; `None` when it cannot be looked at.
 type Stamp = Vec<Option<(u64, SystemTime, u64, u64)>>;
+
+/// Why the TLS files do not make a server configuration; each names the flag and file at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{flag} {}: {source}", path.display())]
+    Read {
+        flag: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{flag} {}: {source}", path.display())]
+    Pem {
+        flag: &'static str,
+        path: PathBuf,
+        #[source]
+        source: pem::Error,
+    },
+    #[error("{flag} {}: no PEM certificate in the file", path.display())]
+    NoCertificate { flag: &'static str, path: PathBuf },
+    #[error("TLS protocol versions: {0}")]
+    ProtocolVersions(#[source] rustls::Error),
+    /// A certificate of the client CA bundle is not a usable trust anchor.
+    #[error("--tls-client-ca {}: {source}", path.display())]
+    ClientCa {
+        path: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    #[error("--tls-client-ca {}: {source}", path.display())]
+    ClientVerifier {
+        path: PathBuf,
+        #[source]
+        source: VerifierBuilderError,
+    },
+    /// The key does not go with the certificate, or is of a kind not supported.
+    #[error("--tls-cert {} with --tls-key {}: {source}", cert.display(), key.display())]
+    KeyPair {
+        cert: PathBuf,
+        key: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+}
 
 /// Where the TLS material is.
 #[derive(Clone, Debug)]
@@ -77,57 +121,69 @@ impl TlsFiles {
     }
 
     /// A server configuration from the files as they are now.
-    pub fn load(&self) -> Result<ServerConfig, String> {
-        let read = |flag: &str, path: &Path| {
-            std::fs::read(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
+    pub fn load(&self) -> Result<ServerConfig, TlsError> {
+        let read = |flag: &'static str, path: &Path| {
+            std::fs::read(path).map_err(|source| TlsError::Read {
+                flag,
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let pem = |flag: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| TlsError::Pem { flag, path, source }
         };
         let certs: Vec<CertificateDer<'static>> =
             CertificateDer::pem_slice_iter(&read("--tls-cert", &self.cert)?)
                 .collect::<Result<_, _>>()
-                .map_err(|e| format!("--tls-cert {}: {e}", self.cert.display()))?;
+                .map_err(pem("--tls-cert", &self.cert))?;
         if certs.is_empty() {
-            return Err(format!(
-                "--tls-cert {}: no PEM certificate in the file",
-                self.cert.display()
-            ));
+            return Err(TlsError::NoCertificate {
+                flag: "--tls-cert",
+                path: self.cert.clone(),
+            });
         }
         let key = PrivateKeyDer::from_pem_slice(&read("--tls-key", &self.key)?)
-            .map_err(|e| format!("--tls-key {}: {e}", self.key.display()))?;
+            .map_err(pem("--tls-key", &self.key))?;
         let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
         let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS protocol versions: {e}"))?;
+            .map_err(TlsError::ProtocolVersions)?;
         let builder = match &self.client_ca {
             Some(path) => {
                 let mut roots = RootCertStore::empty();
                 for cert in CertificateDer::pem_slice_iter(&read("--tls-client-ca", path)?) {
-                    let cert =
-                        cert.map_err(|e| format!("--tls-client-ca {}: {e}", path.display()))?;
-                    roots
-                        .add(cert)
-                        .map_err(|e| format!("--tls-client-ca {}: {e}", path.display()))?;
+                    let cert = cert.map_err(pem("--tls-client-ca", path))?;
+                    roots.add(cert).map_err(|source| TlsError::ClientCa {
+                        path: path.clone(),
+                        source,
+                    })?;
                 }
                 if roots.is_empty() {
-                    return Err(format!(
-                        "--tls-client-ca {}: no PEM certificate in the file",
-                        path.display()
-                    ));
+                    return Err(TlsError::NoCertificate {
+                        flag: "--tls-client-ca",
+                        path: path.clone(),
+                    });
                 }
                 let verifier =
                     WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                         .build()
-                        .map_err(|e| format!("--tls-client-ca {}: {e}", path.display()))?;
+                        .map_err(|source| TlsError::ClientVerifier {
+                            path: path.clone(),
+                            source,
+                        })?;
                 builder.with_client_cert_verifier(verifier)
             }
             None => builder.with_no_client_auth(),
         };
-        let mut config = builder.with_single_cert(certs, key).map_err(|e| {
-            format!(
-                "--tls-cert {} with --tls-key {}: {e}",
-                self.cert.display(),
-                self.key.display()
-            )
-        })?;
+        let mut config =
+            builder
+                .with_single_cert(certs, key)
+                .map_err(|source| TlsError::KeyPair {
+                    cert: self.cert.clone(),
+                    key: self.key.clone(),
+                    source,
+                })?;
         // gRPC is HTTP/2 only; grpc-go clients (CA) insist on ALPN saying so.
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(config)
@@ -145,7 +201,7 @@ pub struct ReloadingTls {
 
 impl ReloadingTls {
     /// Loads the files; an error here stops the start.
-    pub fn new(files: TlsFiles, metrics: Arc<Metrics>) -> Result<Arc<Self>, String> {
+    pub fn new(files: TlsFiles, metrics: Arc<Metrics>) -> Result<Arc<Self>, TlsError> {
         let stamp = files.stamp();
         let config = files.load()?;
         Ok(Arc::new(ReloadingTls {
@@ -251,5 +307,62 @@ impl ReloadingTls {
             }
         });
         futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    fn files(dir: &Path) -> TlsFiles {
+        TlsFiles {
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+            client_ca: None,
+        }
+    }
+
+    #[test]
+    fn a_missing_file_names_its_flag_and_keeps_the_io_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = files(dir.path());
+        let error = files.load().unwrap_err();
+        assert!(
+            matches!(
+                error,
+                TlsError::Read {
+                    flag: "--tls-cert",
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        let io = error
+            .source()
+            .and_then(|e| e.downcast_ref::<std::io::Error>())
+            .unwrap();
+        assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+        assert_eq!(
+            error.to_string(),
+            format!("--tls-cert {}: {io}", files.cert.display())
+        );
+    }
+
+    #[test]
+    fn a_file_without_a_certificate_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = files(dir.path());
+        std::fs::write(&files.cert, "not PEM at all\n").unwrap();
+        let error = files.load().unwrap_err();
+        assert!(error.source().is_none(), "{error:?}");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "--tls-cert {}: no PEM certificate in the file",
+                files.cert.display()
+            )
+        );
     }
 }

@@ -10,9 +10,9 @@
 use std::time::Duration;
 
 use capi_autoscaler_provider::capi::Keys;
+use capi_autoscaler_provider::grpc::options_response;
 use capi_autoscaler_provider::options::{self, GroupOptions, parse_go_duration, suffix};
 use capi_autoscaler_provider::proto::{LegacyDuration, NodeGroupAutoscalingOptions};
-use capi_autoscaler_provider::service::options_response;
 use capi_autoscaler_provider_fuzz::{annotation_field, annotations};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;

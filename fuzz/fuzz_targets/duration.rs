@@ -36,6 +36,9 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
         }
-        Err(e) => assert!(e.contains(&format!("{s:?}")), "{e:?} does not quote {s:?}"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains(&format!("{s:?}")), "{e:?} does not quote {s:?}");
+        }
     }
 });

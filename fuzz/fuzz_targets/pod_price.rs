@@ -139,7 +139,7 @@ fn check_pod(bytes: &[u8]) {
                 }
             }
         }
-        Err(e) => assert!(e.contains("not a v1.Pod"), "{e}"),
+        Err(e) => assert!(e.to_string().contains("not a v1.Pod"), "{e}"),
     }
 }
 

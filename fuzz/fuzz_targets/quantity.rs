@@ -82,6 +82,7 @@ fuzz_target!(|raw: &str| {
             );
         }
         Err(e) => {
+            let e = e.to_string();
             assert!(!e.is_empty());
             if !s.is_empty() {
                 assert!(e.contains(&format!("{s:?}")), "{e:?} does not quote {s:?}");

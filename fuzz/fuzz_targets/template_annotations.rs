@@ -20,7 +20,7 @@ use capi_autoscaler_provider::capi::{
     InfraRef, InfraTemplate, MachineTemplate, ObjectKey, ScalableKind, ScalableResource, Taint,
     capacity,
 };
-use capi_autoscaler_provider::service::template_bytes;
+use capi_autoscaler_provider::grpc::template_bytes;
 use capi_autoscaler_provider::template::{
     self, InfraSource, LABEL_ARCH, LABEL_HOSTNAME, LABEL_OS, NODE_LABELS_COPIED, TemplateInputs,
 };

@@ -1,4 +1,4 @@
-//! The protobuf wire scanner that screens requests before they are decoded (`src/wire.rs`: the decoded
+//! The protobuf wire scanner that screens requests before they are decoded (`src/grpc/wire.rs`: the decoded
 //! size bound of PricingPodPrice's pod and of the node-carrying requests, DeleteNodes, NodeGroupForNode,
 //! PricingNodePrice), on raw bytes read as each shape.
 //!
@@ -10,8 +10,8 @@
 
 use std::mem::size_of;
 
+use capi_autoscaler_provider::grpc::wire::{Shape, TooLarge, UNIT, cost};
 use capi_autoscaler_provider::proto::{ExternalGrpcNode, NodeGroupDeleteNodesRequest};
-use capi_autoscaler_provider::wire::{Shape, TooLarge, UNIT, cost};
 use k8s_pb::api::core::v1::{Container, EphemeralContainer, Pod, Volume};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;

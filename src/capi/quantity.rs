@@ -1,19 +1,37 @@
 //! Kubernetes quantities (`resource.ParseQuantity`): what Go accepts, as a number of cores, bytes or units.
 
-use kube_quantity::ParsedQuantity;
+use kube_quantity::{ParseQuantityError, ParsedQuantity};
+
+/// Why a text is not a quantity Go would accept; each names the text (trimmed).
+#[derive(Debug, thiserror::Error)]
+pub enum QuantityError {
+    #[error("empty quantity")]
+    Empty,
+    #[error("{0:?} is not a quantity (e.g. 4, 500m, 16Gi, 128G)")]
+    Syntax(String),
+    /// Go's grammar accepts it, the number does not parse.
+    #[error("{value:?} is not a quantity: {source}")]
+    Number {
+        value: String,
+        #[source]
+        source: ParseQuantityError,
+    },
+    #[error("{0:?} is out of range")]
+    OutOfRange(String),
+    #[error("{0:?} is negative")]
+    Negative(String),
+}
 
 /// Parses a Kubernetes quantity (`resource.ParseQuantity` syntax) into its value (cores, bytes, count).
 /// The syntax is checked first so that only what Go accepts passes (the value then goes verbatim into the
 /// node CA decodes with Go); negative values are rejected.
-pub fn parse_quantity(raw: &str) -> Result<f64, String> {
+pub fn parse_quantity(raw: &str) -> Result<f64, QuantityError> {
     let s = raw.trim();
     if s.is_empty() {
-        return Err("empty quantity".to_string());
+        return Err(QuantityError::Empty);
     }
     if !is_go_quantity(s) {
-        return Err(format!(
-            "{s:?} is not a quantity (e.g. 4, 500m, 16Gi, 128G)"
-        ));
+        return Err(QuantityError::Syntax(s.to_string()));
     }
     // kube_quantity takes neither exa suffix (`E` reads as an exponent, `Ei` fails): scale from peta.
     let (body, factor) = if let Some(b) = s.strip_suffix("Ei") {
@@ -23,15 +41,17 @@ pub fn parse_quantity(raw: &str) -> Result<f64, String> {
     } else {
         (s.to_string(), 1.0)
     };
-    let q = ParsedQuantity::try_from(body.as_str())
-        .map_err(|e| format!("{s:?} is not a quantity: {e}"))?;
+    let q = ParsedQuantity::try_from(body.as_str()).map_err(|source| QuantityError::Number {
+        value: s.to_string(),
+        source,
+    })?;
     let v = q
         .to_bytes_f64()
         .map(|v| v * factor)
         .filter(|v| v.is_finite())
-        .ok_or_else(|| format!("{s:?} is out of range"))?;
+        .ok_or_else(|| QuantityError::OutOfRange(s.to_string()))?;
     if v < 0.0 {
-        return Err(format!("{s:?} is negative"));
+        return Err(QuantityError::Negative(s.to_string()));
     }
     Ok(v)
 }
@@ -121,5 +141,17 @@ mod tests {
         ] {
             assert!(parse_quantity(s).is_err(), "{s:?} accepted");
         }
+    }
+
+    /// The texts problems quote (`check` prints them): they name the trimmed value.
+    #[test]
+    fn errors_say_what_is_wrong_with_the_value() {
+        let message = |s: &str| parse_quantity(s).unwrap_err().to_string();
+        assert_eq!(message("  "), "empty quantity");
+        assert_eq!(
+            message(" 1KB "),
+            r#""1KB" is not a quantity (e.g. 4, 500m, 16Gi, 128G)"#
+        );
+        assert_eq!(message("-500m"), r#""-500m" is negative"#);
     }
 }

@@ -302,3 +302,21 @@ fn durations_that_overflow_are_errors_not_panics() {
     }
     assert_eq!(parse_go_duration("9223372036854775807ns"), Ok(i64::MAX));
 }
+
+/// Go's own messages, quoting the input: problems and flag errors show them as they are.
+#[test]
+fn duration_errors_read_as_gos() {
+    let message = |s: &str| parse_go_duration(s).unwrap_err().to_string();
+    assert_eq!(message("x"), r#"invalid duration "x""#);
+    assert_eq!(message("10"), r#"missing unit in duration "10""#);
+    assert_eq!(message("1d"), r#"unknown unit "d" in duration "1d""#);
+}
+
+#[test]
+fn a_threshold_that_is_no_number_keeps_why_it_did_not_parse() {
+    let error = parse_threshold("abc").unwrap_err();
+    assert_eq!(error.to_string(), "not a number");
+    let source = std::error::Error::source(&error)
+        .and_then(|e| e.downcast_ref::<std::num::ParseFloatError>());
+    assert!(source.is_some(), "{error:?}");
+}

@@ -404,6 +404,16 @@ fn decode_round_trip() {
         "{r:?}"
     );
     assert_eq!(decode_pod(&[]), Ok(Pod::default()));
-    assert!(decode_pod(&[0xff, 0xff, 0xff]).is_err());
+    let garbage = decode_pod(&[0xff, 0xff, 0xff]).unwrap_err();
+    assert!(
+        garbage
+            .to_string()
+            .starts_with("pod_bytes is not a v1.Pod: "),
+        "{garbage}"
+    );
+    assert!(
+        std::error::Error::source(&garbage).is_some_and(|e| e.is::<prost::DecodeError>()),
+        "{garbage:?}"
+    );
     assert!(decode_pod(b"k8s\x00garbage").is_err());
 }

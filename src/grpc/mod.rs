@@ -3,6 +3,7 @@
 //! the snapshot only; scale RPCs go to the backend's writer.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,21 +19,15 @@ use crate::snapshot::{NodeGroup as Group, Snapshot};
 use crate::template::NODE_GROUP_ANNOTATION;
 
 mod convert;
+mod limits;
+pub mod wire;
 
 use convert::{node_ref, period, wire_group};
 pub use convert::{options_response, template_bytes};
+use limits::{bounded, pod_bytes_within_limits, shorten};
 
 /// CA renames template nodes `template-node-for-<group id>-<random>` before pricing them.
 const TEMPLATE_NODE_PREFIX: &str = "template-node-for-";
-
-/// Longest status message sent back: a hostile id or node name is not echoed whole.
-const MAX_STATUS_MESSAGE: usize = 1024;
-
-/// Largest `pod_bytes` decoded: the API server refuses objects over 3 MiB, so no real pod is larger.
-const MAX_POD_BYTES: usize = 3 << 20;
-
-/// Memory a pod may decode into (see [`crate::wire`]): thousands of containers, not millions.
-const POD_DECODE_BUDGET: u64 = 64 << 20;
 
 /// What the service answers from and writes through.
 #[tonic::async_trait]
@@ -96,19 +91,31 @@ impl<B: Backend> Service<B> {
         self.backend.keys()
     }
 
+    /// How every RPC but Cleanup is answered: `UNAVAILABLE` until the view is whole, else what
+    /// `handler` answers, timed, counted and logged by [`Self::observe`]. `handler` is not started
+    /// before the view is whole.
+    async fn answer<T>(
+        &self,
+        method: &'static str,
+        handler: impl Future<Output = Result<T, Status>>,
+    ) -> Result<Response<T>, Status> {
+        let started = Instant::now();
+        let result = match self.serving() {
+            Ok(()) => handler.await,
+            Err(status) => Err(status),
+        };
+        self.observe(method, started, result)
+    }
+
+    /// Counts and times the answer of `method`, logs a failure worth a look; the message sent back
+    /// is bounded.
     fn observe<T>(
         &self,
         method: &'static str,
         started: Instant,
         result: Result<T, Status>,
     ) -> Result<Response<T>, Status> {
-        let result = result.map_err(|status| {
-            if status.message().len() > MAX_STATUS_MESSAGE {
-                Status::new(status.code(), shorten(status.message(), MAX_STATUS_MESSAGE))
-            } else {
-                status
-            }
-        });
+        let result = result.map_err(bounded);
         let code = match &result {
             Ok(_) => tonic::Code::Ok,
             Err(status) => status.code(),
@@ -121,14 +128,6 @@ impl<B: Backend> Service<B> {
         }
         result.map(Response::new)
     }
-}
-
-/// `text` cut to at most `max` bytes (at a character boundary), saying how long it was.
-fn shorten(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    format!("{}… ({} bytes)", crate::problem::cut(text, max), text.len())
 }
 
 fn find<'a>(snapshot: &'a Snapshot, id: &str) -> Result<&'a Group, Status> {
@@ -169,26 +168,20 @@ impl<B: Backend> CloudProvider for Service<B> {
         &self,
         _: Request<NodeGroupsRequest>,
     ) -> Result<Response<NodeGroupsResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroups", started, Err(status));
-        }
-        let snapshot = self.backend.snapshot();
-        let response = NodeGroupsResponse {
-            node_groups: snapshot.groups.values().map(wire_group).collect(),
-        };
-        self.observe("NodeGroups", started, Ok(response))
+        self.answer("NodeGroups", async {
+            let snapshot = self.backend.snapshot();
+            Ok(NodeGroupsResponse {
+                node_groups: snapshot.groups.values().map(wire_group).collect(),
+            })
+        })
+        .await
     }
 
     async fn node_group_for_node(
         &self,
         request: Request<NodeGroupForNodeRequest>,
     ) -> Result<Response<NodeGroupForNodeResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupForNode", started, Err(status));
-        }
-        let result = (|| {
+        self.answer("NodeGroupForNode", async {
             let node = request
                 .get_ref()
                 .node
@@ -203,19 +196,15 @@ impl<B: Backend> CloudProvider for Service<B> {
             Ok(NodeGroupForNodeResponse {
                 node_group: Some(group),
             })
-        })();
-        self.observe("NodeGroupForNode", started, result)
+        })
+        .await
     }
 
     async fn pricing_node_price(
         &self,
         request: Request<PricingNodePriceRequest>,
     ) -> Result<Response<PricingNodePriceResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("PricingNodePrice", started, Err(status));
-        }
-        let result = (|| {
+        self.answer("PricingNodePrice", async {
             let r = request.get_ref();
             let node = r
                 .node
@@ -239,19 +228,15 @@ impl<B: Backend> CloudProvider for Service<B> {
             Ok(PricingNodePriceResponse {
                 price: pricing::node_price(hourly, start, end),
             })
-        })();
-        self.observe("PricingNodePrice", started, result)
+        })
+        .await
     }
 
     async fn pricing_pod_price(
         &self,
         request: Request<PricingPodPriceRequest>,
     ) -> Result<Response<PricingPodPriceResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("PricingPodPrice", started, Err(status));
-        }
-        let result = (|| {
+        self.answer("PricingPodPrice", async {
             let r = request.get_ref();
             let snapshot = self.backend.snapshot();
             if snapshot.groups.values().all(|g| g.price.is_none()) {
@@ -265,17 +250,7 @@ impl<B: Backend> CloudProvider for Service<B> {
             if bytes.is_empty() {
                 return Err(Status::invalid_argument("pod_bytes is required"));
             }
-            if bytes.len() > MAX_POD_BYTES {
-                return Err(Status::resource_exhausted(format!(
-                    "pod_bytes: {} bytes, more than any Kubernetes object can be ({MAX_POD_BYTES})",
-                    bytes.len()
-                )));
-            }
-            crate::wire::cost(bytes, crate::wire::Shape::Pod, POD_DECODE_BUDGET).map_err(|e| {
-                Status::resource_exhausted(format!(
-                    "pod_bytes: too many containers, volumes or other elements: {e}"
-                ))
-            })?;
+            pod_bytes_within_limits(bytes)?;
             let pod = pricing::decode_pod(bytes)
                 .map_err(|e| Status::invalid_argument(format!("pod_bytes: {e}")))?;
             let (start, end) = period(
@@ -286,205 +261,164 @@ impl<B: Backend> CloudProvider for Service<B> {
             Ok(PricingPodPriceResponse {
                 price: pricing::pod_price(&pod, &snapshot.reference_prices, hours),
             })
-        })();
-        self.observe("PricingPodPrice", started, result)
+        })
+        .await
     }
 
     async fn gpu_label(
         &self,
         _: Request<GpuLabelRequest>,
     ) -> Result<Response<GpuLabelResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("GPULabel", started, Err(status));
-        }
-        self.observe(
-            "GPULabel",
-            started,
+        self.answer("GPULabel", async {
             Ok(GpuLabelResponse {
                 label: GPU_LABEL.to_string(),
-            }),
-        )
+            })
+        })
+        .await
     }
 
     async fn get_available_gpu_types(
         &self,
         _: Request<GetAvailableGpuTypesRequest>,
     ) -> Result<Response<GetAvailableGpuTypesResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("GetAvailableGPUTypes", started, Err(status));
-        }
-        let snapshot = self.backend.snapshot();
-        let gpu_types: HashMap<String, prost_types::Any> = snapshot
-            .groups
-            .values()
-            .filter_map(|g| g.template.as_ref())
-            .filter(|t| t.summary.gpu.is_some())
-            // CA looks the GPU label value of a node up in these keys.
-            .filter_map(|t| t.summary.labels.get(GPU_LABEL))
-            .map(|gpu_type| (gpu_type.clone(), prost_types::Any::default()))
-            .collect();
-        self.observe(
-            "GetAvailableGPUTypes",
-            started,
-            Ok(GetAvailableGpuTypesResponse { gpu_types }),
-        )
+        self.answer("GetAvailableGPUTypes", async {
+            let snapshot = self.backend.snapshot();
+            let gpu_types: HashMap<String, prost_types::Any> = snapshot
+                .groups
+                .values()
+                .filter_map(|g| g.template.as_ref())
+                .filter(|t| t.summary.gpu.is_some())
+                // CA looks the GPU label value of a node up in these keys.
+                .filter_map(|t| t.summary.labels.get(GPU_LABEL))
+                .map(|gpu_type| (gpu_type.clone(), prost_types::Any::default()))
+                .collect();
+            Ok(GetAvailableGpuTypesResponse { gpu_types })
+        })
+        .await
     }
 
+    /// Answered even before the view is whole: CA calls it once, at its shutdown, and there is
+    /// nothing to clean up.
     async fn cleanup(
         &self,
         _: Request<CleanupRequest>,
     ) -> Result<Response<CleanupResponse>, Status> {
-        let started = Instant::now();
-        self.observe("Cleanup", started, Ok(CleanupResponse {}))
+        self.observe("Cleanup", Instant::now(), Ok(CleanupResponse {}))
     }
 
     async fn refresh(
         &self,
         _: Request<RefreshRequest>,
     ) -> Result<Response<RefreshResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("Refresh", started, Err(status));
-        }
-        self.backend.refresh();
-        self.observe("Refresh", started, Ok(RefreshResponse {}))
+        self.answer("Refresh", async {
+            self.backend.refresh();
+            Ok(RefreshResponse {})
+        })
+        .await
     }
 
     async fn node_group_target_size(
         &self,
         request: Request<NodeGroupTargetSizeRequest>,
     ) -> Result<Response<NodeGroupTargetSizeResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupTargetSize", started, Err(status));
-        }
-        let snapshot = self.backend.snapshot();
-        let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupTargetSizeResponse {
-            target_size: g.target,
-        });
-        self.observe("NodeGroupTargetSize", started, result)
+        self.answer("NodeGroupTargetSize", async {
+            let snapshot = self.backend.snapshot();
+            let group = find(&snapshot, &request.get_ref().id)?;
+            Ok(NodeGroupTargetSizeResponse {
+                target_size: group.target,
+            })
+        })
+        .await
     }
 
     async fn node_group_increase_size(
         &self,
         request: Request<NodeGroupIncreaseSizeRequest>,
     ) -> Result<Response<NodeGroupIncreaseSizeResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupIncreaseSize", started, Err(status));
-        }
-        let r = request.get_ref();
-        if let Err(status) = self.writable(&r.id) {
-            return self.observe("NodeGroupIncreaseSize", started, Err(status));
-        }
-        let result = self
-            .backend
-            .increase_size(&r.id, r.delta)
-            .await
-            .map(|()| NodeGroupIncreaseSizeResponse {})
-            .map_err(Status::from);
-        self.observe("NodeGroupIncreaseSize", started, result)
+        self.answer("NodeGroupIncreaseSize", async {
+            let r = request.get_ref();
+            self.writable(&r.id)?;
+            self.backend.increase_size(&r.id, r.delta).await?;
+            Ok(NodeGroupIncreaseSizeResponse {})
+        })
+        .await
     }
 
     async fn node_group_delete_nodes(
         &self,
         request: Request<NodeGroupDeleteNodesRequest>,
     ) -> Result<Response<NodeGroupDeleteNodesResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupDeleteNodes", started, Err(status));
-        }
-        if let Err(status) = self.writable(&request.get_ref().id) {
-            return self.observe("NodeGroupDeleteNodes", started, Err(status));
-        }
-        let r = request.into_inner();
-        let nodes = convert::nodes_to_delete(r.nodes);
-        let result = self
-            .backend
-            .delete_nodes(&r.id, &nodes)
-            .await
-            .map(|()| NodeGroupDeleteNodesResponse {})
-            .map_err(Status::from);
-        self.observe("NodeGroupDeleteNodes", started, result)
+        self.answer("NodeGroupDeleteNodes", async {
+            let r = request.into_inner();
+            self.writable(&r.id)?;
+            let nodes = convert::nodes_to_delete(r.nodes);
+            self.backend.delete_nodes(&r.id, &nodes).await?;
+            Ok(NodeGroupDeleteNodesResponse {})
+        })
+        .await
     }
 
     async fn node_group_decrease_target_size(
         &self,
         request: Request<NodeGroupDecreaseTargetSizeRequest>,
     ) -> Result<Response<NodeGroupDecreaseTargetSizeResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupDecreaseTargetSize", started, Err(status));
-        }
-        let r = request.get_ref();
-        if let Err(status) = self.writable(&r.id) {
-            return self.observe("NodeGroupDecreaseTargetSize", started, Err(status));
-        }
-        let result = self
-            .backend
-            .decrease_target_size(&r.id, r.delta)
-            .await
-            .map(|()| NodeGroupDecreaseTargetSizeResponse {})
-            .map_err(Status::from);
-        self.observe("NodeGroupDecreaseTargetSize", started, result)
+        self.answer("NodeGroupDecreaseTargetSize", async {
+            let r = request.get_ref();
+            self.writable(&r.id)?;
+            self.backend.decrease_target_size(&r.id, r.delta).await?;
+            Ok(NodeGroupDecreaseTargetSizeResponse {})
+        })
+        .await
     }
 
     async fn node_group_nodes(
         &self,
         request: Request<NodeGroupNodesRequest>,
     ) -> Result<Response<NodeGroupNodesResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupNodes", started, Err(status));
-        }
-        let snapshot = self.backend.snapshot();
-        let result = find(&snapshot, &request.get_ref().id).map(|g| NodeGroupNodesResponse {
-            instances: convert::instances(g),
-        });
-        self.observe("NodeGroupNodes", started, result)
+        self.answer("NodeGroupNodes", async {
+            let snapshot = self.backend.snapshot();
+            let group = find(&snapshot, &request.get_ref().id)?;
+            Ok(NodeGroupNodesResponse {
+                instances: convert::instances(group),
+            })
+        })
+        .await
     }
 
     async fn node_group_template_node_info(
         &self,
         request: Request<NodeGroupTemplateNodeInfoRequest>,
     ) -> Result<Response<NodeGroupTemplateNodeInfoResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupTemplateNodeInfo", started, Err(status));
-        }
-        let snapshot = self.backend.snapshot();
-        let result = find(&snapshot, &request.get_ref().id).and_then(|g| match &g.template {
-            Some(template) => {
-                let bytes = convert::template_bytes(template);
-                Ok(NodeGroupTemplateNodeInfoResponse {
-                    node_info: bytes.clone(),
-                    node_bytes: bytes,
-                })
-            }
+        self.answer("NodeGroupTemplateNodeInfo", async {
+            let snapshot = self.backend.snapshot();
+            let group = find(&snapshot, &request.get_ref().id)?;
             // Never OK with empty bytes: CA would cache a nil template and dereference it.
-            None => Err(Status::unimplemented(format!(
-                "node group {} has no scale-from-zero template (no cpu/memory capacity); run `capi-autoscaler-provider check`",
-                g.id
-            ))),
-        });
-        self.observe("NodeGroupTemplateNodeInfo", started, result)
+            let template = group.template.as_ref().ok_or_else(|| {
+                Status::unimplemented(format!(
+                    "node group {} has no scale-from-zero template (no cpu/memory capacity); run `capi-autoscaler-provider check`",
+                    group.id
+                ))
+            })?;
+            let bytes = convert::template_bytes(template);
+            Ok(NodeGroupTemplateNodeInfoResponse {
+                node_info: bytes.clone(),
+                node_bytes: bytes,
+            })
+        })
+        .await
     }
 
     async fn node_group_get_options(
         &self,
         request: Request<NodeGroupAutoscalingOptionsRequest>,
     ) -> Result<Response<NodeGroupAutoscalingOptionsResponse>, Status> {
-        let started = Instant::now();
-        if let Err(status) = self.serving() {
-            return self.observe("NodeGroupGetOptions", started, Err(status));
-        }
-        let snapshot = self.backend.snapshot();
-        let r = request.get_ref();
-        let result = find(&snapshot, &r.id)
-            .and_then(|g| options_response(g.options.as_ref(), r.defaults.as_ref()));
-        self.observe("NodeGroupGetOptions", started, result)
+        self.answer("NodeGroupGetOptions", async {
+            let snapshot = self.backend.snapshot();
+            let r = request.get_ref();
+            let group = find(&snapshot, &r.id)?;
+            options_response(group.options.as_ref(), r.defaults.as_ref())
+        })
+        .await
     }
 }
 

@@ -1,4 +1,4 @@
-//! Unit tests of `service`.
+//! Unit tests of `grpc`: the handlers over a fixed snapshot, the conversions.
 
 use super::convert::*;
 use super::*;
