@@ -541,9 +541,10 @@ pub async fn template(args: TemplateArgs) -> anyhow::Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::Index;
     use crate::capi::rollout::REVISION_ANNOTATION;
     use crate::capi::{Keys, ScalableKind, ScalableResource};
-    use crate::snapshot::{Index, Settings};
+    use crate::snapshot::Settings;
     use serde_json::json;
 
     /// MachineDeployment md (min 0, max 5, replicas 3) with MachineSets md-new (revision 2) and

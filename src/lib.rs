@@ -1,17 +1,17 @@
 //! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
 //!
-//! A functional core (capi, discovery, snapshot, template, options, pricing: plain data in, plain data
+//! A functional core (capi, discovery, cache, snapshot, template, options, pricing: plain data in, plain data
 //! out) and a thin shell (store, actuator, service, server) that does the I/O.
 
 mod actuator;
 mod apis;
+pub mod cache;
 pub mod capi;
 pub mod check;
 pub mod config;
 pub mod discovery;
 mod events;
 pub mod explain;
-mod index;
 pub mod logging;
 pub mod metrics;
 mod object;

@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use kube::ResourceExt;
 
+use super::{Index, InfraKind, InfraKindState};
 use crate::capi::{
     ClusterTopology, InfraTemplate, Keys, Machine, Node, ObjectKey, ParseError, ScalableKind,
     ScalableResource,
 };
 use crate::object::ApiObject;
 use crate::problem::{Problem, ProblemKind};
-use crate::snapshot::{Index, InfraKind, InfraKindState};
 
 /// What one watch is over.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,15 +1,13 @@
-//! Pure: the cached objects (`Index`) → an immutable `Snapshot` that every read RPC answers from.
-//!
-//! The index consumes watch events (apply, delete, reset) per kind, exactly as the store receives them,
-//! so it is tested by feeding it events, without a cluster.
+//! Pure: the cached objects (`crate::cache::Index`) → an immutable `Snapshot` that every read RPC
+//! answers from.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
+use crate::cache::{Index, InfraKind, InfraKindState, Journal, same_but_counts};
 use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
 use crate::capi::{
-    ClusterTopology, InfraRef, InfraTemplate, Keys, Machine, Node, ObjectKey, ScalableKind,
-    ScalableResource, providerid,
+    InfraTemplate, Keys, Machine, ObjectKey, ScalableKind, ScalableResource, providerid,
 };
 use crate::discovery::{self, DiscoverySpec};
 use crate::options::{self, GroupOptions};
@@ -35,284 +33,10 @@ pub struct Settings {
     pub gib_hour_price: Option<f64>,
 }
 
-/// An infrastructure template kind, identified as a reference names it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct InfraKind {
-    pub api_group: String,
-    pub kind: String,
-}
-
-impl InfraKind {
-    pub fn of(reference: &InfraRef) -> Self {
-        InfraKind {
-            api_group: reference.api_group.clone(),
-            kind: reference.kind.clone(),
-        }
-    }
-}
-
-/// Whether the objects of an infrastructure template kind can be read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum InfraKindState {
-    /// A watch was asked for and has not listed yet.
-    Syncing,
-    Synced,
-    /// The kind cannot be read: not served, forbidden, … The text says why.
-    Unavailable(String),
-}
-
-/// A watched object of a kind, or the reason it could not be read.
-type Parsed<T> = Result<Arc<T>, Problem>;
-
-/// The cached objects of the management (and optionally workload) cluster.
-#[derive(Clone, Debug, Default)]
-pub struct Index {
-    resources: BTreeMap<(ScalableKind, ObjectKey), Parsed<ScalableResource>>,
-    machines: BTreeMap<ObjectKey, Parsed<Machine>>,
-    nodes: HashMap<String, Arc<Node>>,
-    /// How many Nodes name each Cluster: the observed Clusters `scope` decides by.
-    node_clusters: BTreeMap<ObjectKey, usize>,
-    infra_kinds: BTreeMap<InfraKind, InfraKindState>,
-    /// How many resources reference each infrastructure kind: kept as resources come and go, so
-    /// readiness and every build ask it without a walk over every resource.
-    infra_refs: BTreeMap<InfraKind, usize>,
-    infra: HashMap<(InfraKind, ObjectKey), Parsed<InfraTemplate>>,
-    /// Clusters by namespace/name, for the topology check.
-    clusters: HashMap<ObjectKey, Arc<ClusterTopology>>,
-    /// What changed since the snapshot `journal.since` was built.
-    journal: Journal,
-    /// The basis of the last snapshot built with [`Index::snapshot_reusing`].
-    epoch: u64,
-}
-
-/// The changes since a snapshot, when they are all of the kinds a rebuild can apply to the groups they
-/// touch alone (a write of replicas, a Machine's annotations): the rest of that snapshot still holds.
-#[derive(Clone, Debug, Default)]
-struct Journal {
-    since: u64,
-    resources: BTreeSet<(ScalableKind, ObjectKey)>,
-    machines: BTreeSet<ObjectKey>,
-    /// Any other change: the next snapshot is built from scratch.
-    other: bool,
-}
-
 impl Index {
-    pub fn apply_resource(
-        &mut self,
-        kind: ScalableKind,
-        key: ObjectKey,
-        parsed: Parsed<ScalableResource>,
-    ) {
-        let local = match (self.resources.get(&(kind, key.clone())), &parsed) {
-            (Some(Ok(old)), Ok(new)) => same_layout(old, new),
-            _ => false,
-        };
-        if local {
-            // Same template, so the same infrastructure reference.
-            self.journal.resources.insert((kind, key.clone()));
-        } else {
-            self.journal.other = true;
-            self.count_infra_ref(Some(&parsed), 1);
-        }
-        if let Some(old) = self.resources.insert((kind, key), parsed)
-            && !local
-        {
-            self.count_infra_ref(Some(&old), -1);
-        }
-    }
-
-    pub fn delete_resource(&mut self, kind: ScalableKind, key: &ObjectKey) {
-        self.journal.other = true;
-        let old = self.resources.remove(&(kind, key.clone()));
-        self.count_infra_ref(old.as_ref(), -1);
-    }
-
-    fn count_infra_ref(&mut self, parsed: Option<&Parsed<ScalableResource>>, by: isize) {
-        let Some(kind) = parsed.and_then(referenced_infra_kind) else {
-            return;
-        };
-        let count = self.infra_refs.entry(kind.clone()).or_default();
-        *count = count.saturating_add_signed(by);
-        if *count == 0 {
-            self.infra_refs.remove(&kind);
-        }
-    }
-
-    /// A watch of `kind` re-listed: these are now all the objects of that kind.
-    pub fn reset_resources(
-        &mut self,
-        kind: ScalableKind,
-        objects: impl IntoIterator<Item = (ObjectKey, Parsed<ScalableResource>)>,
-    ) {
-        self.journal.other = true;
-        self.resources.retain(|(k, _), _| *k != kind);
-        for (key, parsed) in objects {
-            self.resources.insert((kind, key), parsed);
-        }
-        self.infra_refs.clear();
-        for kind in self.resources.values().filter_map(referenced_infra_kind) {
-            *self.infra_refs.entry(kind).or_default() += 1;
-        }
-    }
-
-    pub fn resource(&self, kind: ScalableKind, key: &ObjectKey) -> Option<&Arc<ScalableResource>> {
-        self.resources
-            .get(&(kind, key.clone()))
-            .and_then(|r| r.as_ref().ok())
-    }
-
-    pub fn apply_machine(&mut self, key: ObjectKey, parsed: Parsed<Machine>) {
-        let local = match (self.machines.get(&key), &parsed) {
-            (Some(Ok(old)), Ok(new)) => same_machine_layout(old, new),
-            _ => false,
-        };
-        if local {
-            self.journal.machines.insert(key.clone());
-        } else {
-            self.journal.other = true;
-        }
-        self.machines.insert(key, parsed);
-    }
-
-    pub fn delete_machine(&mut self, key: &ObjectKey) {
-        self.journal.other = true;
-        self.machines.remove(key);
-    }
-
-    pub fn reset_machines(
-        &mut self,
-        objects: impl IntoIterator<Item = (ObjectKey, Parsed<Machine>)>,
-    ) {
-        self.journal.other = true;
-        self.machines = objects.into_iter().collect();
-    }
-
-    /// The keys and resourceVersions of the Machines cached in `namespace` (`None` for one that could
-    /// not be read).
-    pub fn machine_versions_in(&self, namespace: &str) -> Vec<(ObjectKey, Option<String>)> {
-        self.machines
-            .iter()
-            .filter(|(k, _)| k.namespace == namespace)
-            .map(|(k, m)| {
-                let version = m.as_ref().ok().map(|m| m.resource_version.clone());
-                (k.clone(), version)
-            })
-            .collect()
-    }
-
-    pub fn machine(&self, key: &ObjectKey) -> Option<&Arc<Machine>> {
-        self.machines.get(key).and_then(|m| m.as_ref().ok())
-    }
-
-    pub fn apply_node(&mut self, node: Node) {
-        self.journal.other = true;
-        self.count_node_cluster(Some(&node), 1);
-        let old = self.nodes.insert(node.name.clone(), Arc::new(node));
-        self.count_node_cluster(old.as_deref(), -1);
-    }
-
-    pub fn delete_node(&mut self, name: &str) {
-        self.journal.other = true;
-        let old = self.nodes.remove(name);
-        self.count_node_cluster(old.as_deref(), -1);
-    }
-
-    pub fn reset_nodes(&mut self, nodes: impl IntoIterator<Item = Node>) {
-        self.journal.other = true;
-        self.nodes = nodes
-            .into_iter()
-            .map(|n| (n.name.clone(), Arc::new(n)))
-            .collect();
-        self.node_clusters.clear();
-        for cluster in self.nodes.values().filter_map(|n| n.cluster.clone()) {
-            *self.node_clusters.entry(cluster).or_default() += 1;
-        }
-    }
-
-    fn count_node_cluster(&mut self, node: Option<&Node>, by: isize) {
-        let Some(cluster) = node.and_then(|n| n.cluster.as_ref()) else {
-            return;
-        };
-        let count = self.node_clusters.entry(cluster.clone()).or_default();
-        *count = count.saturating_add_signed(by);
-        if *count == 0 {
-            self.node_clusters.remove(cluster);
-        }
-    }
-
-    /// The Clusters the workload cluster's Nodes belong to.
-    pub fn observed_clusters(&self) -> BTreeSet<ObjectKey> {
-        self.node_clusters.keys().cloned().collect()
-    }
-
-    pub fn set_infra_kind_state(&mut self, kind: InfraKind, state: InfraKindState) {
-        self.journal.other = true;
-        self.infra_kinds.insert(kind, state);
-    }
-
-    pub fn infra_kind_state(&self, kind: &InfraKind) -> Option<&InfraKindState> {
-        self.infra_kinds.get(kind)
-    }
-
-    pub fn apply_infra(&mut self, kind: InfraKind, key: ObjectKey, parsed: Parsed<InfraTemplate>) {
-        self.journal.other = true;
-        self.infra.insert((kind, key), parsed);
-    }
-
-    pub fn delete_infra(&mut self, kind: &InfraKind, key: &ObjectKey) {
-        self.journal.other = true;
-        self.infra.remove(&(kind.clone(), key.clone()));
-    }
-
-    pub fn reset_infra(
-        &mut self,
-        kind: &InfraKind,
-        objects: impl IntoIterator<Item = (ObjectKey, Parsed<InfraTemplate>)>,
-    ) {
-        self.journal.other = true;
-        self.infra.retain(|(k, _), _| k != kind);
-        for (key, parsed) in objects {
-            self.infra.insert((kind.clone(), key), parsed);
-        }
-    }
-
-    pub fn apply_cluster(&mut self, cluster: ClusterTopology) {
-        self.journal.other = true;
-        self.clusters.insert(cluster.key.clone(), Arc::new(cluster));
-    }
-
-    pub fn delete_cluster(&mut self, key: &ObjectKey) {
-        self.journal.other = true;
-        self.clusters.remove(key);
-    }
-
-    pub fn reset_clusters(&mut self, clusters: impl IntoIterator<Item = ClusterTopology>) {
-        self.journal.other = true;
-        self.clusters = clusters
-            .into_iter()
-            .map(|c| (c.key.clone(), Arc::new(c)))
-            .collect();
-    }
-
-    /// Infrastructure template kinds referenced by candidate groups that nobody watches yet.
-    pub fn wanted_infra_kinds(&self) -> BTreeSet<InfraKind> {
-        self.infra_refs
-            .keys()
-            .filter(|k| !self.infra_kinds.contains_key(*k))
-            .cloned()
-            .collect()
-    }
-
     /// Builds the snapshot: node groups, their instances and templates, lookup tables, problems.
     pub fn snapshot(&self, settings: &Settings) -> Snapshot {
         Builder::new(self, settings, None, None).build(0)
-    }
-
-    /// Whether anything changed since the last [`snapshot_reusing`](Self::snapshot_reusing): every
-    /// change goes through the journal, so this is true exactly when that snapshot is out of date.
-    pub fn changed_since_snapshot(&self) -> bool {
-        let journal = &self.journal;
-        journal.other || !journal.resources.is_empty() || !journal.machines.is_empty()
     }
 
     /// [`snapshot`](Self::snapshot) for a store that rebuilds over and over: `previous` is the last
@@ -322,15 +46,7 @@ impl Index {
     /// it is built from scratch, reusing the templates whose inputs did not change. Either way the
     /// result equals [`snapshot`](Self::snapshot)'s.
     pub fn snapshot_reusing(&mut self, settings: &Settings, previous: &Snapshot) -> Snapshot {
-        self.epoch += 1;
-        let basis = self.epoch;
-        let journal = std::mem::replace(
-            &mut self.journal,
-            Journal {
-                since: basis,
-                ..Journal::default()
-            },
-        );
+        let (basis, journal) = self.take_journal();
         Builder::new(self, settings, Some(previous), Some(&journal)).build(basis)
     }
 }
@@ -762,92 +478,6 @@ impl TemplateMemo {
     }
 }
 
-/// The infrastructure kind a readable resource's template references.
-fn referenced_infra_kind(parsed: &Parsed<ScalableResource>) -> Option<InfraKind> {
-    let reference = parsed.as_ref().ok()?.template.infrastructure_ref.as_ref()?;
-    reference.as_ref().ok().map(InfraKind::of)
-}
-
-/// Whether a new version of a resource changes only what a rebuild of its own group (and, for a
-/// MachineSet, of its MachineDeployment's) picks up: replica counts (not whether there are any), the
-/// resourceVersion, the rollout state.
-fn same_layout(a: &ScalableResource, b: &ScalableResource) -> bool {
-    same_but_counts(a, b, |x, y| x.is_some() == y.is_some())
-}
-
-/// Whether two resources agree on everything but the resourceVersion, `status.replicas`, the
-/// rollout state and `spec.replicas`, which `same_replicas` judges. Destructured, so a new field
-/// must be placed here.
-fn same_but_counts(
-    a: &ScalableResource,
-    b: &ScalableResource,
-    same_replicas: impl Fn(Option<i32>, Option<i32>) -> bool,
-) -> bool {
-    let ScalableResource {
-        kind,
-        key,
-        uid,
-        resource_version: _,
-        labels,
-        annotations,
-        cluster_name,
-        replicas,
-        status_replicas: _,
-        rolling_out: _,
-        preflight: _,
-        paused,
-        owners,
-        template,
-        provider_id_list,
-        topology,
-    } = a;
-    *kind == b.kind
-        && *key == b.key
-        && *uid == b.uid
-        && *labels == b.labels
-        && *annotations == b.annotations
-        && *cluster_name == b.cluster_name
-        && same_replicas(*replicas, b.replicas)
-        && *paused == b.paused
-        && *owners == b.owners
-        && *template == b.template
-        && *provider_id_list == b.provider_id_list
-        && *topology == b.topology
-}
-
-/// Whether a new version of a Machine changes only its annotations (its delete mark) and its
-/// resourceVersion: its group, instance id and state stay what they were.
-fn same_machine_layout(a: &Machine, b: &Machine) -> bool {
-    let Machine {
-        key,
-        uid,
-        resource_version: _,
-        labels,
-        annotations: _,
-        cluster_name,
-        provider_id,
-        node_ref,
-        failure_domain,
-        deleting,
-        owners,
-        phase,
-        failure,
-        // Read by the removal rules from the index, never by the snapshot.
-        conditions_unhealthy: _,
-    } = a;
-    *key == b.key
-        && *uid == b.uid
-        && *labels == b.labels
-        && *cluster_name == b.cluster_name
-        && *provider_id == b.provider_id
-        && *node_ref == b.node_ref
-        && *failure_domain == b.failure_domain
-        && *deleting == b.deleting
-        && *owners == b.owners
-        && *phase == b.phase
-        && *failure == b.failure
-}
-
 /// Whether two versions of a resource give the same template: everything but the replica counts
 /// (only whether the group is at zero matters: it decides whether a missing capacity is a problem),
 /// the resourceVersion and the rollout state.
@@ -983,7 +613,7 @@ impl<'a> Builder<'a> {
     fn candidate_clusters(&self) -> BTreeSet<ObjectKey> {
         let settings = self.settings;
         self.index
-            .resources
+            .resources()
             .iter()
             .filter_map(|((kind, key), parsed)| {
                 let resource = parsed.as_ref().ok()?;
@@ -1059,7 +689,7 @@ impl<'a> Builder<'a> {
         let index: &'a Index = self.index;
         let mut sets: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = HashMap::new();
         let machine_sets = index
-            .resources
+            .resources()
             .range((ScalableKind::MachineSet, ObjectKey::new("", ""))..)
             .take_while(|((kind, _), _)| *kind == ScalableKind::MachineSet);
         for ((_, key), parsed) in machine_sets {
@@ -1130,7 +760,7 @@ impl<'a> Builder<'a> {
             resource.key.namespace.as_str(),
             resource.cluster_name.as_str(),
         );
-        let cluster = self.index.clusters.get(&cluster_key)?;
+        let cluster = self.index.cluster(&cluster_key)?;
         cluster.paused.then(|| {
             (
                 "spec.clusterName",
@@ -1150,7 +780,7 @@ impl<'a> Builder<'a> {
             resource.key.namespace.as_str(),
             resource.cluster_name.as_str(),
         );
-        let cluster = self.index.clusters.get(&cluster_key)?;
+        let cluster = self.index.cluster(&cluster_key)?;
         let kind = match resource.kind {
             ScalableKind::MachinePool => ScalableKind::MachinePool,
             _ => ScalableKind::MachineDeployment,
@@ -1194,7 +824,7 @@ impl<'a> Builder<'a> {
                     "{} {}/{} ({})",
                     reference.kind, key.namespace, key.name, reference.api_group
                 );
-                match index.infra_kinds.get(&kind) {
+                match index.infra_kind_state(&kind) {
                     None | Some(InfraKindState::Syncing) => InfraInput::Unavailable(format!(
                         "{what}: the watch of {} has not listed yet",
                         reference.kind
@@ -1203,7 +833,7 @@ impl<'a> Builder<'a> {
                         "{what}: cannot read {}: {why}",
                         reference.kind
                     )),
-                    Some(InfraKindState::Synced) => match index.infra.get(&(kind, key)) {
+                    Some(InfraKindState::Synced) => match index.infra(&kind, &key) {
                         Some(Ok(template)) => InfraInput::Found(Arc::clone(template)),
                         Some(Err(problem)) => InfraInput::Unavailable(format!(
                             "{what}: {}: {}",
@@ -1471,7 +1101,7 @@ impl<'a> Builder<'a> {
         let mut groups: BTreeMap<String, NodeGroup> = BTreeMap::new();
         let mut group_problems: HashMap<String, Vec<Problem>> = HashMap::new();
         let index: &'a Index = self.index;
-        for ((kind, key), parsed) in &index.resources {
+        for ((kind, key), parsed) in index.resources() {
             let resource = match parsed {
                 Ok(r) => r,
                 Err(problem) => {
@@ -1503,7 +1133,7 @@ impl<'a> Builder<'a> {
         let index: &'a Index = self.index;
         // Many Machines share an owner: each owner is resolved to its group once per build.
         let mut owner_groups: HashMap<(&str, ScalableKind, &str), Option<String>> = HashMap::new();
-        for (key, parsed) in &index.machines {
+        for (key, parsed) in index.machines() {
             let machine = match parsed {
                 Ok(m) => m,
                 Err(problem) => {
@@ -1635,7 +1265,12 @@ impl<'a> Builder<'a> {
         if wanted.is_empty() {
             return zones;
         }
-        for machine in self.index.machines.values().filter_map(|m| m.as_ref().ok()) {
+        for machine in self
+            .index
+            .machines()
+            .values()
+            .filter_map(|m| m.as_ref().ok())
+        {
             let Some(fd) = machine.failure_domain.as_deref() else {
                 continue;
             };
@@ -1650,7 +1285,7 @@ impl<'a> Builder<'a> {
             let zone = machine
                 .node_ref
                 .as_deref()
-                .and_then(|name| self.index.nodes.get(name))
+                .and_then(|name| self.index.nodes().get(name))
                 .and_then(|node| node.labels.get(template::LABEL_ZONE));
             if let Some(zone) = zone {
                 *zones
@@ -1673,7 +1308,7 @@ impl<'a> Builder<'a> {
     ) -> HashMap<String, Arc<TemplateMemo>> {
         let node_labels_by_provider: HashMap<&str, &BTreeMap<String, String>> = self
             .index
-            .nodes
+            .nodes()
             .values()
             .filter_map(|n| n.provider_id.as_deref().map(|p| (p, &n.labels)))
             .collect();
@@ -1766,7 +1401,7 @@ impl<'a> Builder<'a> {
             problems,
             reference_prices,
             reference_sources,
-            machines: self.index.machines.len(),
+            machines: self.index.machines().len(),
         }
     }
 
@@ -1946,7 +1581,7 @@ impl<'a> Builder<'a> {
             .chain(unlisted)
             .filter(|key| {
                 self.index
-                    .machines
+                    .machines()
                     .get(*key)
                     .and_then(|m| m.as_ref().ok())
                     .is_some_and(|m| {
@@ -1986,7 +1621,7 @@ impl<'a> Builder<'a> {
             let marked = instance
                 .machine
                 .as_ref()
-                .and_then(|key| self.index.machines.get(key))
+                .and_then(|key| self.index.machines().get(key))
                 .and_then(|m| m.as_ref().ok())
                 .is_some_and(|m| m.annotations.contains_key(delete_key));
             if marked {
@@ -2004,7 +1639,7 @@ impl<'a> Builder<'a> {
             machine
                 .node_ref
                 .as_ref()
-                .and_then(|name| self.index.nodes.get(name))
+                .and_then(|name| self.index.nodes().get(name))
                 .and_then(|node| node.provider_id.clone())
         });
         let (state, error, prefix) = match (&machine.failure, machine.deleting, &machine.node_ref) {

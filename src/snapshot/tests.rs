@@ -1,7 +1,7 @@
 //! Unit tests of `snapshot`.
 
 use super::*;
-use crate::capi::{MachineFailure, MachineTemplate, OwnerRef};
+use crate::capi::{ClusterTopology, InfraRef, MachineFailure, MachineTemplate, Node, OwnerRef};
 
 fn keys() -> Keys {
     Keys::default()
