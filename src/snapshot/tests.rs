@@ -1,7 +1,14 @@
 //! Unit tests of `snapshot`.
 
 use super::*;
-use crate::capi::{ClusterTopology, InfraRef, MachineFailure, MachineTemplate, Node, OwnerRef};
+use std::collections::BTreeSet;
+
+use crate::cache::{InfraKind, InfraKindState};
+use crate::capi::rollout::{self, REVISION_ANNOTATION};
+use crate::capi::{
+    ClusterTopology, InfraRef, Machine, MachineFailure, MachineTemplate, Node, OwnerRef,
+};
+use crate::problem::ProblemKind;
 
 fn keys() -> Keys {
     Keys::default()

@@ -1,0 +1,180 @@
+//! The incremental patch: after changes local to some groups (the provider's own writes of replicas
+//! and delete marks, see `crate::cache::Journal`), only those groups are rebuilt and everything else,
+//! lookups included, is shared with the previous snapshot.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use super::build::{Builder, OwnerLabels};
+use super::instances::held_instances;
+use super::{Instance, InstanceState, Snapshot, group_id};
+use crate::cache::Index;
+use crate::capi::{ObjectKey, ScalableKind, ScalableResource};
+
+impl<'a> Builder<'a> {
+    /// The snapshot after changes local to some groups (see [`crate::cache::Journal`]): those groups are rebuilt,
+    /// everything else is taken from the previous snapshot. `None` when the changes are of another
+    /// kind, or the previous snapshot is not the one they are relative to.
+    pub(super) fn patch(&mut self, basis: u64) -> Option<Snapshot> {
+        let (previous, journal) = (self.previous?, self.journal?);
+        if journal.other || previous.basis == 0 || previous.basis != journal.since {
+            return None;
+        }
+        let index: &'a Index = self.index;
+        self.scope = previous.scope.clone();
+        let owner_labels = OwnerLabels::new(&self.settings.keys);
+        // By the id the previous snapshot shares, which the rebuilt group keeps.
+        let mut affected: BTreeSet<&Arc<str>> = BTreeSet::new();
+        let mut served = |id: String| {
+            if let Some((id, _)) = previous.groups.0.get_key_value(id.as_str()) {
+                affected.insert(id);
+            }
+        };
+        for (kind, key) in &journal.resources {
+            served(group_id(*kind, key));
+            // A MachineSet's replicas are its MachineDeployment's rollout.
+            if *kind == ScalableKind::MachineSet
+                && let Some(set) = index.resource(*kind, key)
+            {
+                let named = set.labels.get(&owner_labels.deployment);
+                for md in set
+                    .owners
+                    .iter()
+                    .filter(|o| o.kind == "MachineDeployment")
+                    .map(|o| &o.name)
+                    .chain(named)
+                {
+                    served(group_id(
+                        ScalableKind::MachineDeployment,
+                        &ObjectKey::new(key.namespace.as_str(), md.as_str()),
+                    ));
+                }
+            }
+        }
+        for key in &journal.machines {
+            if let Some(location) = previous
+                .lookup
+                .by_machine
+                .get(key)
+                .and_then(|at| previous.lookup.locations.get(*at as usize))
+            {
+                served(location.group_id.clone());
+            }
+        }
+        // Only the MachineSets of the MachineDeployments rebuilt, as they are now: their rollout state.
+        let sets_by_deployment: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = affected
+            .iter()
+            .filter_map(|id| previous.groups.get(id))
+            .filter(|g| g.kind() == ScalableKind::MachineDeployment)
+            .filter_map(|g| {
+                let key = &g.resource.key;
+                let sets = previous
+                    .machine_sets
+                    .get(key)?
+                    .iter()
+                    .filter_map(|ms| index.resource(ScalableKind::MachineSet, ms))
+                    .map(Arc::as_ref)
+                    .collect();
+                Some(((key.namespace.as_str(), key.name.as_str()), sets))
+            })
+            .collect();
+        let mut groups = previous.groups.clone();
+        let mut templates = previous.templates.clone();
+        let mut group_problems = previous.group_problems.clone();
+        for id in affected {
+            let old = previous.groups.get(id)?;
+            let (kind, key) = (old.kind(), &old.resource.key);
+            let resource = index.resource(kind, key)?;
+            let (rebuilt, base) =
+                self.collecting(|b| b.served_group(kind, key, resource, &sets_by_deployment));
+            let (mut group, mut problems) = rebuilt?;
+            if !base.is_empty() || group.id.as_str() != id.as_ref() {
+                return None;
+            }
+            // Same Machines, same ids: their states again, then the marks against the new target.
+            // Held-back instances are made again below; other ids than before need a new lookup.
+            let mut list = Vec::with_capacity(old.instances.len());
+            let old_held: Vec<&str> = old
+                .instances
+                .iter()
+                .filter(|i| i.machine.is_none() && crate::preflight::is_held_id(&i.id))
+                .map(|i| i.id.as_str())
+                .collect();
+            for instance in &old.instances {
+                if instance.machine.is_none() && crate::preflight::is_held_id(&instance.id) {
+                    continue;
+                }
+                match &instance.machine {
+                    Some(machine) => {
+                        let fresh = self.instance_of(index.machine(machine)?)?;
+                        if fresh.id != instance.id {
+                            return None;
+                        }
+                        list.push(fresh);
+                    }
+                    None => list.push(Instance {
+                        state: InstanceState::Running,
+                        error: None,
+                        ..instance.clone()
+                    }),
+                }
+            }
+            let running = |list: &[Instance]| {
+                list.iter()
+                    .filter(|i| i.state == InstanceState::Running)
+                    .count() as i32
+            };
+            // Machines with a Node but no providerID stay with the group (the removal counts and
+            // the repair read them); one that has an id now is an instance: built from scratch.
+            for key in &old.unlisted {
+                if self.instance_of(index.machine(key)?).is_some() {
+                    return None;
+                }
+            }
+            group.unlisted = old.unlisted.clone();
+            let held = held_instances(&group, &list, group.unlisted.len());
+            if held
+                .iter()
+                .map(|i| i.id.as_str())
+                .ne(old_held.iter().copied())
+            {
+                return None;
+            }
+            self.mark_leaving(&mut list, group.unlisted.len(), group.target);
+            list.extend(held);
+            group.registered = running(&list) + group.unlisted.len() as i32;
+            group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
+            group.instances = list;
+            // Nodes did not change: the labels copied from the group's Node neither.
+            // Nor the zones of failure domains.
+            let previous_memo = previous.templates.get(id)?;
+            let copied = previous_memo.node_labels.clone();
+            let failure_domain_zone = previous_memo.failure_domain_zone.clone();
+            let node_labels: BTreeMap<String, String> = copied.iter().cloned().collect();
+            let memo = self.template_memo(&group, Some(&node_labels), copied, failure_domain_zone);
+            problems.extend(memo.problems.iter().cloned());
+            group.template = memo.template.clone();
+            templates.insert(Arc::clone(id), memo);
+            if problems.is_empty() {
+                group_problems.remove(id);
+            } else {
+                group_problems.insert(Arc::clone(id), Arc::from(problems));
+            }
+            groups.0.insert(Arc::clone(id), Arc::new(group));
+        }
+        let mut snapshot = self.finish(
+            basis,
+            groups,
+            Arc::clone(&previous.lookup),
+            templates,
+            Arc::clone(&previous.machine_sets),
+            group_problems,
+            previous.base_problems.clone(),
+            previous.skipped.clone(),
+        );
+        snapshot.scope = previous.scope.clone();
+        snapshot.scope_reason = previous.scope_reason.clone();
+        snapshot.not_served = previous.not_served.clone();
+        Some(snapshot)
+    }
+}
