@@ -8,13 +8,12 @@ use std::sync::Arc;
 use super::instances::{held_instances, is_synthetic};
 use super::{
     Groups, Instance, InstanceState, Location, Lookup, NodeGroup, NotServed, Settings, Snapshot,
-    group_id, object_name, position, scaling_bounds,
+    group_id, object_name, position,
 };
 use crate::cache::{Index, InfraKind, InfraKindState, Journal, same_but_counts};
 use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
-use crate::capi::{
-    InfraTemplate, Keys, Machine, ObjectKey, ScalableKind, ScalableResource, providerid,
-};
+use crate::capi::{self, owners};
+use crate::capi::{InfraTemplate, Keys, ObjectKey, ScalableKind, ScalableResource, providerid};
 use crate::discovery;
 use crate::options;
 use crate::pricing::{self, PricedNode, ReferencePrices};
@@ -75,23 +74,6 @@ struct GroupMachines {
     /// Group id → its Machines with a Node but no providerID, so no instance (counted as
     /// registered).
     unlisted: BTreeMap<String, Vec<ObjectKey>>,
-}
-
-/// The labels CAPI puts on Machines naming their owner, under the group in use.
-pub(super) struct OwnerLabels {
-    pub(super) pool: String,
-    pub(super) set: String,
-    pub(super) deployment: String,
-}
-
-impl OwnerLabels {
-    pub(super) fn new(keys: &Keys) -> Self {
-        OwnerLabels {
-            pool: format!("{}/pool-name", keys.group),
-            set: format!("{}/set-name", keys.group),
-            deployment: format!("{}/deployment-name", keys.group),
-        }
-    }
 }
 
 pub(super) struct Builder<'a> {
@@ -178,18 +160,8 @@ impl InfraInput {
 }
 
 /// A MachineSet of a MachineDeployment: part of that group, never a group of its own.
-fn owned_by_deployment(kind: ScalableKind, resource: &ScalableResource) -> bool {
-    kind == ScalableKind::MachineSet
-        && resource
-            .owners
-            .iter()
-            .any(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
-}
-
-/// Whether a resource carries a bound annotation, valid or not: it is meant to be a node group.
-fn has_bounds(keys: &Keys, resource: &ScalableResource) -> bool {
-    resource.annotations.contains_key(&keys.min_size)
-        || resource.annotations.contains_key(&keys.max_size)
+fn part_of_deployment(keys: &Keys, resource: &ScalableResource) -> bool {
+    owners::deployment_of(keys, resource).is_some()
 }
 
 impl<'a> Builder<'a> {
@@ -219,16 +191,16 @@ impl<'a> Builder<'a> {
         self.index
             .resources()
             .iter()
-            .filter_map(|((kind, key), parsed)| {
+            .filter_map(|((_, key), parsed)| {
                 let resource = parsed.as_ref().ok()?;
-                (!owned_by_deployment(*kind, resource)
+                (!part_of_deployment(&settings.keys, resource)
                     && discovery::allowed(
                         &settings.discovery,
                         &key.namespace,
                         &resource.cluster_name,
                         &resource.labels,
                     )
-                    && has_bounds(&settings.keys, resource))
+                    && capi::has_bounds(&settings.keys, resource))
                 .then(|| ObjectKey::new(key.namespace.as_str(), resource.cluster_name.as_str()))
             })
             .collect()
@@ -237,29 +209,6 @@ impl<'a> Builder<'a> {
     fn skip(&mut self, id: String, reason: NotServed, why: impl Into<String>) {
         self.not_served.insert(id.clone(), reason);
         self.skipped.insert(id, why.into());
-    }
-
-    /// What a Machine points at: its owner by reference, else by the group's labels.
-    fn machine_owner<'m>(
-        &self,
-        machine: &'m Machine,
-        labels: &OwnerLabels,
-    ) -> Option<(ScalableKind, &'m str)> {
-        let owner = |kind: &str| {
-            machine
-                .owners
-                .iter()
-                .find(|o| o.kind == kind)
-                .map(|o| o.name.as_str())
-        };
-        let label = |key: &String| machine.labels.get(key).map(String::as_str);
-        if let Some(pool) = owner("MachinePool").or_else(|| label(&labels.pool)) {
-            return Some((ScalableKind::MachinePool, pool));
-        }
-        if let Some(set) = owner("MachineSet").or_else(|| label(&labels.set)) {
-            return Some((ScalableKind::MachineSet, set));
-        }
-        label(&labels.deployment).map(|md| (ScalableKind::MachineDeployment, md))
     }
 
     /// The served group behind a Machine's owner: a MachineSet owned by a served MachineDeployment
@@ -279,18 +228,16 @@ impl<'a> Builder<'a> {
         }
         self.index
             .resource(ScalableKind::MachineSet, &ObjectKey::new(namespace, name))
-            .and_then(|ms| ms.owners.iter().find(|o| o.kind == "MachineDeployment"))
-            .and_then(|md| serving(ScalableKind::MachineDeployment, &md.name))
+            .and_then(|ms| owners::deployment_of(&self.settings.keys, ms))
+            .and_then(|md| serving(ScalableKind::MachineDeployment, md))
             .or_else(|| serving(ScalableKind::MachineSet, name))
     }
 
-    /// MachineSets by the MachineDeployment they belong to (namespace, name): owned by it, or carrying
-    /// its name in the deployment-name label.
-    fn machine_sets_by_deployment(
-        &self,
-        labels: &OwnerLabels,
-    ) -> HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> {
+    /// MachineSets by the MachineDeployment they belong to (namespace, name; see
+    /// [`owners::deployment_of`]).
+    fn machine_sets_by_deployment(&self) -> HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> {
         let index: &'a Index = self.index;
+        let keys = &self.settings.keys;
         let mut sets: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = HashMap::new();
         let machine_sets = index
             .resources()
@@ -300,21 +247,10 @@ impl<'a> Builder<'a> {
             let Ok(ms) = parsed else {
                 continue;
             };
-            let owners = ms
-                .owners
-                .iter()
-                .filter(|o| o.kind == "MachineDeployment" && !o.name.is_empty())
-                .map(|o| o.name.as_str());
-            let named = ms.labels.get(&labels.deployment).map(String::as_str);
-            for md in owners.chain(named) {
-                let listed = sets.entry((key.namespace.as_str(), md)).or_default();
-                // The owner reference and the label usually name the same MachineDeployment.
-                if !listed
-                    .last()
-                    .is_some_and(|last| std::ptr::eq(*last, ms.as_ref()))
-                {
-                    listed.push(ms.as_ref());
-                }
+            if let Some(md) = owners::deployment_of(keys, ms) {
+                sets.entry((key.namespace.as_str(), md))
+                    .or_default()
+                    .push(ms.as_ref());
             }
         }
         sets
@@ -471,7 +407,7 @@ impl<'a> Builder<'a> {
         let keys = &settings.keys;
         let id = group_id(kind, key);
         let object = object_name(kind, key);
-        if owned_by_deployment(kind, resource) {
+        if part_of_deployment(keys, resource) {
             return None;
         }
         if !discovery::allowed(
@@ -483,7 +419,7 @@ impl<'a> Builder<'a> {
             return None;
         }
         let cluster = ObjectKey::new(key.namespace.as_str(), resource.cluster_name.as_str());
-        if has_bounds(keys, resource)
+        if capi::has_bounds(keys, resource)
             && let Some(why) = self.scope.refusal(&cluster)
         {
             self.problems
@@ -492,7 +428,9 @@ impl<'a> Builder<'a> {
             self.out_of_scope += 1;
             return None;
         }
-        let (min, max) = match scaling_bounds(keys, &object, &resource.annotations) {
+        let bounds = capi::scaling_bounds(keys, &resource.annotations)
+            .map_err(|e| Problem::new(&object, e.field, e.message));
+        let (min, max) = match bounds {
             Ok(Some(bounds)) => bounds,
             Ok(None) => return None,
             Err(problem) => {
@@ -623,8 +561,7 @@ impl<'a> Builder<'a> {
         if let Some(snapshot) = self.patch(basis) {
             return snapshot;
         }
-        let owner_labels = OwnerLabels::new(&self.settings.keys);
-        let sets_by_deployment = self.machine_sets_by_deployment(&owner_labels);
+        let sets_by_deployment = self.machine_sets_by_deployment();
         let machine_sets = Arc::new(
             sets_by_deployment
                 .iter()
@@ -656,7 +593,7 @@ impl<'a> Builder<'a> {
             _ => None,
         };
         let mut lookup = Lookup::default();
-        let found = self.machines_by_group(&groups, &owner_labels, &mut lookup);
+        let found = self.machines_by_group(&groups, &mut lookup);
         self.attach_instances(&mut groups, found, &mut lookup);
         lookup.by_normalized_id = normalized_ids(&lookup);
         let mut templates = self.templates(&mut groups, &mut group_problems);
@@ -730,11 +667,11 @@ impl<'a> Builder<'a> {
     fn machines_by_group(
         &mut self,
         groups: &BTreeMap<String, NodeGroup>,
-        owner_labels: &OwnerLabels,
         lookup: &mut Lookup,
     ) -> GroupMachines {
         let mut found = GroupMachines::default();
         let index: &'a Index = self.index;
+        let keys = &self.settings.keys;
         // Many Machines share an owner: each owner is resolved to its group once per build.
         let mut owner_groups: HashMap<(&str, ScalableKind, &str), Option<String>> = HashMap::new();
         for (key, parsed) in index.machines() {
@@ -745,7 +682,7 @@ impl<'a> Builder<'a> {
                     continue;
                 }
             };
-            let Some(owner) = self.machine_owner(machine, owner_labels) else {
+            let Some(owner) = owners::machine_owner(keys, machine) else {
                 continue;
             };
             let namespace = machine.key.namespace.as_str();
@@ -753,10 +690,10 @@ impl<'a> Builder<'a> {
                 .entry((namespace, owner.0, owner.1))
                 .or_insert_with(|| self.owner_group(namespace, owner, groups));
             let fallback = || {
-                let md = machine.labels.get(&owner_labels.deployment)?;
+                let md = owners::machine_deployment_label(keys, machine)?;
                 let id = group_id(
                     ScalableKind::MachineDeployment,
-                    &ObjectKey::new(namespace, md.as_str()),
+                    &ObjectKey::new(namespace, md),
                 );
                 groups.contains_key(&id).then_some(id)
             };

@@ -361,54 +361,6 @@ pub fn group_id(kind: ScalableKind, key: &ObjectKey) -> String {
     format!("{}/{}/{}", kind.as_str(), key.namespace, key.name)
 }
 
-/// min/max from the annotations. `Ok(None)`: neither annotation, not a candidate.
-pub fn scaling_bounds(
-    keys: &Keys,
-    object: &str,
-    annotations: &BTreeMap<String, String>,
-) -> Result<Option<(i32, i32)>, Problem> {
-    let read = |key: &str| -> Result<Option<i32>, Problem> {
-        match annotations.get(key) {
-            None => Ok(None),
-            Some(v) => match v.trim().parse::<i32>() {
-                Ok(n) if n >= 0 => Ok(Some(n)),
-                Ok(n) => Err(Problem::new(
-                    object,
-                    Problem::annotation_field(key),
-                    format!("{n} is negative"),
-                )),
-                Err(_) => Err(Problem::new(
-                    object,
-                    Problem::annotation_field(key),
-                    format!("{v:?} is not a non-negative integer"),
-                )),
-            },
-        }
-    };
-    let min = read(&keys.min_size)?;
-    let max = read(&keys.max_size)?;
-    match (min, max) {
-        (None, None) => Ok(None),
-        (_, None) => Err(Problem::new(
-            object,
-            Problem::annotation_field(&keys.max_size),
-            "missing: the min size annotation is set but the max size annotation is not",
-        )),
-        (min, Some(max)) => {
-            let min = min.unwrap_or(0);
-            if max < min {
-                Err(Problem::new(
-                    object,
-                    Problem::annotation_field(&keys.max_size),
-                    format!("max size {max} is below min size {min}"),
-                ))
-            } else {
-                Ok(Some((min, max)))
-            }
-        }
-    }
-}
-
 mod build;
 mod instances;
 mod patch;

@@ -5,11 +5,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use super::build::{Builder, OwnerLabels};
+use super::build::Builder;
 use super::instances::held_instances;
 use super::{Instance, InstanceState, Snapshot, group_id};
 use crate::cache::Index;
-use crate::capi::{ObjectKey, ScalableKind, ScalableResource};
+use crate::capi::{ObjectKey, ScalableKind, ScalableResource, owners};
 
 impl<'a> Builder<'a> {
     /// The snapshot after changes local to some groups (see [`crate::cache::Journal`]): those groups are rebuilt,
@@ -22,7 +22,6 @@ impl<'a> Builder<'a> {
         }
         let index: &'a Index = self.index;
         self.scope = previous.scope.clone();
-        let owner_labels = OwnerLabels::new(&self.settings.keys);
         // By the id the previous snapshot shares, which the rebuilt group keeps.
         let mut affected: BTreeSet<&Arc<str>> = BTreeSet::new();
         let mut served = |id: String| {
@@ -35,20 +34,12 @@ impl<'a> Builder<'a> {
             // A MachineSet's replicas are its MachineDeployment's rollout.
             if *kind == ScalableKind::MachineSet
                 && let Some(set) = index.resource(*kind, key)
+                && let Some(md) = owners::deployment_of(&self.settings.keys, set)
             {
-                let named = set.labels.get(&owner_labels.deployment);
-                for md in set
-                    .owners
-                    .iter()
-                    .filter(|o| o.kind == "MachineDeployment")
-                    .map(|o| &o.name)
-                    .chain(named)
-                {
-                    served(group_id(
-                        ScalableKind::MachineDeployment,
-                        &ObjectKey::new(key.namespace.as_str(), md.as_str()),
-                    ));
-                }
+                served(group_id(
+                    ScalableKind::MachineDeployment,
+                    &ObjectKey::new(key.namespace.as_str(), md),
+                ));
             }
         }
         for key in &journal.machines {

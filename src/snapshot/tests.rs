@@ -876,33 +876,6 @@ fn only_machine_sets_of_the_deployment_count_by_owner_or_by_the_groups_label() {
 }
 
 #[test]
-fn scaling_bounds_follow_upstream_rules() {
-    let k = keys();
-    let ann = |min: Option<&str>, max: Option<&str>| {
-        let mut a = BTreeMap::new();
-        if let Some(v) = min {
-            a.insert(k.min_size.clone(), v.to_string());
-        }
-        if let Some(v) = max {
-            a.insert(k.max_size.clone(), v.to_string());
-        }
-        a
-    };
-    assert_eq!(scaling_bounds(&k, "o", &ann(None, None)), Ok(None));
-    assert_eq!(
-        scaling_bounds(&k, "o", &ann(None, Some("3"))),
-        Ok(Some((0, 3)))
-    );
-    assert_eq!(
-        scaling_bounds(&k, "o", &ann(Some("2"), Some("2"))),
-        Ok(Some((2, 2)))
-    );
-    assert!(scaling_bounds(&k, "o", &ann(Some("x"), Some("2"))).is_err());
-    assert!(scaling_bounds(&k, "o", &ann(Some("3"), Some("2"))).is_err());
-    assert!(scaling_bounds(&k, "o", &ann(Some("1"), None)).is_err());
-}
-
-#[test]
 fn a_rebuild_reuses_the_templates_whose_inputs_did_not_change() {
     let with_capacity = |name: &str, replicas: i32, cpu: &str| {
         let mut r = resource(
