@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use super::instances::{held_instances, is_synthetic};
 use super::{
-    Groups, Instance, InstanceState, Location, Lookup, NodeGroup, NotServed, Settings, Snapshot,
-    group_id, object_name, position,
+    GroupId, Groups, Instance, InstanceState, Location, Lookup, NodeGroup, NotServed, Settings,
+    Snapshot, object_name, position,
 };
 use crate::cache::{Index, InfraKind, InfraKindState, Journal, same_but_counts};
 use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
@@ -220,7 +220,7 @@ impl<'a> Builder<'a> {
         served: &BTreeMap<String, NodeGroup>,
     ) -> Option<String> {
         let serving = |kind: ScalableKind, name: &str| {
-            let id = group_id(kind, &ObjectKey::new(namespace, name));
+            let id = GroupId::new(kind, namespace, name).to_string();
             served.contains_key(&id).then_some(id)
         };
         if kind != ScalableKind::MachineSet {
@@ -405,7 +405,7 @@ impl<'a> Builder<'a> {
     ) -> Option<(NodeGroup, Vec<Problem>)> {
         let settings: &'a Settings = self.settings;
         let keys = &settings.keys;
-        let id = group_id(kind, key);
+        let id = GroupId::of(kind, key).to_string();
         let object = object_name(kind, key);
         if part_of_deployment(keys, resource) {
             return None;
@@ -691,10 +691,7 @@ impl<'a> Builder<'a> {
                 .or_insert_with(|| self.owner_group(namespace, owner, groups));
             let fallback = || {
                 let md = owners::machine_deployment_label(keys, machine)?;
-                let id = group_id(
-                    ScalableKind::MachineDeployment,
-                    &ObjectKey::new(namespace, md),
-                );
+                let id = GroupId::new(ScalableKind::MachineDeployment, namespace, md).to_string();
                 groups.contains_key(&id).then_some(id)
             };
             let group_id = match resolved {

@@ -146,7 +146,13 @@ pub(super) fn held_instances(
         .count()
         + unlisted;
     let count = crate::preflight::held_count(group.target, machines);
-    let error = crate::preflight::instance_error(&group.id, hold);
+    // Class "other": CA backs the group off the same for either class, and nothing is out of
+    // resources.
+    let error = InstanceError {
+        code: crate::preflight::error_code(hold),
+        message: crate::preflight::error_message(&group.id, hold),
+        class: OTHER_ERROR_CLASS,
+    };
     let key = &group.resource.key;
     crate::preflight::held_ids(group.kind().as_str(), &key.namespace, &key.name, count)
         .into_iter()

@@ -15,6 +15,7 @@ use crate::scope::{ClusterRef, Scope};
 use crate::template::TemplateNode;
 
 use build::TemplateMemo;
+pub use group_id::GroupId;
 
 /// Prefixes of the instance ids made up for Machines that have no providerID (kept from upstream).
 pub const PENDING_PREFIX: &str = "pending-machine-";
@@ -353,15 +354,13 @@ impl Snapshot {
 fn position(locations: &[Location]) -> u32 {
     u32::try_from(locations.len()).unwrap_or(u32::MAX)
 }
+
 fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> String {
     format!("{kind} {key}")
 }
 
-pub fn group_id(kind: ScalableKind, key: &ObjectKey) -> String {
-    format!("{}/{}/{}", kind.as_str(), key.namespace, key.name)
-}
-
 mod build;
+mod group_id;
 mod instances;
 mod patch;
 

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use super::build::Builder;
 use super::instances::held_instances;
-use super::{Instance, InstanceState, Snapshot, group_id};
+use super::{GroupId, Instance, InstanceState, Snapshot};
 use crate::cache::Index;
-use crate::capi::{ObjectKey, ScalableKind, ScalableResource, owners};
+use crate::capi::{ScalableKind, ScalableResource, owners};
 
 impl<'a> Builder<'a> {
     /// The snapshot after changes local to some groups (see [`crate::cache::Journal`]): those groups are rebuilt,
@@ -30,16 +30,15 @@ impl<'a> Builder<'a> {
             }
         };
         for (kind, key) in &journal.resources {
-            served(group_id(*kind, key));
+            served(GroupId::of(*kind, key).to_string());
             // A MachineSet's replicas are its MachineDeployment's rollout.
             if *kind == ScalableKind::MachineSet
                 && let Some(set) = index.resource(*kind, key)
                 && let Some(md) = owners::deployment_of(&self.settings.keys, set)
             {
-                served(group_id(
-                    ScalableKind::MachineDeployment,
-                    &ObjectKey::new(key.namespace.as_str(), md),
-                ));
+                served(
+                    GroupId::new(ScalableKind::MachineDeployment, &key.namespace, md).to_string(),
+                );
             }
         }
         for key in &journal.machines {

@@ -1520,3 +1520,95 @@ fn nodes_of_another_failure_domain_or_cluster_leave_the_failure_domain_as_the_zo
         );
     }
 }
+
+#[test]
+fn a_machine_set_labelled_with_a_deployment_is_part_of_it_and_an_empty_label_names_none() {
+    let keys = keys();
+    let mut index = deployment_index();
+    // No owner reference, the deployment's label: Cluster API adopts it into the MachineDeployment.
+    let mut adopted = resource(ScalableKind::MachineSet, "adopted", Some("0"), Some("3"), 1);
+    adopted
+        .labels
+        .insert(keys.deployment_name_label.clone(), "md".into());
+    add(&mut index, adopted);
+    add_machine(
+        &mut index,
+        machine("m3", "MachineSet", "adopted", Some("e2e:///ns/m3"), true),
+    );
+    // An empty label names no MachineDeployment: the MachineSet is a group of its own.
+    let mut unnamed = resource(ScalableKind::MachineSet, "unnamed", Some("0"), Some("3"), 1);
+    unnamed
+        .labels
+        .insert(keys.deployment_name_label.clone(), String::new());
+    add(&mut index, unnamed);
+    let s = index.snapshot(&settings());
+    assert_eq!(
+        s.groups.keys().collect::<Vec<_>>(),
+        ["MachineDeployment/ns/md", "MachineSet/ns/unnamed"]
+    );
+    assert_eq!(
+        s.group_for_node(&node("e2e:///ns/m3", "m3"), &keys)
+            .map(|g| g.id.as_str()),
+        Some("MachineDeployment/ns/md")
+    );
+}
+
+#[test]
+fn a_machine_with_an_empty_pool_label_stays_with_its_machine_set() {
+    let keys = keys();
+    let mut index = deployment_index();
+    let mut m = machine("m3", "MachineSet", "md-abc", Some("e2e:///ns/m3"), true);
+    m.labels.insert(keys.pool_name_label.clone(), String::new());
+    add_machine(&mut index, m);
+    let s = index.snapshot(&settings());
+    assert_eq!(
+        s.group_for_node(&node("e2e:///ns/m3", "m3"), &keys)
+            .map(|g| g.id.as_str()),
+        Some("MachineDeployment/ns/md")
+    );
+}
+
+#[test]
+fn a_preflight_hold_reports_the_replicas_beyond_the_machines_as_instances_created_with_an_error() {
+    let mut index = Index::default();
+    let mut ms = resource(ScalableKind::MachineSet, "ms", Some("0"), Some("5"), 3);
+    ms.preflight = Some(crate::preflight::PreflightHold {
+        checks: vec!["ControlPlaneIsStable".into()],
+        message: "upgrading".into(),
+    });
+    add(&mut index, ms);
+    add_machine(
+        &mut index,
+        machine("m1", "MachineSet", "ms", Some("e2e:///ns/m1"), true),
+    );
+    let s = index.snapshot(&settings());
+    let group = s.group("MachineSet/ns/ms").expect("served");
+    let held: Vec<(&str, InstanceState, Option<(&str, i32)>)> = group
+        .instances
+        .iter()
+        .filter(|i| i.machine.is_none())
+        .map(|i| {
+            let error = i.error.as_ref().map(|e| (e.code.as_str(), e.class));
+            (i.id.as_str(), i.state, error)
+        })
+        .collect();
+    let error = Some((
+        "PreflightCheckFailed:ControlPlaneIsStable",
+        OTHER_ERROR_CLASS,
+    ));
+    assert_eq!(
+        held,
+        [
+            (
+                "preflight-held-machineset-ns_ms-0",
+                InstanceState::Creating,
+                error
+            ),
+            (
+                "preflight-held-machineset-ns_ms-1",
+                InstanceState::Creating,
+                error
+            ),
+        ]
+    );
+}
