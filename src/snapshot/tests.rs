@@ -1583,7 +1583,8 @@ fn a_preflight_hold_reports_the_replicas_beyond_the_machines_as_instances_create
     );
     let s = index.snapshot(&settings());
     let group = s.group("MachineSet/ns/ms").expect("served");
-    let held: Vec<(&str, InstanceState, Option<(&str, i32)>)> = group
+    type Held<'a> = (&'a str, InstanceState, Option<(&'a str, i32)>);
+    let held: Vec<Held> = group
         .instances
         .iter()
         .filter(|i| i.machine.is_none())
