@@ -394,19 +394,18 @@ impl<'a> Builder<'a> {
         (value, inner)
     }
 
-    /// The group a resource is, without its instances and template, and the group's own problems; or
-    /// `None` for a resource that is not a served group (problems of those go to `self.problems`).
-    pub(super) fn served_group(
+    /// min, max and target of a resource that is a served group. `None` for one that is not a
+    /// candidate, and for a candidate that is not served: why is recorded (`skip`) and, when the
+    /// objects are at fault, a problem.
+    fn served_sizes(
         &mut self,
-        kind: ScalableKind,
+        id: &str,
+        object: &str,
         key: &ObjectKey,
-        resource: &Arc<ScalableResource>,
-        sets_by_deployment: &HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>>,
-    ) -> Option<(NodeGroup, Vec<Problem>)> {
+        resource: &ScalableResource,
+    ) -> Option<(i32, i32, i32)> {
         let settings: &'a Settings = self.settings;
         let keys = &settings.keys;
-        let id = GroupId::of(kind, key).to_string();
-        let object = object_name(kind, key);
         if part_of_deployment(keys, resource) {
             return None;
         }
@@ -423,19 +422,19 @@ impl<'a> Builder<'a> {
             && let Some(why) = self.scope.refusal(&cluster)
         {
             self.problems
-                .push(Problem::new(&object, "spec.clusterName", why.clone()));
-            self.skip(id, NotServed::OtherCluster, why);
+                .push(Problem::new(object, "spec.clusterName", why.clone()));
+            self.skip(id.to_string(), NotServed::OtherCluster, why);
             self.out_of_scope += 1;
             return None;
         }
         let bounds = capi::scaling_bounds(keys, &resource.annotations)
-            .map_err(|e| Problem::new(&object, e.field, e.message));
+            .map_err(|e| Problem::new(object, e.field, e.message));
         let (min, max) = match bounds {
             Ok(Some(bounds)) => bounds,
             Ok(None) => return None,
             Err(problem) => {
                 self.skip(
-                    id,
+                    id.to_string(),
                     NotServed::Bounds,
                     format!("{}: {}", problem.field, problem.message),
                 );
@@ -444,29 +443,44 @@ impl<'a> Builder<'a> {
             }
         };
         if max == 0 {
-            self.skip(id, NotServed::MaxZero, "max size is 0");
+            self.skip(id.to_string(), NotServed::MaxZero, "max size is 0");
             return None;
         }
         if let Some((field, why)) = self.pause_of(resource) {
             self.problems
-                .push(Problem::new(&object, field, why.clone()).with_kind(ProblemKind::Paused));
-            self.skip(id, NotServed::Paused, why);
+                .push(Problem::new(object, field, why.clone()).with_kind(ProblemKind::Paused));
+            self.skip(id.to_string(), NotServed::Paused, why);
             return None;
         }
         let Some(target) = resource.replicas else {
             let problem = Problem::new(
-                &object,
+                object,
                 "spec.replicas",
                 "not set: the group has no target size",
             );
             self.skip(
-                id,
+                id.to_string(),
                 NotServed::ReplicasUnset,
                 format!("{}: {}", problem.field, problem.message),
             );
             self.problems.push(problem);
             return None;
         };
+        Some((min, max, target))
+    }
+
+    /// The group a resource is, without its instances and template, and the group's own problems; or
+    /// `None` for a resource that is not a served group (problems of those go to `self.problems`).
+    pub(super) fn served_group(
+        &mut self,
+        kind: ScalableKind,
+        key: &ObjectKey,
+        resource: &Arc<ScalableResource>,
+        sets_by_deployment: &HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>>,
+    ) -> Option<(NodeGroup, Vec<Problem>)> {
+        let id = GroupId::of(kind, key).to_string();
+        let object = object_name(kind, key);
+        let (min, max, target) = self.served_sizes(&id, &object, key, resource)?;
         let (group, problems) = self.collecting(|b| {
             let keys = &b.settings.keys;
             if let Some(problem) = b.topology_conflict(resource) {

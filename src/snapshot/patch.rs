@@ -7,134 +7,36 @@ use std::sync::Arc;
 
 use super::build::Builder;
 use super::instances::held_instances;
-use super::{GroupId, Instance, InstanceState, Snapshot};
-use crate::cache::Index;
+use super::{GroupId, Instance, InstanceState, NodeGroup, Snapshot};
+use crate::cache::{Index, Journal};
 use crate::capi::{ScalableKind, ScalableResource, owners};
 
 impl<'a> Builder<'a> {
-    /// The snapshot after changes local to some groups (see [`crate::cache::Journal`]): those groups are rebuilt,
-    /// everything else is taken from the previous snapshot. `None` when the changes are of another
-    /// kind, or the previous snapshot is not the one they are relative to.
+    /// The snapshot after changes local to some groups (see [`crate::cache::Journal`]): those groups
+    /// are rebuilt, everything else is taken from the previous snapshot. `None` when the changes are
+    /// of another kind, or the previous snapshot is not the one they are relative to.
     pub(super) fn patch(&mut self, basis: u64) -> Option<Snapshot> {
         let (previous, journal) = (self.previous?, self.journal?);
         if journal.other || previous.basis == 0 || previous.basis != journal.since {
             return None;
         }
-        let index: &'a Index = self.index;
         self.scope = previous.scope.clone();
-        // By the id the previous snapshot shares, which the rebuilt group keeps.
-        let mut affected: BTreeSet<&Arc<str>> = BTreeSet::new();
-        let mut served = |id: String| {
-            if let Some((id, _)) = previous.groups.0.get_key_value(id.as_str()) {
-                affected.insert(id);
-            }
-        };
-        for (kind, key) in &journal.resources {
-            served(GroupId::of(*kind, key).to_string());
-            // A MachineSet's replicas are its MachineDeployment's rollout.
-            if *kind == ScalableKind::MachineSet
-                && let Some(set) = index.resource(*kind, key)
-                && let Some(md) = owners::deployment_of(&self.settings.keys, set)
-            {
-                served(
-                    GroupId::new(ScalableKind::MachineDeployment, &key.namespace, md).to_string(),
-                );
-            }
-        }
-        for key in &journal.machines {
-            if let Some(location) = previous
-                .lookup
-                .by_machine
-                .get(key)
-                .and_then(|at| previous.lookup.locations.get(*at as usize))
-            {
-                served(location.group_id.clone());
-            }
-        }
-        // Only the MachineSets of the MachineDeployments rebuilt, as they are now: their rollout state.
-        let sets_by_deployment: HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> = affected
-            .iter()
-            .filter_map(|id| previous.groups.get(id))
-            .filter(|g| g.kind() == ScalableKind::MachineDeployment)
-            .filter_map(|g| {
-                let key = &g.resource.key;
-                let sets = previous
-                    .machine_sets
-                    .get(key)?
-                    .iter()
-                    .filter_map(|ms| index.resource(ScalableKind::MachineSet, ms))
-                    .map(Arc::as_ref)
-                    .collect();
-                Some(((key.namespace.as_str(), key.name.as_str()), sets))
-            })
-            .collect();
+        let affected = self.affected_groups(previous, journal);
+        let sets_by_deployment = self.current_machine_sets(previous, &affected);
         let mut groups = previous.groups.clone();
         let mut templates = previous.templates.clone();
         let mut group_problems = previous.group_problems.clone();
         for id in affected {
             let old = previous.groups.get(id)?;
             let (kind, key) = (old.kind(), &old.resource.key);
-            let resource = index.resource(kind, key)?;
+            let resource = self.index.resource(kind, key)?;
             let (rebuilt, base) =
                 self.collecting(|b| b.served_group(kind, key, resource, &sets_by_deployment));
             let (mut group, mut problems) = rebuilt?;
             if !base.is_empty() || group.id.as_str() != id.as_ref() {
                 return None;
             }
-            // Same Machines, same ids: their states again, then the marks against the new target.
-            // Held-back instances are made again below; other ids than before need a new lookup.
-            let mut list = Vec::with_capacity(old.instances.len());
-            let old_held: Vec<&str> = old
-                .instances
-                .iter()
-                .filter(|i| i.machine.is_none() && crate::preflight::is_held_id(&i.id))
-                .map(|i| i.id.as_str())
-                .collect();
-            for instance in &old.instances {
-                if instance.machine.is_none() && crate::preflight::is_held_id(&instance.id) {
-                    continue;
-                }
-                match &instance.machine {
-                    Some(machine) => {
-                        let fresh = self.instance_of(index.machine(machine)?)?;
-                        if fresh.id != instance.id {
-                            return None;
-                        }
-                        list.push(fresh);
-                    }
-                    None => list.push(Instance {
-                        state: InstanceState::Running,
-                        error: None,
-                        ..instance.clone()
-                    }),
-                }
-            }
-            let running = |list: &[Instance]| {
-                list.iter()
-                    .filter(|i| i.state == InstanceState::Running)
-                    .count() as i32
-            };
-            // Machines with a Node but no providerID stay with the group (the removal counts and
-            // the repair read them); one that has an id now is an instance: built from scratch.
-            for key in &old.unlisted {
-                if self.instance_of(index.machine(key)?).is_some() {
-                    return None;
-                }
-            }
-            group.unlisted = old.unlisted.clone();
-            let held = held_instances(&group, &list, group.unlisted.len());
-            if held
-                .iter()
-                .map(|i| i.id.as_str())
-                .ne(old_held.iter().copied())
-            {
-                return None;
-            }
-            self.mark_leaving(&mut list, group.unlisted.len(), group.target);
-            list.extend(held);
-            group.registered = running(&list) + group.unlisted.len() as i32;
-            group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
-            group.instances = list;
+            self.same_instances_again(old, &mut group)?;
             // Nodes did not change: the labels copied from the group's Node neither.
             // Nor the zones of failure domains.
             let previous_memo = previous.templates.get(id)?;
@@ -166,5 +68,114 @@ impl<'a> Builder<'a> {
         snapshot.scope_reason = previous.scope_reason.clone();
         snapshot.not_served = previous.not_served.clone();
         Some(snapshot)
+    }
+
+    /// The served groups the journal's changes touch, by the id the previous snapshot shares (which
+    /// the rebuilt group keeps): the changed resources' groups, a changed MachineSet's
+    /// MachineDeployment (its rollout), the changed Machines' groups.
+    fn affected_groups(&self, previous: &'a Snapshot, journal: &Journal) -> BTreeSet<&'a Arc<str>> {
+        let index = self.index;
+        let mut affected: BTreeSet<&'a Arc<str>> = BTreeSet::new();
+        let mut served = |id: String| {
+            if let Some((id, _)) = previous.groups.0.get_key_value(id.as_str()) {
+                affected.insert(id);
+            }
+        };
+        for (kind, key) in &journal.resources {
+            served(GroupId::of(*kind, key).to_string());
+            if *kind == ScalableKind::MachineSet
+                && let Some(set) = index.resource(*kind, key)
+                && let Some(md) = owners::deployment_of(&self.settings.keys, set)
+            {
+                served(
+                    GroupId::new(ScalableKind::MachineDeployment, &key.namespace, md).to_string(),
+                );
+            }
+        }
+        for key in &journal.machines {
+            if let Some(location) = previous
+                .lookup
+                .by_machine
+                .get(key)
+                .and_then(|at| previous.lookup.locations.get(*at as usize))
+            {
+                served(location.group_id.clone());
+            }
+        }
+        affected
+    }
+
+    /// The MachineSets of the MachineDeployments among `affected`, as they are now (their rollout
+    /// state): a patch never changes which belong to which, so the previous snapshot's lists hold.
+    fn current_machine_sets(
+        &self,
+        previous: &'a Snapshot,
+        affected: &BTreeSet<&'a Arc<str>>,
+    ) -> HashMap<(&'a str, &'a str), Vec<&'a ScalableResource>> {
+        let index: &'a Index = self.index;
+        affected
+            .iter()
+            .filter_map(|id| previous.groups.get(id))
+            .filter(|g| g.kind() == ScalableKind::MachineDeployment)
+            .filter_map(|g| {
+                let key = &g.resource.key;
+                let sets = previous
+                    .machine_sets
+                    .get(key)?
+                    .iter()
+                    .filter_map(|ms| index.resource(ScalableKind::MachineSet, ms))
+                    .map(Arc::as_ref)
+                    .collect();
+                Some(((key.namespace.as_str(), key.name.as_str()), sets))
+            })
+            .collect()
+    }
+
+    /// `group`'s instances from `old`'s: same Machines, same ids, their states again, then the marks
+    /// against the new target and the held-back instances made again. `None` when an instance's id
+    /// changed or the held-back ones differ: other ids than before need a new lookup.
+    fn same_instances_again(&self, old: &NodeGroup, group: &mut NodeGroup) -> Option<()> {
+        let index = self.index;
+        let is_held = |i: &Instance| i.machine.is_none() && crate::preflight::is_held_id(&i.id);
+        let mut list = Vec::with_capacity(old.instances.len());
+        for instance in old.instances.iter().filter(|i| !is_held(i)) {
+            match &instance.machine {
+                Some(machine) => {
+                    let fresh = self.instance_of(index.machine(machine)?)?;
+                    if fresh.id != instance.id {
+                        return None;
+                    }
+                    list.push(fresh);
+                }
+                None => list.push(Instance {
+                    state: InstanceState::Running,
+                    error: None,
+                    ..instance.clone()
+                }),
+            }
+        }
+        // Machines with a Node but no providerID stay with the group (the removal counts and the
+        // repair read them); one that has an id now is an instance: built from scratch.
+        for key in &old.unlisted {
+            if self.instance_of(index.machine(key)?).is_some() {
+                return None;
+            }
+        }
+        group.unlisted = old.unlisted.clone();
+        let held = held_instances(group, &list, group.unlisted.len());
+        let old_held = old.instances.iter().filter(|i| is_held(i)).map(|i| &i.id);
+        if held.iter().map(|i| &i.id).ne(old_held) {
+            return None;
+        }
+        self.mark_leaving(&mut list, group.unlisted.len(), group.target);
+        list.extend(held);
+        let running = list
+            .iter()
+            .filter(|i| i.state == InstanceState::Running)
+            .count();
+        group.registered = running as i32 + group.unlisted.len() as i32;
+        group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
+        group.instances = list;
+        Some(())
     }
 }
