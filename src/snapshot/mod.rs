@@ -1,5 +1,10 @@
 //! Pure: the cached objects (`crate::cache::Index`) → an immutable `Snapshot` that every read RPC
 //! answers from.
+//!
+//! Here the snapshot's types and lookups; `build` the full build, `patch` the rebuild of the groups
+//! the provider's own writes touched, `instances` what CA sees of a group's Machines (for both),
+//! `group_id` the id CA knows a group by. Which MachineSet belongs to which MachineDeployment and a
+//! group's bounds are Cluster API rules: `crate::capi::owners`, `crate::capi::bounds`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
