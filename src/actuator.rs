@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 
-use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource};
+use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource, scaling_bounds};
 use crate::grpc::Backend;
 use crate::lock;
 use crate::metrics::Metrics;
@@ -23,7 +23,7 @@ use crate::removal::{
     RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time, payment_entry,
     pool_node_entry, raised_at,
 };
-use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
+use crate::snapshot::{NodeGroup, NodeRef, Snapshot};
 use crate::store::Store;
 
 /// Attempts at a replica write before giving up on conflicts.
@@ -397,18 +397,16 @@ impl Actuator {
         group: &NodeGroup,
         resource: &ScalableResource,
     ) -> Result<GroupState, ActuatorError> {
-        let object = format!("{} {}", group.kind(), group.resource.key);
-        let (min, max) =
-            scaling_bounds(&self.store.settings().keys, &object, &resource.annotations)
-                .map_err(|p| {
-                    ActuatorError::Refused(format!("{}: {}: {}", group.id, p.field, p.message))
-                })?
-                .ok_or_else(|| {
-                    ActuatorError::Refused(format!(
-                        "{}: no longer carries the min/max size annotations",
-                        group.id
-                    ))
-                })?;
+        let (min, max) = scaling_bounds(&self.store.settings().keys, &resource.annotations)
+            .map_err(|p| {
+                ActuatorError::Refused(format!("{}: {}: {}", group.id, p.field, p.message))
+            })?
+            .ok_or_else(|| {
+                ActuatorError::Refused(format!(
+                    "{}: no longer carries the min/max size annotations",
+                    group.id
+                ))
+            })?;
         let replicas = resource.replicas.ok_or_else(|| {
             ActuatorError::Refused(format!("{}: spec.replicas is not set", group.id))
         })?;

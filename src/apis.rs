@@ -9,8 +9,8 @@ use kube::api::ApiResource;
 use kube::api::GroupVersionKind;
 use kube::discovery::{self, ApiGroup};
 
+use crate::cache::InfraKind;
 use crate::capi::ScalableKind;
-use crate::snapshot::InfraKind;
 
 /// `plural.group` (`plural` for the core group): how watches are named in logs, metrics and reasons.
 pub fn resource_name(resource: &ApiResource) -> String {

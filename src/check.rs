@@ -381,9 +381,10 @@ pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::Index;
     use crate::capi::rollout::REVISION_ANNOTATION;
     use crate::capi::{Keys, ScalableKind, ScalableResource};
-    use crate::snapshot::{Index, Settings};
+    use crate::snapshot::Settings;
     use serde_json::json;
     use std::sync::Arc;
 

@@ -19,6 +19,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::config::{ExplainArgs, KubeconfigSource, OutputFormat};
+use crate::snapshot::GroupId;
 
 /// CA's Event reasons on a pod it considered.
 pub const TRIGGERED: &str = "TriggeredScaleUp";
@@ -230,12 +231,9 @@ pub fn parse_status(config_map: &str, text: &str) -> StatusFacts {
     facts
 }
 
-/// `Kind/namespace/name` → `Kind namespace/name`, the object problems name.
+/// A group id → `Kind namespace/name`, the object problems name.
 fn object_of(id: &str) -> String {
-    match id.split_once('/') {
-        Some((kind, rest)) => format!("{kind} {rest}"),
-        None => id.to_string(),
-    }
+    GroupId::parse(id).map_or_else(|| id.to_string(), |group| group.object())
 }
 
 fn template_text(template: &Value) -> Option<String> {

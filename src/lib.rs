@@ -1,10 +1,11 @@
 //! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
 //!
-//! A functional core (capi, discovery, snapshot, template, options, pricing: plain data in, plain data
-//! out) and a thin shell (store, actuator, grpc, server) that does the I/O.
+//! A functional core (capi, discovery, cache, snapshot, template, options, pricing: plain data in, plain
+//! data out) and a thin shell (store, actuator, grpc, server) that does the I/O.
 
 mod actuator;
 mod apis;
+pub mod cache;
 pub mod capi;
 pub mod check;
 pub mod config;
@@ -12,7 +13,6 @@ pub mod discovery;
 mod events;
 pub mod explain;
 pub mod grpc;
-mod index;
 pub mod logging;
 pub mod metrics;
 mod object;

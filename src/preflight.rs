@@ -13,9 +13,7 @@
 //! failed)`; recomputed on every reconcile, so it never outlives the hold. The deprecated v1beta1
 //! condition `MachinesCreated` is `False` with reason `PreflightCheckFailed` and the messages joined
 //! by `; `; it is only rewritten when Machines are created, so it is believed only while the group
-//! still lacks Machines. Pure: the snapshot and the actuator feed it.
-
-use crate::snapshot::{InstanceError, OTHER_ERROR_CLASS};
+//! still lacks Machines. Pure: the snapshot and the actuator feed it; it imports neither.
 
 /// Made-up instance ids of capacity a preflight check holds back: `preflight-held-<kind>-<ns>_<name>-<n>`.
 pub const HELD_PREFIX: &str = "preflight-held-";
@@ -90,23 +88,23 @@ fn checks_named(message: &str) -> Vec<String> {
     checks
 }
 
-/// What CA is told of each instance the hold keeps from being created. Class "other": CA backs the
-/// group off the same for either class, and nothing is out of resources.
-pub fn instance_error(group: &str, hold: &PreflightHold) -> InstanceError {
-    let code = match hold.checks.as_slice() {
+/// The error code CA is told for each instance the hold keeps from being created: the code, then
+/// the failed checks.
+pub fn error_code(hold: &PreflightHold) -> String {
+    match hold.checks.as_slice() {
         [] => ERROR_CODE.to_string(),
         checks => format!("{ERROR_CODE}:{}", checks.join(",")),
-    };
-    InstanceError {
-        code,
-        message: format!(
-            "Cluster API holds the scale-up of {group}: {} (the MachineSet creates no Machine until \
-             its preflight checks pass; the annotation machineset.cluster.x-k8s.io/skip-preflight-checks \
-             skips them)",
-            hold.message
-        ),
-        class: OTHER_ERROR_CLASS,
     }
+}
+
+/// The error message CA is told for each instance the hold keeps from being created in `group`.
+pub fn error_message(group: &str, hold: &PreflightHold) -> String {
+    format!(
+        "Cluster API holds the scale-up of {group}: {} (the MachineSet creates no Machine until \
+         its preflight checks pass; the annotation machineset.cluster.x-k8s.io/skip-preflight-checks \
+         skips them)",
+        hold.message
+    )
 }
 
 /// How many instances the hold keeps back: replicas beyond the group's Machines (not being deleted).
@@ -234,28 +232,21 @@ mod tests {
         )])
         .expect("a hold");
         assert!(hold.checks.is_empty());
-        let error = instance_error("MachineDeployment/ns/md", &hold);
-        assert_eq!(error.code, "PreflightCheckFailed");
-        assert_eq!(error.class, OTHER_ERROR_CLASS);
+        assert_eq!(error_code(&hold), "PreflightCheckFailed");
     }
 
     #[test]
     fn the_instance_error_names_the_group_the_checks_and_the_way_out() {
         let hold =
             hold_of(&[c("MachinesCreated", "False", "PreflightCheckFailed", CP)]).expect("a hold");
-        let error = instance_error("MachineDeployment/ns/md", &hold);
-        assert_eq!(error.code, "PreflightCheckFailed:ControlPlaneIsStable");
-        assert!(
-            error.message.contains("MachineDeployment/ns/md"),
-            "{}",
-            error.message
+        assert_eq!(
+            error_code(&hold),
+            "PreflightCheckFailed:ControlPlaneIsStable"
         );
-        assert!(error.message.contains(CP), "{}", error.message);
-        assert!(
-            error.message.contains("skip-preflight-checks"),
-            "{}",
-            error.message
-        );
+        let message = error_message("MachineDeployment/ns/md", &hold);
+        assert!(message.contains("MachineDeployment/ns/md"), "{message}");
+        assert!(message.contains(CP), "{message}");
+        assert!(message.contains("skip-preflight-checks"), "{message}");
     }
 
     #[test]

@@ -16,15 +16,16 @@ use kube::runtime::watcher::{self, Event};
 use tokio::sync::Notify;
 
 use crate::apis::{CapiApis, infra_resource, resource_name};
+use crate::cache::writer::{self as index, Prepared, Watched};
+use crate::cache::{Index, InfraKind, InfraKindState};
 use crate::capi::{Machine, ObjectKey, ScalableKind, ScalableResource};
 use crate::events::Events;
-use crate::index::{self, Prepared, Watched};
 use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::{ApiObject, NodeObject};
 use crate::problem::Problem;
 use crate::scope::Scope;
-use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
+use crate::snapshot::{Settings, Snapshot};
 
 /// Longest wait between two looks for an infrastructure template kind that is not served.
 const INFRA_RETRY_MAX: Duration = Duration::from_secs(30);

@@ -1,17 +1,16 @@
 //! The min/max size annotations (`<CAPI_GROUP>/cluster-api-autoscaler-node-group-{min,max}-size`).
 //!
 //! Contract: no panic; neither annotation → not a node group; accepted bounds are the annotations' values
-//! (min 0 when absent), 0 ≤ min ≤ max; a problem names the object and the annotation that is wrong (the max
-//! size one when it is missing or below min).
+//! (min 0 when absent), 0 ≤ min ≤ max; an error names the annotation that is wrong (the max size one
+//! when it is missing or below min).
 #![no_main]
 
 use capi_autoscaler_provider::capi::Keys;
-use capi_autoscaler_provider::snapshot::scaling_bounds;
+use capi_autoscaler_provider::capi::scaling_bounds;
 use capi_autoscaler_provider_fuzz::{annotation_field, annotations};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 
-const OBJECT: &str = "MachineDeployment ns/md";
 const TOKENS: &[&str] = &[
     "0",
     "1",
@@ -44,7 +43,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     )?;
     let read = |key: &str| ann.get(key).map(|v| v.trim().parse::<i32>().ok());
     let (min, max) = (read(&keys.min_size), read(&keys.max_size));
-    match scaling_bounds(&keys, OBJECT, &ann) {
+    match scaling_bounds(&keys, &ann) {
         Ok(None) => assert!(min.is_none() && max.is_none(), "{ann:?}"),
         Ok(Some((lo, hi))) => {
             assert!(0 <= lo && lo <= hi, "{ann:?} → {lo}..{hi}");
@@ -52,7 +51,6 @@ fn run(u: &mut Unstructured) -> Result<()> {
             assert_eq!(min.unwrap_or(Some(0)), Some(lo), "{ann:?}");
         }
         Err(p) => {
-            assert_eq!(p.object, OBJECT);
             assert!(!p.message.is_empty());
             let (min_field, max_field) = (
                 annotation_field(&keys.min_size),

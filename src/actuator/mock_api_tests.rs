@@ -25,6 +25,7 @@ use tower_test::mock::{Handle, SendResponse};
 
 use crate::actuator::{Actuator, ActuatorError, ApiCause, NodeToDelete};
 use crate::apis::CapiApis;
+use crate::cache::Index;
 use crate::capi::{DEFAULT_GROUP, Keys, Machine, ScalableKind, ScalableResource};
 use crate::lock;
 use crate::metrics::Metrics;
@@ -32,7 +33,7 @@ use crate::removal::{
     LEDGER_ANNOTATION, RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark,
     our_mark_time, pool_node_entry,
 };
-use crate::snapshot::{Index, Settings};
+use crate::snapshot::Settings;
 use crate::store::Store;
 
 // ===== fixtures: objects, the fake API, the actuator over it =====

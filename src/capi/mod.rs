@@ -4,7 +4,9 @@
 //! Views keep only what decisions need, so the caches stay small; they are parsed from the JSON of the
 //! objects (`parse.rs`) and never talk to the API.
 
+mod bounds;
 pub mod names;
+pub mod owners;
 mod parse;
 pub mod providerid;
 pub mod quantity;
@@ -13,6 +15,7 @@ pub mod rollout;
 use std::collections::BTreeMap;
 use std::fmt;
 
+pub use bounds::{has_bounds, scaling_bounds};
 pub use parse::ParseError;
 
 /// The API group of Cluster API objects unless `CAPI_GROUP` says otherwise.
@@ -55,6 +58,10 @@ pub struct Keys {
     /// Node annotation naming the Cluster the Node belongs to (the same key as the label on objects).
     pub node_cluster_name: String,
     pub cluster_name_label: String,
+    /// Labels naming the owners of MachineSets and Machines (see `owners`).
+    pub deployment_name_label: String,
+    pub set_name_label: String,
+    pub pool_name_label: String,
 }
 
 impl Keys {
@@ -69,6 +76,9 @@ impl Keys {
             node_cluster_namespace: format!("{group}/cluster-namespace"),
             node_cluster_name: format!("{group}/cluster-name"),
             cluster_name_label: format!("{group}/cluster-name"),
+            deployment_name_label: format!("{group}/deployment-name"),
+            set_name_label: format!("{group}/set-name"),
+            pool_name_label: format!("{group}/pool-name"),
         }
     }
 }

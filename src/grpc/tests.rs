@@ -194,8 +194,8 @@ fn an_old_pod_price_request_is_understood() {
 
 /// Objects of namespace `ns` for handler tests: MachineDeployment md (min 1, max 5).
 mod objects {
+    use crate::cache::Index;
     use crate::capi::{Keys, Machine, ScalableKind, ScalableResource};
-    use crate::snapshot::Index;
     use serde_json::{Value, json};
     use std::sync::Arc;
 

@@ -1,7 +1,14 @@
 //! Unit tests of `snapshot`.
 
 use super::*;
-use crate::capi::{MachineFailure, MachineTemplate, OwnerRef};
+use std::collections::BTreeSet;
+
+use crate::cache::{InfraKind, InfraKindState};
+use crate::capi::rollout::{self, REVISION_ANNOTATION};
+use crate::capi::{
+    ClusterTopology, InfraRef, Machine, MachineFailure, MachineTemplate, Node, OwnerRef,
+};
+use crate::problem::ProblemKind;
 
 fn keys() -> Keys {
     Keys::default()
@@ -869,33 +876,6 @@ fn only_machine_sets_of_the_deployment_count_by_owner_or_by_the_groups_label() {
 }
 
 #[test]
-fn scaling_bounds_follow_upstream_rules() {
-    let k = keys();
-    let ann = |min: Option<&str>, max: Option<&str>| {
-        let mut a = BTreeMap::new();
-        if let Some(v) = min {
-            a.insert(k.min_size.clone(), v.to_string());
-        }
-        if let Some(v) = max {
-            a.insert(k.max_size.clone(), v.to_string());
-        }
-        a
-    };
-    assert_eq!(scaling_bounds(&k, "o", &ann(None, None)), Ok(None));
-    assert_eq!(
-        scaling_bounds(&k, "o", &ann(None, Some("3"))),
-        Ok(Some((0, 3)))
-    );
-    assert_eq!(
-        scaling_bounds(&k, "o", &ann(Some("2"), Some("2"))),
-        Ok(Some((2, 2)))
-    );
-    assert!(scaling_bounds(&k, "o", &ann(Some("x"), Some("2"))).is_err());
-    assert!(scaling_bounds(&k, "o", &ann(Some("3"), Some("2"))).is_err());
-    assert!(scaling_bounds(&k, "o", &ann(Some("1"), None)).is_err());
-}
-
-#[test]
 fn a_rebuild_reuses_the_templates_whose_inputs_did_not_change() {
     let with_capacity = |name: &str, replicas: i32, cpu: &str| {
         let mut r = resource(
@@ -1539,4 +1519,107 @@ fn nodes_of_another_failure_domain_or_cluster_leave_the_failure_domain_as_the_zo
             }
         );
     }
+}
+
+#[test]
+fn a_machine_set_without_a_deployment_owner_reference_is_a_group_of_its_own_whatever_its_labels() {
+    let keys = keys();
+    let mut index = deployment_index();
+    // The deployment's label but no owner reference (orphaned, or not adopted yet): upstream's
+    // machineSetHasMachineDeploymentOwnerRef reads owner references only, so it is its own group.
+    let mut labelled = resource(
+        ScalableKind::MachineSet,
+        "labelled",
+        Some("0"),
+        Some("3"),
+        1,
+    );
+    labelled
+        .labels
+        .insert(keys.deployment_name_label.clone(), "md".into());
+    add(&mut index, labelled);
+    add_machine(
+        &mut index,
+        machine("m3", "MachineSet", "labelled", Some("e2e:///ns/m3"), true),
+    );
+    let mut unnamed = resource(ScalableKind::MachineSet, "unnamed", Some("0"), Some("3"), 1);
+    unnamed
+        .labels
+        .insert(keys.deployment_name_label.clone(), String::new());
+    add(&mut index, unnamed);
+    let s = index.snapshot(&settings());
+    assert_eq!(
+        s.groups.keys().collect::<Vec<_>>(),
+        [
+            "MachineDeployment/ns/md",
+            "MachineSet/ns/labelled",
+            "MachineSet/ns/unnamed"
+        ]
+    );
+    assert_eq!(
+        s.group_for_node(&node("e2e:///ns/m3", "m3"), &keys)
+            .map(|g| g.id.as_str()),
+        Some("MachineSet/ns/labelled")
+    );
+}
+
+#[test]
+fn a_machine_with_an_empty_pool_label_stays_with_its_machine_set() {
+    let keys = keys();
+    let mut index = deployment_index();
+    let mut m = machine("m3", "MachineSet", "md-abc", Some("e2e:///ns/m3"), true);
+    m.labels.insert(keys.pool_name_label.clone(), String::new());
+    add_machine(&mut index, m);
+    let s = index.snapshot(&settings());
+    assert_eq!(
+        s.group_for_node(&node("e2e:///ns/m3", "m3"), &keys)
+            .map(|g| g.id.as_str()),
+        Some("MachineDeployment/ns/md")
+    );
+}
+
+#[test]
+fn a_preflight_hold_reports_the_replicas_beyond_the_machines_as_instances_created_with_an_error() {
+    let mut index = Index::default();
+    let mut ms = resource(ScalableKind::MachineSet, "ms", Some("0"), Some("5"), 3);
+    ms.preflight = Some(crate::preflight::PreflightHold {
+        checks: vec!["ControlPlaneIsStable".into()],
+        message: "upgrading".into(),
+    });
+    add(&mut index, ms);
+    add_machine(
+        &mut index,
+        machine("m1", "MachineSet", "ms", Some("e2e:///ns/m1"), true),
+    );
+    let s = index.snapshot(&settings());
+    let group = s.group("MachineSet/ns/ms").expect("served");
+    type Held<'a> = (&'a str, InstanceState, Option<(&'a str, i32)>);
+    let held: Vec<Held> = group
+        .instances
+        .iter()
+        .filter(|i| i.machine.is_none())
+        .map(|i| {
+            let error = i.error.as_ref().map(|e| (e.code.as_str(), e.class));
+            (i.id.as_str(), i.state, error)
+        })
+        .collect();
+    let error = Some((
+        "PreflightCheckFailed:ControlPlaneIsStable",
+        OTHER_ERROR_CLASS,
+    ));
+    assert_eq!(
+        held,
+        [
+            (
+                "preflight-held-machineset-ns_ms-0",
+                InstanceState::Creating,
+                error
+            ),
+            (
+                "preflight-held-machineset-ns_ms-1",
+                InstanceState::Creating,
+                error
+            ),
+        ]
+    );
 }

@@ -10,9 +10,10 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use capi_autoscaler_provider::cache::Index;
 use capi_autoscaler_provider::capi::{ObjectKey, ScalableKind, ScalableResource};
 use capi_autoscaler_provider::metrics::Metrics;
-use capi_autoscaler_provider::snapshot::{Index, Settings};
+use capi_autoscaler_provider::snapshot::Settings;
 use serde_json::{Value, json};
 
 use super::render::{built_by, repo};

@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use kube::ResourceExt;
 
+use super::{Index, InfraKind, InfraKindState};
 use crate::capi::{
     ClusterTopology, InfraTemplate, Keys, Machine, Node, ObjectKey, ParseError, ScalableKind,
     ScalableResource,
 };
 use crate::object::ApiObject;
 use crate::problem::{Problem, ProblemKind};
-use crate::snapshot::{Index, InfraKind, InfraKindState};
 
 /// What one watch is over.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -156,7 +156,7 @@ pub(crate) fn apply<const S: bool>(
         Watched::Node | Watched::Infra(_) | Watched::Cluster => None,
     };
     let incoming = obj.resource_version();
-    if cached.is_some() && cached == incoming || is_older(cached.as_deref(), incoming.as_deref()) {
+    if !supersedes(cached.as_deref(), incoming.as_deref()) {
         return false;
     }
     match prepare(keys, what, obj) {
@@ -217,6 +217,14 @@ pub(crate) fn delete<const S: bool>(index: &mut Index, what: &Watched, obj: &Api
     }
 }
 
+/// Whether an object at version `incoming` replaces the one cached at `cached` (`None`: none cached,
+/// or a kind whose versions are not compared): not when it is the cached version again, nor an older
+/// one.
+fn supersedes(cached: Option<&str>, incoming: Option<&str>) -> bool {
+    let same = cached.is_some() && cached == incoming;
+    !same && !is_older(cached, incoming)
+}
+
 /// Whether `incoming` is older than `cached`. Kubernetes 1.35 made resourceVersions of one resource
 /// comparable (KEP-5504: positive integers without leading zeros); anything that does not parse is
 /// never "older".
@@ -240,7 +248,7 @@ mod tests {
     use serde_json::json;
 
     fn keys() -> Keys {
-        Settings::default().keys
+        Keys::default()
     }
 
     fn object(value: serde_json::Value) -> ApiObject {
@@ -384,6 +392,17 @@ mod tests {
             .map(|(k, v)| format!("{} {}", k.name, v.unwrap_or_default()))
             .collect();
         assert_eq!(names, vec!["kept 7", "newer 50", "unseen 8"]);
+    }
+
+    #[test]
+    fn only_another_and_not_older_version_supersedes_the_cached_one() {
+        assert!(supersedes(None, Some("1")));
+        assert!(supersedes(None, None));
+        assert!(supersedes(Some("10"), Some("11")));
+        assert!(!supersedes(Some("10"), Some("10")));
+        assert!(!supersedes(Some("10"), Some("9")));
+        assert!(supersedes(Some("abc"), Some("abd")));
+        assert!(!supersedes(Some("abc"), Some("abc")));
     }
 
     #[test]
