@@ -24,7 +24,7 @@ use crate::removal::{
 };
 use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
-use crate::store::Store;
+use crate::watch::Store;
 
 /// Attempts at a replica write before giving up on conflicts.
 const MAX_ATTEMPTS: usize = 8;

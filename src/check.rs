@@ -20,7 +20,7 @@ use crate::problem::Problem;
 use crate::scope::Scope;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
 use crate::startup::start_store;
-use crate::store::WatchSettings;
+use crate::watch::WatchSettings;
 use crate::template::{TemplateSummary, taint_string};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(60);

@@ -1,7 +1,7 @@
 //! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
 //!
 //! A functional core (capi, discovery, snapshot, template, options, pricing: plain data in, plain data
-//! out) and a thin shell (store, actuator, service, server) that does the I/O.
+//! out) and a thin shell (watch, actuator, service, server) that does the I/O.
 
 mod actuator;
 mod apis;
@@ -26,7 +26,7 @@ pub mod server;
 pub mod service;
 pub mod snapshot;
 mod startup;
-mod store;
+mod watch;
 pub mod template;
 mod tls;
 pub mod version;

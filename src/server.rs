@@ -24,7 +24,7 @@ use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
 use crate::service::Service;
 use crate::startup::start_store;
-use crate::store::{Store, WatchSettings};
+use crate::watch::{Store, WatchSettings};
 use crate::tls::{ReloadingTls, TlsFiles};
 use crate::version;
 use crate::wire::{self, Shape};
