@@ -20,8 +20,8 @@ use crate::problem::Problem;
 use crate::scope::Scope;
 use crate::snapshot::{InstanceState, NodeGroup, Snapshot};
 use crate::startup::start_store;
-use crate::watch::WatchSettings;
 use crate::template::{TemplateSummary, taint_string};
+use crate::watch::WatchSettings;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 

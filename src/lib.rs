@@ -26,10 +26,10 @@ pub mod server;
 pub mod service;
 pub mod snapshot;
 mod startup;
-mod watch;
 pub mod template;
 mod tls;
 pub mod version;
+mod watch;
 pub mod wire;
 
 /// Locks `m` even if a thread panicked while holding it: every value kept behind these mutexes is

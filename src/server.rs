@@ -24,9 +24,9 @@ use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
 use crate::service::Service;
 use crate::startup::start_store;
-use crate::watch::{Store, WatchSettings};
 use crate::tls::{ReloadingTls, TlsFiles};
 use crate::version;
+use crate::watch::{Store, WatchSettings};
 use crate::wire::{self, Shape};
 
 /// The CloudProvider service as served: handlers over the actuator and its store.

@@ -3,38 +3,36 @@
 //! Every kind is watched with a kube-runtime watcher; events go into the index as they come, and a
 //! snapshot is rebuilt (coalescing bursts) and swapped in atomically. Read RPCs only load the snapshot.
 
+mod health;
+mod infra;
+mod object_events;
+mod stream;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use futures::StreamExt;
 use kube::Client;
 use kube::api::{Api, ApiResource};
-use kube::runtime::watcher::{self, Event};
 use tokio::sync::Notify;
 
-use crate::apis::{CapiApis, infra_resource, resource_name};
+use crate::apis::{CapiApis, resource_name};
 use crate::capi::{Machine, ObjectKey, ScalableKind, ScalableResource};
 use crate::events::Events;
-use crate::index::{self, Prepared, Watched};
+use crate::index::{self, Watched};
 use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::{ApiObject, NodeObject};
-use crate::problem::Problem;
 use crate::scope::Scope;
-use crate::snapshot::{Index, InfraKind, InfraKindState, Settings, Snapshot};
+use crate::snapshot::{Index, InfraKind, Settings, Snapshot};
 
-/// Longest wait between two looks for an infrastructure template kind that is not served.
-const INFRA_RETRY_MAX: Duration = Duration::from_secs(30);
+use health::WatchHealth;
+pub use stream::{Streaming, streams_initial_lists};
 
 /// Least time between two snapshot builds triggered by watch events.
 const REBUILD_SPACING: Duration = Duration::from_millis(100);
-
-/// First and longest wait before a failed watch is started again (doubling in between).
-const RESTART_MIN: Duration = Duration::from_millis(500);
-const RESTART_MAX: Duration = Duration::from_secs(15);
 
 /// How the watches run and when they count as stale.
 #[derive(Clone, Copy, Debug)]
@@ -57,100 +55,6 @@ impl Default for WatchSettings {
             streaming: Streaming::default(),
         }
     }
-}
-
-/// The state of one watch.
-#[derive(Debug)]
-struct WatchHealth {
-    /// Readiness and writes depend on it (not the optional Cluster and infrastructure watches).
-    required: bool,
-    started: Instant,
-    /// Listed completely at least once.
-    listed: bool,
-    /// Failing since its last complete list.
-    failure: Option<WatchFailure>,
-}
-
-#[derive(Debug, Clone)]
-struct WatchFailure {
-    since: Instant,
-    message: String,
-    /// Forbidden (403) or not found (404): nothing gets better by waiting.
-    fatal: bool,
-}
-
-/// A watch that is not in sync: what readiness, `/readyz`, `check` and refused writes say.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WatchProblem {
-    /// e.g. `machines.cluster.x-k8s.io`, `nodes`.
-    pub resource: String,
-    /// Forbidden (403) or not found (404).
-    pub fatal: bool,
-    pub message: String,
-}
-
-impl std::fmt::Display for WatchProblem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "watch of {}: {}", self.resource, self.message)
-    }
-}
-
-/// What a watch problem says: why it is out of sync, since when.
-fn describe(health: &WatchHealth, now: Instant, stale_after: Duration) -> Option<(bool, String)> {
-    let secs = |since: Instant| now.saturating_duration_since(since).as_secs();
-    match (&health.failure, health.listed) {
-        (None, true) => None,
-        (None, false) => Some((
-            false,
-            format!("has not listed yet (waiting {}s)", secs(health.started)),
-        )),
-        (Some(f), listed) => {
-            let stale = f.fatal || now.saturating_duration_since(f.since) >= stale_after;
-            if listed && !stale {
-                return None;
-            }
-            let what = if listed {
-                "out of sync"
-            } else {
-                "has not listed yet"
-            };
-            let hint = if f.fatal {
-                " (not transient: fix the RBAC rules or serve the resource; retried meanwhile)"
-            } else {
-                ""
-            };
-            Some((
-                f.fatal,
-                format!(
-                    "{what}, failing for {}s: {}{hint}",
-                    secs(f.since),
-                    f.message
-                ),
-            ))
-        }
-    }
-}
-
-/// Whether each cluster's watches start with a streamed initial list (see [`streams_initial_lists`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Streaming {
-    pub management: bool,
-    pub workload: bool,
-}
-
-/// Whether an API server of this version (`/version`'s major and minor, e.g. "1", "34+") streams
-/// initial lists by default: the WatchList feature gate is on by default in Kubernetes 1.32 and
-/// from 1.34, off in 1.33 and before. An unreadable version lists in pages, which every server
-/// serves; a server with the gate turned off refuses the stream, and the watch lists in pages.
-pub fn streams_initial_lists(major: &str, minor: &str) -> bool {
-    let number = |s: &str| {
-        s.chars()
-            .take_while(char::is_ascii_digit)
-            .collect::<String>()
-            .parse::<u32>()
-            .ok()
-    };
-    matches!((number(major), number(minor)), (Some(1), Some(m)) if m == 32 || m >= 34)
 }
 
 pub struct Store {
@@ -297,7 +201,7 @@ impl Store {
     }
 
     /// The management-cluster API of a kind, narrowed to the one namespace discovery allows, if any.
-    fn watch_api(&self, resource: &ApiResource) -> Api<ApiObject> {
+    pub(super) fn watch_api(&self, resource: &ApiResource) -> Api<ApiObject> {
         match &self.watch_namespace {
             Some(ns) => Api::namespaced_with(self.client.clone(), ns, resource),
             None => Api::all_with(self.client.clone(), resource),
@@ -329,41 +233,12 @@ impl Store {
     /// Every required watch has listed once, and every infrastructure kind referenced so far has
     /// listed or failed: the index holds a complete view (possibly an old one).
     pub fn is_listed(&self) -> bool {
-        lock(&self.health).values().all(|h| h.listed || !h.required) && self.infra_settled()
-    }
-
-    fn infra_settled(&self) -> bool {
-        let index = lock(&self.index);
-        index.wanted_infra_kinds().is_empty()
-            && lock(&self.infra_started).iter().all(|k| {
-                !matches!(
-                    index.infra_kind_state(k),
-                    Some(InfraKindState::Syncing) | None
-                )
-            })
+        self.required_watches_listed() && self.infra_settled()
     }
 
     /// Listed, and no required watch stale: what readiness, health and the repair loop go by.
     pub fn is_ready(&self) -> bool {
         self.is_listed() && self.watch_problems().is_empty()
-    }
-
-    /// The required watches that have not listed yet or are stale (failing for longer than the
-    /// stale bound, or forbidden / not found at all).
-    pub fn watch_problems(&self) -> Vec<WatchProblem> {
-        let now = Instant::now();
-        let stale_after = self.watch_settings.stale_after;
-        lock(&self.health)
-            .iter()
-            .filter(|(_, h)| h.required)
-            .filter_map(|(name, h)| {
-                describe(h, now, stale_after).map(|(fatal, message)| WatchProblem {
-                    resource: name.clone(),
-                    fatal,
-                    message,
-                })
-            })
-            .collect()
     }
 
     /// Why the provider is not ready, one reason per line; empty when it is.
@@ -387,108 +262,6 @@ impl Store {
             reasons.push(why.clone());
         }
         reasons
-    }
-
-    /// The stale watches a write to a group of `kind` depends on: its own kind, MachineSets (a
-    /// MachineDeployment's rollout), Machines (which nodes are whose, which are marked).
-    pub fn stale_for_write(&self, kind: ScalableKind) -> Vec<WatchProblem> {
-        let mut needed: Vec<String> = vec![resource_name(&self.apis.machine)];
-        for k in [kind, ScalableKind::MachineSet] {
-            if let Some(resource) = self.apis.scalable.get(&k) {
-                needed.push(resource_name(resource));
-            }
-        }
-        self.watch_problems()
-            .into_iter()
-            .filter(|p| needed.contains(&p.resource))
-            .collect()
-    }
-
-    /// Resolves at the next failure or recovery of a watch.
-    pub async fn health_changed(&self) {
-        self.health_changed.notified().await;
-    }
-
-    /// Sets `watch_stale_seconds` of every watch to now.
-    pub fn publish_watch_metrics(&self) {
-        self.metrics.ready(self.not_ready_reasons().is_empty());
-        let now = Instant::now();
-        for (name, h) in lock(&self.health).iter() {
-            let since = match (&h.failure, h.listed) {
-                (Some(f), _) => Some(f.since),
-                (None, false) => Some(h.started),
-                (None, true) => None,
-            };
-            let seconds = since.map_or(0.0, |s| now.saturating_duration_since(s).as_secs_f64());
-            self.metrics.watch_stale(name, seconds);
-        }
-    }
-
-    fn register_watch(&self, name: &str, required: bool) {
-        lock(&self.health)
-            .entry(name.to_string())
-            .or_insert_with(|| WatchHealth {
-                required,
-                started: Instant::now(),
-                listed: false,
-                failure: None,
-            });
-    }
-
-    /// A complete list arrived: the watch is in sync again.
-    fn watch_synced(&self, name: &str) {
-        let recovered = {
-            let mut health = lock(&self.health);
-            let Some(h) = health.get_mut(name) else {
-                return;
-            };
-            h.listed = true;
-            h.failure.take()
-        };
-        if let Some(f) = recovered {
-            tracing::info!(watch = name, after = ?f.since.elapsed(), "watch in sync again (was failing: {})", f.message);
-            self.health_changed.notify_waiters();
-        }
-    }
-
-    /// The watch failed; it is started again after a pause. Logged when the failure starts or
-    /// changes, at error level when it is forbidden or not found.
-    fn watch_failed(&self, name: &str, message: String, fatal: bool) {
-        let changed = {
-            let mut health = lock(&self.health);
-            let Some(h) = health.get_mut(name) else {
-                return;
-            };
-            match &mut h.failure {
-                Some(f) if f.message == message => false,
-                Some(f) => {
-                    f.message = message.clone();
-                    f.fatal = fatal;
-                    true
-                }
-                None => {
-                    h.failure = Some(WatchFailure {
-                        since: Instant::now(),
-                        message: message.clone(),
-                        fatal,
-                    });
-                    true
-                }
-            }
-        };
-        if changed {
-            if fatal {
-                tracing::error!(
-                    watch = name,
-                    "watch failed, not a transient error: {message}; the provider is not ready until it is fixed"
-                );
-            } else {
-                tracing::warn!(watch = name, "watch failed: {message}; retrying");
-            }
-            self.health_changed.notify_waiters();
-        } else {
-            tracing::debug!(watch = name, "watch failed again: {message}");
-        }
     }
 
     /// Polls readiness until `timeout`; the snapshot is rebuilt before returning true.
@@ -561,41 +334,11 @@ impl Store {
         lock(&self.index).resource(kind, key).cloned()
     }
 
-    /// Records a Warning Event on a cached Machine (no-op for read-only uses).
-    pub fn machine_event(&self, key: &ObjectKey, reason: &str, note: String) {
-        let Some(uid) = lock(&self.index).machine(key).map(|m| m.uid.clone()) else {
-            return;
-        };
-        let reference = object_reference(&self.apis.machine, key.clone(), uid);
-        self.events
-            .warn(reference, reason, reason.to_string(), &note);
-    }
-
-    /// Records a Normal Event on a cached group object (no-op for read-only uses).
-    pub fn group_event(
-        &self,
-        kind: ScalableKind,
-        key: &ObjectKey,
-        reason: &str,
-        action: &str,
-        note: String,
-    ) {
-        let Some(uid) = lock(&self.index).resource(kind, key).map(|r| r.uid.clone()) else {
-            return;
-        };
-        let Some(resource) = self.apis.scalable.get(&kind) else {
-            return;
-        };
-        let reference = object_reference(resource, key.clone(), uid);
-        self.events
-            .normal(reference, reason, action.to_string(), &note);
-    }
-
     pub fn cached_machine(&self, key: &ObjectKey) -> Option<Arc<Machine>> {
         lock(&self.index).machine(key).cloned()
     }
 
-    fn wake_rebuild(&self) {
+    pub(super) fn wake_rebuild(&self) {
         self.changed.notify_one();
     }
 
@@ -637,10 +380,7 @@ impl Store {
         self.start_referenced_infra_watches();
         // Until everything has listed, missing objects are just not seen yet: not problems to report.
         if self.is_listed() {
-            self.events
-                .report(&snapshot.problems, |p| self.event_reference(p));
-            self.events
-                .report_holds(&held_scale_ups(&snapshot), |id| self.group_reference(id));
+            self.report_to_objects(&snapshot);
         }
     }
 
@@ -665,187 +405,6 @@ impl Store {
         }
         self.build(true);
     }
-
-    /// Watches the infrastructure template kinds the objects reference and nothing watches yet.
-    fn start_referenced_infra_watches(self: &Arc<Self>) {
-        let wanted = lock(&self.index).wanted_infra_kinds();
-        for kind in wanted {
-            self.start_infra_watch(kind);
-        }
-    }
-
-    /// The object a problem is about, when it is one the provider watches.
-    /// The object of group `id` (`Kind/namespace/name`), for an Event.
-    fn group_reference(&self, id: &str) -> Option<k8s_openapi::api::core::v1::ObjectReference> {
-        let mut parts = id.splitn(3, '/');
-        let kind = ScalableKind::from_kind(parts.next()?)?;
-        let key = ObjectKey::new(parts.next()?, parts.next()?);
-        let uid = lock(&self.index).resource(kind, &key)?.uid.clone();
-        Some(object_reference(self.apis.scalable.get(&kind)?, key, uid))
-    }
-
-    fn event_reference(
-        &self,
-        problem: &Problem,
-    ) -> Option<k8s_openapi::api::core::v1::ObjectReference> {
-        let (kind, rest) = problem.object.split_once(' ')?;
-        let (namespace, name) = rest.split_once('/')?;
-        let key = ObjectKey::new(namespace, name);
-        let index = lock(&self.index);
-        let (uid, resource) = if let Some(kind) = ScalableKind::from_kind(kind) {
-            let r = index.resource(kind, &key)?;
-            (r.uid.clone(), self.apis.scalable.get(&kind)?)
-        } else if kind == "Machine" {
-            (index.machine(&key)?.uid.clone(), &self.apis.machine)
-        } else {
-            return None;
-        };
-        Some(object_reference(resource, key, uid))
-    }
-
-    fn start_infra_watch(self: &Arc<Self>, kind: InfraKind) {
-        if !lock(&self.infra_started).insert(kind.clone()) {
-            return;
-        }
-        lock(&self.index).set_infra_kind_state(kind.clone(), InfraKindState::Syncing);
-        let store = Arc::clone(self);
-        tokio::spawn(async move {
-            // The kind may be served later (its CRD installed after the reference): keep looking.
-            let mut delay = Duration::from_secs(1);
-            let resource = loop {
-                match infra_resource(&store.client, &kind).await {
-                    Ok(resource) => break resource,
-                    Err(reason) => {
-                        tracing::warn!(kind = %kind.kind, group = %kind.api_group, retry_in = ?delay, "infrastructure templates unavailable: {reason}");
-                        let changed = lock(&store.index).infra_kind_state(&kind)
-                            != Some(&InfraKindState::Unavailable(reason.clone()));
-                        if changed {
-                            lock(&store.index).set_infra_kind_state(
-                                kind.clone(),
-                                InfraKindState::Unavailable(reason),
-                            );
-                            store.wake_rebuild();
-                        }
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(INFRA_RETRY_MAX);
-                    }
-                }
-            };
-            let api = store.watch_api(&resource);
-            let name = resource_name(&resource);
-            store.register_watch(&name, false);
-            store.watch(Watched::Infra(kind), api, name).await;
-        });
-    }
-
-    /// Runs one watch for good. After an error the watcher is dropped and started again (a fresh
-    /// list) after a pause: the next complete list is what says the watch is in sync again, since a
-    /// watch resumed from a resourceVersion delivers nothing when nothing changed.
-    ///
-    /// Where the cluster's server streams initial lists, the list comes as a stream of watch events
-    /// (WatchList: the server never builds the whole list in one response, and parsing event by
-    /// event costs about half the CPU of list pages). A server that refuses it (the feature off: 422,
-    /// or an older server: 400) gets paginated lists from then on.
-    async fn watch<const S: bool>(
-        self: Arc<Self>,
-        what: Watched,
-        api: Api<ApiObject<S>>,
-        name: String,
-    ) {
-        let timeout = u32::try_from(self.watch_settings.timeout.as_secs())
-            .unwrap_or(290)
-            .clamp(1, 290);
-        let mut streaming = match what {
-            Watched::Node => self.watch_settings.streaming.workload,
-            _ => self.watch_settings.streaming.management,
-        };
-        let mut listed_once = false;
-        let mut delay = RESTART_MIN;
-        loop {
-            let mut config = watcher::Config::default().timeout(timeout);
-            if streaming {
-                config = config.streaming_lists();
-            }
-            let mut stream = watcher::watcher(api.clone(), config).boxed();
-            let mut synced_here = false;
-            // A (re)list is parsed object by object as it arrives: only the views are held until it
-            // is complete, never the JSON of every object (which is many times their size).
-            let mut buffer: Vec<Prepared> = Vec::new();
-            let mut list_started = Instant::now();
-            let failure = loop {
-                let Some(event) = stream.next().await else {
-                    break None;
-                };
-                match event {
-                    Ok(Event::Init) => {
-                        buffer.clear();
-                        list_started = Instant::now();
-                    }
-                    Ok(Event::InitApply(obj)) => {
-                        buffer.push(index::prepare(&self.settings.keys, &what, obj))
-                    }
-                    Ok(Event::InitDone) => {
-                        let objects = std::mem::take(&mut buffer);
-                        // What a slow start spent its time on, one line per watch.
-                        if !listed_once {
-                            tracing::info!(watch = %name, objects = objects.len(), took = ?list_started.elapsed(), "listed");
-                        }
-                        self.metrics.watch_event(what.label(), "list");
-                        index::reset(&mut lock(&self.index), &what, objects);
-                        listed_once = true;
-                        synced_here = true;
-                        self.watch_synced(&name);
-                        delay = RESTART_MIN;
-                        self.wake_rebuild();
-                    }
-                    Ok(Event::Apply(obj)) => {
-                        self.metrics.watch_event(what.label(), "apply");
-                        if index::apply(&mut lock(&self.index), &self.settings.keys, &what, obj) {
-                            self.wake_rebuild();
-                        }
-                    }
-                    Ok(Event::Delete(obj)) => {
-                        self.metrics.watch_event(what.label(), "delete");
-                        index::delete(&mut lock(&self.index), &what, &obj);
-                        self.wake_rebuild();
-                    }
-                    // 410 Gone: the resourceVersion is too old; the watcher lists again by itself.
-                    Err(e) if watch_error_code(&e) == Some(410) => {
-                        self.metrics.watch_event(what.label(), "expired");
-                        tracing::debug!(watch = %name, "watch expired, listing again: {}", watch_error_text(&e));
-                    }
-                    Err(e) => break Some(e),
-                }
-            };
-            drop(stream);
-            if streaming
-                && !synced_here
-                && let Some(code @ (400 | 422)) = failure.as_ref().and_then(watch_error_code)
-            {
-                tracing::info!(watch = %name, code, "the API server does not stream initial lists (WatchList): listing in pages instead");
-                streaming = false;
-                continue;
-            }
-            let (text, fatal) = match &failure {
-                Some(e) => (
-                    watch_error_text(e),
-                    matches!(watch_error_code(e), Some(403 | 404)),
-                ),
-                None => ("the watch stream ended".to_string(), false),
-            };
-            self.metrics.watch_event(what.label(), "error");
-            self.watch_failed(&name, text.clone(), fatal);
-            if let Watched::Infra(kind) = &what
-                && !listed_once
-            {
-                lock(&self.index)
-                    .set_infra_kind_state(kind.clone(), InfraKindState::Unavailable(text));
-                self.wake_rebuild();
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(RESTART_MAX);
-        }
-    }
 }
 
 /// Says which Cluster is served when that is decided or changes, and why nothing is when nothing is
@@ -860,115 +419,18 @@ fn log_scope(snapshot: &Snapshot) {
     }
 }
 
-/// The groups whose scale-up Cluster API's preflight checks hold back (with instances reported as
-/// failed to create), with what their Event says.
-fn held_scale_ups(snapshot: &Snapshot) -> Vec<(String, String)> {
-    snapshot
-        .groups
-        .values()
-        .filter_map(|g| {
-            let hold = g.preflight.as_ref()?;
-            let held = g
-                .instances
-                .iter()
-                .filter(|i| crate::preflight::is_held_id(&i.id))
-                .count();
-            (held > 0).then(|| {
-                (
-                    g.id.clone(),
-                    format!(
-                        "{held} replica(s) reported to the cluster-autoscaler as failed to create: {}",
-                        hold.message
-                    ),
-                )
-            })
-        })
-        .collect()
-}
-
-fn object_reference(
-    resource: &ApiResource,
-    key: ObjectKey,
-    uid: String,
-) -> k8s_openapi::api::core::v1::ObjectReference {
-    k8s_openapi::api::core::v1::ObjectReference {
-        api_version: Some(resource.api_version.clone()),
-        kind: Some(resource.kind.clone()),
-        name: Some(key.name),
-        namespace: Some(key.namespace),
-        uid: Some(uid),
-        ..Default::default()
-    }
-}
-
-/// The part of a watch error a person needs: the API's message rather than the whole status dump.
-fn watch_error_text(e: &watcher::Error) -> String {
-    let source = match e {
-        watcher::Error::InitialListFailed(e)
-        | watcher::Error::WatchStartFailed(e)
-        | watcher::Error::WatchFailed(e) => e,
-        watcher::Error::WatchError(status) => {
-            return format!("{} ({})", status.message, status.code);
-        }
-        other => return other.to_string(),
-    };
-    match source {
-        kube::Error::Api(status) => format!("{} ({})", status.message, status.code),
-        other => with_causes(other),
-    }
-}
-
-/// An error with its causes (`client error (Connect): tcp connect error: Connection refused`): the
-/// outermost alone rarely says what went wrong.
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let more = c.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        cause = c.source();
-    }
-    text
-}
-
-/// The HTTP status code of a watch error that came from the API server.
-fn watch_error_code(e: &watcher::Error) -> Option<u16> {
-    match e {
-        watcher::Error::InitialListFailed(kube::Error::Api(status))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
-        | watcher::Error::WatchFailed(kube::Error::Api(status)) => Some(status.code),
-        watcher::Error::WatchError(status) => Some(status.code),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::InfraKindState;
 
-    fn health(listed: bool, failure: Option<(u64, &str, bool)>, now: Instant) -> WatchHealth {
-        WatchHealth {
-            required: true,
-            started: now - Duration::from_secs(100),
-            listed,
-            failure: failure.map(|(ago, message, fatal)| WatchFailure {
-                since: now - Duration::from_secs(ago),
-                message: message.to_string(),
-                fatal,
-            }),
-        }
-    }
-
-    /// A store with no watches, over a client that is never called.
     /// A client whose calls all fail (nothing listens on port 9).
     fn unreachable_client() -> Client {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         Client::try_from(config).unwrap()
     }
 
+    /// A store with no watches, over a client that is never called.
     fn unwatched_store() -> Arc<Store> {
         Store::fixed(
             unreachable_client(),
@@ -1095,75 +557,5 @@ mod tests {
         let built = store.snapshot();
         store.refresh();
         assert!(Arc::ptr_eq(&built, &store.snapshot()));
-    }
-
-    #[test]
-    fn initial_lists_are_streamed_only_where_the_server_streams_them_by_default() {
-        for (major, minor, streams) in [
-            ("1", "36", true),
-            ("1", "34", true),
-            ("1", "34+", true),
-            ("1", "33", false),
-            ("1", "32", true),
-            ("1", "31", false),
-            ("1", "27", false),
-            ("2", "0", false),
-            ("1", "", false),
-            ("", "", false),
-            ("one", "thirty-four", false),
-        ] {
-            assert_eq!(
-                streams_initial_lists(major, minor),
-                streams,
-                "{major}.{minor}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_watch_is_stale_after_the_bound_or_at_once_when_forbidden() {
-        let now = Instant::now();
-        let bound = Duration::from_secs(60);
-        // In sync.
-        assert_eq!(describe(&health(true, None, now), now, bound), None);
-        // A transient error within the bound: still in sync as far as readiness goes.
-        assert_eq!(
-            describe(
-                &health(true, Some((59, "connection refused", false)), now),
-                now,
-                bound
-            ),
-            None
-        );
-        // Past the bound: stale, with how long and why.
-        let (fatal, text) = describe(
-            &health(true, Some((61, "connection refused", false)), now),
-            now,
-            bound,
-        )
-        .unwrap();
-        assert!(!fatal);
-        assert!(
-            text.contains("failing for 61s: connection refused"),
-            "{text}"
-        );
-        // Forbidden: at once.
-        let (fatal, text) = describe(
-            &health(true, Some((0, "machines is forbidden (403)", true)), now),
-            now,
-            bound,
-        )
-        .unwrap();
-        assert!(fatal);
-        assert!(text.contains("machines is forbidden (403)"), "{text}");
-        // Never listed: a problem whatever the error, saying so.
-        let (_, text) = describe(&health(false, None, now), now, bound).unwrap();
-        assert!(text.contains("has not listed yet"), "{text}");
-        let (_, text) =
-            describe(&health(false, Some((1, "timeout", false)), now), now, bound).unwrap();
-        assert!(
-            text.contains("has not listed yet, failing for 1s: timeout"),
-            "{text}"
-        );
     }
 }
