@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use kube::api::Api;
 use kube::runtime::watcher::{self, Event};
 
@@ -69,72 +69,25 @@ impl Store {
             if streaming {
                 config = config.streaming_lists();
             }
-            let mut stream = watcher::watcher(api.clone(), config).boxed();
-            let mut synced_here = false;
-            // A (re)list is parsed object by object as it arrives: only the views are held until it
-            // is complete, never the JSON of every object (which is many times their size).
-            let mut buffer: Vec<Prepared> = Vec::new();
-            let mut list_started = Instant::now();
-            let failure = loop {
-                let Some(event) = stream.next().await else {
-                    break None;
-                };
-                match event {
-                    Ok(Event::Init) => {
-                        buffer.clear();
-                        list_started = Instant::now();
-                    }
-                    Ok(Event::InitApply(obj)) => {
-                        buffer.push(index::prepare(&self.settings.keys, &what, obj))
-                    }
-                    Ok(Event::InitDone) => {
-                        let objects = std::mem::take(&mut buffer);
-                        // What a slow start spent its time on, one line per watch.
-                        if !listed_once {
-                            tracing::info!(watch = %name, objects = objects.len(), took = ?list_started.elapsed(), "listed");
-                        }
-                        self.metrics.watch_event(what.label(), "list");
-                        index::reset(&mut lock(&self.index), &what, objects);
-                        listed_once = true;
-                        synced_here = true;
-                        self.watch_synced(&name);
-                        delay = RESTART_MIN;
-                        self.wake_rebuild();
-                    }
-                    Ok(Event::Apply(obj)) => {
-                        self.metrics.watch_event(what.label(), "apply");
-                        if index::apply(&mut lock(&self.index), &self.settings.keys, &what, obj) {
-                            self.wake_rebuild();
-                        }
-                    }
-                    Ok(Event::Delete(obj)) => {
-                        self.metrics.watch_event(what.label(), "delete");
-                        index::delete(&mut lock(&self.index), &what, &obj);
-                        self.wake_rebuild();
-                    }
-                    // 410 Gone: the resourceVersion is too old; the watcher lists again by itself.
-                    Err(e) if watch_error_code(&e) == Some(410) => {
-                        self.metrics.watch_event(what.label(), "expired");
-                        tracing::debug!(watch = %name, "watch expired, listing again: {}", watch_error_text(&e));
-                    }
-                    Err(e) => break Some(e),
-                }
-            };
-            drop(stream);
-            if streaming
-                && !synced_here
-                && let Some(code @ (400 | 422)) = failure.as_ref().and_then(watch_error_code)
-            {
-                tracing::info!(watch = %name, code, "the API server does not stream initial lists (WatchList): listing in pages instead");
-                streaming = false;
-                continue;
+            let run = self
+                .follow(
+                    &what,
+                    &name,
+                    watcher::watcher(api.clone(), config),
+                    listed_once,
+                )
+                .await;
+            if run.synced {
+                listed_once = true;
+                delay = RESTART_MIN;
             }
-            let (text, fatal) = match &failure {
-                Some(e) => (
-                    watch_error_text(e),
-                    matches!(watch_error_code(e), Some(403 | 404)),
-                ),
-                None => ("the watch stream ended".to_string(), false),
+            let (text, fatal) = match after_run(run.failure.as_ref(), streaming, run.synced) {
+                AfterRun::ListInPages(code) => {
+                    tracing::info!(watch = %name, code, "the API server does not stream initial lists (WatchList): listing in pages instead");
+                    streaming = false;
+                    continue;
+                }
+                AfterRun::Retry { text, fatal } => (text, fatal),
             };
             self.metrics.watch_event(what.label(), "error");
             self.watch_failed(&name, text.clone(), fatal);
@@ -148,6 +101,107 @@ impl Store {
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(RESTART_MAX);
         }
+    }
+
+    /// Takes a watcher's events into the index until it fails or ends. `listed_before`: whether
+    /// this watch has listed completely before (its first list is logged).
+    async fn follow<const S: bool>(
+        &self,
+        what: &Watched,
+        name: &str,
+        stream: impl Stream<Item = watcher::Result<Event<ApiObject<S>>>>,
+        listed_before: bool,
+    ) -> Run {
+        let mut stream = std::pin::pin!(stream);
+        let mut synced = false;
+        // A (re)list is parsed object by object as it arrives: only the views are held until it
+        // is complete, never the JSON of every object (which is many times their size).
+        let mut buffer: Vec<Prepared> = Vec::new();
+        let mut list_started = Instant::now();
+        let failure = loop {
+            let Some(event) = stream.next().await else {
+                break None;
+            };
+            match event {
+                Ok(Event::Init) => {
+                    buffer.clear();
+                    list_started = Instant::now();
+                }
+                Ok(Event::InitApply(obj)) => {
+                    buffer.push(index::prepare(&self.settings.keys, what, obj))
+                }
+                Ok(Event::InitDone) => {
+                    let objects = std::mem::take(&mut buffer);
+                    // What a slow start spent its time on, one line per watch.
+                    if !listed_before && !synced {
+                        tracing::info!(watch = %name, objects = objects.len(), took = ?list_started.elapsed(), "listed");
+                    }
+                    self.metrics.watch_event(what.label(), "list");
+                    index::reset(&mut lock(&self.index), what, objects);
+                    synced = true;
+                    self.watch_synced(name);
+                    self.wake_rebuild();
+                }
+                Ok(Event::Apply(obj)) => {
+                    self.metrics.watch_event(what.label(), "apply");
+                    if index::apply(&mut lock(&self.index), &self.settings.keys, what, obj) {
+                        self.wake_rebuild();
+                    }
+                }
+                Ok(Event::Delete(obj)) => {
+                    self.metrics.watch_event(what.label(), "delete");
+                    index::delete(&mut lock(&self.index), what, &obj);
+                    self.wake_rebuild();
+                }
+                // 410 Gone: the resourceVersion is too old; the watcher lists again by itself.
+                Err(e) if watch_error_code(&e) == Some(410) => {
+                    self.metrics.watch_event(what.label(), "expired");
+                    tracing::debug!(watch = %name, "watch expired, listing again: {}", watch_error_text(&e));
+                }
+                Err(e) => break Some(e),
+            }
+        };
+        Run { failure, synced }
+    }
+}
+
+/// How one watcher ended.
+struct Run {
+    /// `None`: the stream ended without an error.
+    failure: Option<watcher::Error>,
+    /// It listed completely at least once.
+    synced: bool,
+}
+
+/// What follows the end of a watcher.
+#[derive(Debug, PartialEq, Eq)]
+enum AfterRun {
+    /// The API server refused a streamed initial list (with this status): list in pages instead,
+    /// at once.
+    ListInPages(u16),
+    /// A failure to report (fatal: forbidden or not found) before starting again after a pause.
+    Retry { text: String, fatal: bool },
+}
+
+/// What follows the end of a watcher that failed with `failure` (or ended), having asked for a
+/// streamed initial list or not and having listed completely or not: a server that never listed
+/// because it refuses the stream (the feature off: 422, or an older server: 400) is asked for pages.
+fn after_run(failure: Option<&watcher::Error>, streaming: bool, synced: bool) -> AfterRun {
+    if streaming
+        && !synced
+        && let Some(code @ (400 | 422)) = failure.and_then(watch_error_code)
+    {
+        return AfterRun::ListInPages(code);
+    }
+    match failure {
+        Some(e) => AfterRun::Retry {
+            text: watch_error_text(e),
+            fatal: matches!(watch_error_code(e), Some(403 | 404)),
+        },
+        None => AfterRun::Retry {
+            text: "the watch stream ended".to_string(),
+            fatal: false,
+        },
     }
 }
 
@@ -220,5 +274,59 @@ mod tests {
                 "{major}.{minor}"
             );
         }
+    }
+
+    fn refused(code: u16, message: &str) -> watcher::Error {
+        let status = kube::core::Status::failure(message, "").with_code(code);
+        watcher::Error::InitialListFailed(kube::Error::Api(Box::new(status)))
+    }
+
+    #[test]
+    fn a_server_that_refuses_the_streamed_list_before_any_list_is_asked_for_pages() {
+        for code in [400, 422] {
+            let e = refused(code, "unsupported");
+            assert_eq!(
+                after_run(Some(&e), true, false),
+                AfterRun::ListInPages(code)
+            );
+            // Once it listed, or when pages were asked for, the same refusal is a failure.
+            for (streaming, synced) in [(true, true), (false, false)] {
+                assert_eq!(
+                    after_run(Some(&e), streaming, synced),
+                    AfterRun::Retry {
+                        text: format!("unsupported ({code})"),
+                        fatal: false
+                    },
+                    "streaming {streaming}, synced {synced}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn forbidden_and_not_found_are_fatal_other_failures_are_not() {
+        for (code, fatal) in [(403, true), (404, true), (500, false), (429, false)] {
+            let e = refused(code, "machines is refused");
+            assert_eq!(
+                after_run(Some(&e), false, true),
+                AfterRun::Retry {
+                    text: format!("machines is refused ({code})"),
+                    fatal
+                },
+                "{code}"
+            );
+        }
+        let status = kube::core::Status::failure("too old", "Expired").with_code(410);
+        let during = watcher::Error::WatchError(Box::new(status));
+        assert_eq!(watch_error_code(&during), Some(410));
+        assert_eq!(watch_error_text(&during), "too old (410)");
+        assert_eq!(
+            after_run(None, true, false),
+            AfterRun::Retry {
+                text: "the watch stream ended".into(),
+                fatal: false
+            }
+        );
+        assert_eq!(watch_error_code(&watcher::Error::NoResourceVersion), None);
     }
 }
