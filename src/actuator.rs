@@ -397,7 +397,7 @@ impl Actuator {
         group: &NodeGroup,
         resource: &ScalableResource,
     ) -> Result<GroupState, ActuatorError> {
-        let object = format!("{} {}", group.kind(), group.resource.key);
+        let object = crate::problem::Subject::object(group.kind(), &group.resource.key);
         let (min, max) =
             scaling_bounds(&self.store.settings().keys, &object, &resource.annotations)
                 .map_err(|p| {

@@ -887,8 +887,8 @@ impl InfraInput {
     }
 }
 
-fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> String {
-    format!("{kind} {key}")
+fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> crate::problem::Subject {
+    crate::problem::Subject::object(kind, key)
 }
 
 pub fn group_id(kind: ScalableKind, key: &ObjectKey) -> String {
@@ -913,7 +913,7 @@ fn has_bounds(keys: &Keys, resource: &ScalableResource) -> bool {
 /// min/max from the annotations. `Ok(None)`: neither annotation, not a candidate.
 pub fn scaling_bounds(
     keys: &Keys,
-    object: &str,
+    object: impl Into<crate::problem::Subject> + Copy,
     annotations: &BTreeMap<String, String>,
 ) -> Result<Option<(i32, i32)>, Problem> {
     let read = |key: &str| -> Result<Option<i32>, Problem> {
@@ -1167,7 +1167,7 @@ impl<'a> Builder<'a> {
             _ => "machineDeployments",
         };
         Some(Problem::new(
-            format!("Cluster {cluster_key}"),
+            object_name("Cluster", &cluster_key),
             format!("spec.topology.workers.{list}[{position}].replicas"),
             format!(
                 "sets replicas ({replicas}) of {} {}, which the autoscaler manages: remove it, \

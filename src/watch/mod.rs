@@ -431,7 +431,7 @@ mod tests {
     }
 
     /// A store with no watches, over a client that is never called.
-    fn unwatched_store() -> Arc<Store> {
+    pub(super) fn unwatched_store() -> Arc<Store> {
         Store::fixed(
             unreachable_client(),
             CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
@@ -441,7 +441,7 @@ mod tests {
         )
     }
 
-    fn md(replicas: i64, rv: &str) -> ApiObject {
+    pub(super) fn md(replicas: i64, rv: &str) -> ApiObject {
         ApiObject::from_json(serde_json::json!({
             "apiVersion": "cluster.x-k8s.io/v1beta2",
             "kind": "MachineDeployment",

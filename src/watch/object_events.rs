@@ -7,7 +7,7 @@ use kube::api::ApiResource;
 use super::Store;
 use crate::capi::{ObjectKey, ScalableKind};
 use crate::lock;
-use crate::problem::Problem;
+use crate::problem::{ObjectRef, Problem};
 use crate::snapshot::Snapshot;
 
 impl Store {
@@ -61,19 +61,17 @@ impl Store {
 
     /// The object a problem is about, when it is one the provider watches.
     fn event_reference(&self, problem: &Problem) -> Option<ObjectReference> {
-        let (kind, rest) = problem.object.split_once(' ')?;
-        let (namespace, name) = rest.split_once('/')?;
-        let key = ObjectKey::new(namespace, name);
+        let ObjectRef { kind, key } = problem.object.object_ref()?;
         let index = lock(&self.index);
         let (uid, resource) = if let Some(kind) = ScalableKind::from_kind(kind) {
-            let r = index.resource(kind, &key)?;
+            let r = index.resource(kind, key)?;
             (r.uid.clone(), self.apis.scalable.get(&kind)?)
         } else if kind == "Machine" {
-            (index.machine(&key)?.uid.clone(), &self.apis.machine)
+            (index.machine(key)?.uid.clone(), &self.apis.machine)
         } else {
             return None;
         };
-        Some(object_reference(resource, key, uid))
+        Some(object_reference(resource, key.clone(), uid))
     }
 }
 
@@ -111,5 +109,51 @@ fn object_reference(resource: &ApiResource, key: ObjectKey, uid: String) -> Obje
         namespace: Some(key.namespace),
         uid: Some(uid),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{md, unwatched_store};
+    use super::*;
+    use crate::index::{self, Watched};
+    use crate::problem::Subject;
+
+    #[tokio::test]
+    async fn a_problem_is_recorded_on_the_cached_object_it_names() {
+        let store = unwatched_store();
+        let keys = store.settings.keys.clone();
+        let scalable = Watched::Scalable(ScalableKind::MachineDeployment);
+        index::apply(&mut lock(&store.index), &keys, &scalable, md(2, "10"));
+        let problem = |object: Subject| Problem::new(object, "spec.replicas", "not set");
+        let md_key = ObjectKey::new("ns", "md");
+        let expected = ObjectReference {
+            api_version: Some("cluster.x-k8s.io/v1beta2".into()),
+            kind: Some("MachineDeployment".into()),
+            namespace: Some("ns".into()),
+            name: Some("md".into()),
+            uid: Some("uid-md".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            store.event_reference(&problem(Subject::object("MachineDeployment", &md_key))),
+            Some(expected.clone())
+        );
+        assert_eq!(
+            store.group_reference("MachineDeployment/ns/md"),
+            Some(expected)
+        );
+        // Not cached, of a kind no Event is recorded on, or not an object: nothing to record on.
+        for object in [
+            Subject::object("MachineDeployment", &ObjectKey::new("ns", "gone")),
+            Subject::object("Cluster", &md_key),
+            Subject::Other("MachineDeployment ns/md".into()),
+        ] {
+            assert_eq!(
+                store.event_reference(&problem(object.clone())),
+                None,
+                "{object}"
+            );
+        }
     }
 }
