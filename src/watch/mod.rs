@@ -135,26 +135,7 @@ impl Store {
             events,
             watch_settings,
         ));
-        let mut watches: Vec<(Watched, Api<ApiObject>, String)> = Vec::new();
-        for (kind, resource) in &store.apis.scalable {
-            watches.push((
-                Watched::Scalable(*kind),
-                store.watch_api(resource),
-                resource_name(resource),
-            ));
-        }
-        watches.push((
-            Watched::Machine,
-            store.watch_api(&store.apis.machine),
-            resource_name(&store.apis.machine),
-        ));
-        if let Some(cluster) = &store.apis.cluster {
-            watches.push((
-                Watched::Cluster,
-                store.watch_api(cluster),
-                resource_name(cluster),
-            ));
-        }
+        let watches = store.management_watches();
         let nodes = workload.as_ref().map(|workload| {
             let nodes = ApiResource::erase::<k8s_openapi::api::core::v1::Node>(&());
             let name = resource_name(&nodes);
@@ -176,6 +157,32 @@ impl Store {
         }
         tokio::spawn(Arc::clone(&store).rebuild_loop());
         store
+    }
+
+    /// The watches of the management cluster: each scalable kind, Machines, and Clusters when
+    /// served, with the resource name each is known by.
+    fn management_watches(&self) -> Vec<(Watched, Api<ApiObject>, String)> {
+        let mut watches: Vec<(Watched, Api<ApiObject>, String)> = Vec::new();
+        for (kind, resource) in &self.apis.scalable {
+            watches.push((
+                Watched::Scalable(*kind),
+                self.watch_api(resource),
+                resource_name(resource),
+            ));
+        }
+        watches.push((
+            Watched::Machine,
+            self.watch_api(&self.apis.machine),
+            resource_name(&self.apis.machine),
+        ));
+        if let Some(cluster) = &self.apis.cluster {
+            watches.push((
+                Watched::Cluster,
+                self.watch_api(cluster),
+                resource_name(cluster),
+            ));
+        }
+        watches
     }
 
     /// A store over fixed objects, with no watches (`client` is only used by writes).
