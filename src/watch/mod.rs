@@ -2,6 +2,10 @@
 //!
 //! Every kind is watched with a kube-runtime watcher; events go into the index as they come, and a
 //! snapshot is rebuilt (coalescing bursts) and swapped in atomically. Read RPCs only load the snapshot.
+//!
+//! This file: the [`Store`] (publication of snapshots, readiness, the rebuild loop). `health`: whether
+//! each watch is in sync; `stream`: one watch's loop; `infra`: the infrastructure template kinds
+//! watched on demand; `object_events`: Events on the objects the store caches.
 
 mod health;
 mod infra;
