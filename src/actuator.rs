@@ -24,7 +24,7 @@ use crate::removal::{
     pool_node_entry, raised_at,
 };
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot};
-use crate::store::Store;
+use crate::watch::Store;
 
 /// Attempts at a replica write before giving up on conflicts.
 const MAX_ATTEMPTS: usize = 8;

@@ -1,7 +1,7 @@
 //! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
 //!
 //! A functional core (capi, discovery, cache, snapshot, template, options, pricing: plain data in, plain
-//! data out) and a thin shell (store, actuator, grpc, server) that does the I/O.
+//! data out) and a thin shell (watch, actuator, grpc, server) that does the I/O.
 
 mod actuator;
 mod apis;
@@ -27,10 +27,10 @@ pub mod scope;
 pub mod server;
 pub mod snapshot;
 mod startup;
-mod store;
 pub mod template;
 mod tls;
 pub mod version;
+mod watch;
 
 /// Locks `m` even if a thread panicked while holding it: every value kept behind these mutexes is
 /// whole after each single update (a map entry, a timestamp, a set swapped in), and a later event or

@@ -114,7 +114,7 @@ pub const STARTUP_TIME_NOTE: &str = "CA >= 1.35 sets this group's max node start
 /// empty answer is strictly better. `Some` always has at least one field set.
 pub fn parse(
     keys: &Keys,
-    object: &str,
+    object: impl Into<crate::problem::Subject> + Copy,
     annotations: &BTreeMap<String, String>,
 ) -> (Option<GroupOptions>, Vec<Problem>) {
     let mut options = GroupOptions::default();

@@ -36,7 +36,7 @@ const BYTES_PER_GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 /// The hourly price of one node of a group, from [`PRICE_ANNOTATION`]: `Ok(None)` when absent, a problem when
 /// it is not a finite non-negative decimal (`12`, `0.096`, `.5`; no sign, exponent, `inf` or `nan`).
 pub fn group_price(
-    object: &str,
+    object: impl Into<crate::problem::Subject> + Copy,
     annotations: &BTreeMap<String, String>,
 ) -> Result<Option<f64>, Problem> {
     let Some(raw) = annotations.get(PRICE_ANNOTATION) else {

@@ -260,7 +260,7 @@ pub fn discovery_problems(specs: &[DiscoverySpec], scope: &Scope) -> Vec<Problem
                     None => name.to_string(),
                 };
                 Problem::new(
-                    format!("--node-group-auto-discovery {spec}"),
+                    crate::problem::Subject::Other(format!("--node-group-auto-discovery {spec}")),
                     "clusterName",
                     format!(
                         "names Cluster {named}, but this provider serves Cluster {cluster} ({how}): \

@@ -25,9 +25,9 @@ use crate::grpc::wire::{self, Shape};
 use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
 use crate::startup::start_store;
-use crate::store::{Store, WatchSettings};
 use crate::tls::{ReloadingTls, TlsFiles};
 use crate::version;
+use crate::watch::{Store, WatchSettings};
 
 /// The CloudProvider service as served: handlers over the actuator and its store.
 type Provider = Service<Arc<Actuator>>;

@@ -18,8 +18,8 @@ use crate::apis::CapiApis;
 use crate::config::{ApiPing, Config, KubeconfigSource};
 use crate::metrics::Metrics;
 use crate::snapshot::Settings;
-use crate::store::{Store, Streaming, WatchSettings, streams_initial_lists};
 use crate::version;
+use crate::watch::{Store, Streaming, WatchSettings, streams_initial_lists};
 
 /// The client configuration for a kubeconfig file, or the inferred (in-cluster) configuration, with
 /// our User-Agent on every request.

@@ -29,7 +29,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use crate::capi::names::{is_label_value, is_qualified_name};
 use crate::capi::quantity::parse_quantity;
 use crate::capi::{GPU_LABEL, InfraTemplate, ScalableResource, Taint, capacity};
-use crate::problem::Problem;
+use crate::problem::{Problem, Subject};
 
 /// Annotation on every template node: the id of its group (pricing maps template nodes back with it).
 pub const NODE_GROUP_ANNOTATION: &str = "capi-autoscaler-provider/node-group";
@@ -264,7 +264,7 @@ pub fn default_arch(value: Option<&str>) -> (&'static str, Option<Problem>) {
             None => (
                 DEFAULT_ARCH,
                 Some(Problem::new(
-                    "environment",
+                    Subject::Other("environment".into()),
                     "CAPI_SCALE_ZERO_DEFAULT_ARCH",
                     format!(
                         "unrecognized architecture {v:?} (expected one of {}); amd64 is used",
@@ -305,7 +305,7 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
 struct Group<'a> {
     resource: &'a ScalableResource,
     /// `Kind namespace/name`.
-    object: String,
+    object: Subject,
     /// `Kind namespace/name` of the referenced infrastructure template, also when it cannot be read.
     infra_name: Option<String>,
     /// `None` when there is no reference or the template cannot be read.
@@ -321,7 +321,7 @@ impl<'a> Group<'a> {
         };
         let mut group = Group {
             resource: r,
-            object: format!("{} {}", r.kind, r.key),
+            object: Subject::object(r.kind, &r.key),
             infra_name,
             template: None,
         };
@@ -330,7 +330,7 @@ impl<'a> Group<'a> {
             InfraSource::NoReference => {}
             // The annotations may still describe the group, so this is not fatal.
             InfraSource::Unavailable { reason } => problems.push(Problem::new(
-                group.object.as_str(),
+                &group.object,
                 "spec.template.spec.infrastructureRef",
                 format!(
                     "{} is unavailable: {reason}; scale from zero uses the capacity annotations alone",
@@ -346,8 +346,8 @@ impl<'a> Group<'a> {
     }
 
     /// `Kind namespace/name` of the readable template: the object of problems in its own fields.
-    fn template_object(&self) -> Option<String> {
-        self.template.map(|t| format!("{} {}", t.kind, t.key))
+    fn template_object(&self) -> Option<Subject> {
+        self.template.map(|t| Subject::object(&t.kind, &t.key))
     }
 
     /// `Kind/name` of the readable template, as [`CapacitySource`] shows it.
@@ -358,6 +358,7 @@ impl<'a> Group<'a> {
     /// The infrastructure template as a message can point a user at it, readable, referenced or neither.
     fn infra_described(&self) -> String {
         self.template_object()
+            .map(|t| t.to_string())
             .or_else(|| self.infra_name.clone())
             .unwrap_or_else(|| "the infrastructure template".to_string())
     }
@@ -366,7 +367,10 @@ impl<'a> Group<'a> {
 /// The capacity annotations the in-tree provider honours and the externalgrpc protocol cannot carry:
 /// a template is one `v1.Node`, with no room for the ResourceSlices or the CSINode they describe. Each
 /// one set is a problem saying so and what CA does instead, rather than being dropped in silence.
-pub fn not_carried(object: &str, annotations: &BTreeMap<String, String>) -> Vec<Problem> {
+pub fn not_carried(
+    object: impl Into<Subject> + Copy,
+    annotations: &BTreeMap<String, String>,
+) -> Vec<Problem> {
     let set = |key: &str| annotations.get(key).is_some_and(|v| !v.trim().is_empty());
     let mut problems = Vec::new();
     if set(capacity::DRA_DRIVER) {
@@ -511,7 +515,7 @@ fn template_capacity(group: &Group, problems: &mut Vec<Problem>) -> BTreeMap<Str
         let field = format!("status.capacity[{res}]");
         if !is_qualified_name(res) {
             problems.push(Problem::new(
-                tobj.as_str(),
+                &tobj,
                 field,
                 "not a valid resource name; ignored",
             ));
@@ -520,7 +524,7 @@ fn template_capacity(group: &Group, problems: &mut Vec<Problem>) -> BTreeMap<Str
         match parse_quantity(raw) {
             // The apiserver rejects a Node with a fractional count of pods or of an extended resource.
             Ok(v) if must_be_whole(res) && v.fract() != 0.0 => problems.push(Problem::new(
-                tobj.as_str(),
+                &tobj,
                 field,
                 format!("{raw:?} is not a whole number, which {res} must be; ignored"),
             )),
@@ -534,7 +538,7 @@ fn template_capacity(group: &Group, problems: &mut Vec<Problem>) -> BTreeMap<Str
                     },
                 );
             }
-            Err(e) => problems.push(Problem::new(tobj.as_str(), field, format!("{e}; ignored"))),
+            Err(e) => problems.push(Problem::new(&tobj, field, format!("{e}; ignored"))),
         }
     }
     entries
@@ -570,7 +574,7 @@ fn annotated_capacity(
                 }
             }
             Err(e) => problems.push(Problem::new(
-                group.object.as_str(),
+                &group.object,
                 Problem::annotation_field(key),
                 format!("{e}; ignored"),
             )),
@@ -581,7 +585,7 @@ fn annotated_capacity(
 /// The GPU of `gpu-type` and `gpu-count`; either without the other is a problem, not a guess.
 fn annotated_gpu(group: &Group, problems: &mut Vec<Problem>) -> Option<Gpu> {
     let annotations = group.annotations();
-    let object = group.object.as_str();
+    let object = &group.object;
     let gpu_type = annotations
         .get(capacity::GPU_TYPE)
         .map(|v| v.trim())
@@ -674,7 +678,7 @@ fn unsized_problem(group: &Group, capacity: &Capacity) -> Option<Problem> {
         capacity::MEMORY
     };
     Some(Problem::new(
-        group.object.as_str(),
+        &group.object,
         Problem::annotation_field(missing_key),
         format!(
             "zero-size group has no cpu/memory capacity: set {} and {} or status.capacity on {}",
@@ -791,7 +795,7 @@ fn taints(group: &Group, problems: &mut Vec<Problem>) -> Vec<Taint> {
         match validate_taint(t) {
             Ok(()) => taints.push(t.clone()),
             Err(e) => problems.push(Problem::new(
-                group.object.as_str(),
+                &group.object,
                 format!("spec.template.spec.taints[{i}]"),
                 format!("{e}; ignored"),
             )),
@@ -961,7 +965,7 @@ fn is_managed_label(key: &str) -> bool {
 /// An integer annotation (Go `strconv.ParseInt`): absent or empty → `None`; malformed or negative → a
 /// problem and `None`.
 pub fn parse_count(
-    object: &str,
+    object: impl Into<Subject> + Copy,
     annotations: &BTreeMap<String, String>,
     key: &str,
     problems: &mut Vec<Problem>,
@@ -993,7 +997,7 @@ pub fn parse_count(
 
 /// `k=v,k2=v2`; entries trimmed, empty entries skipped, malformed entries reported and skipped.
 pub fn parse_labels_annotation(
-    object: &str,
+    object: impl Into<Subject> + Copy,
     annotations: &BTreeMap<String, String>,
     problems: &mut Vec<Problem>,
 ) -> Vec<(String, String)> {
@@ -1029,7 +1033,7 @@ pub fn parse_labels_annotation(
 
 /// `key=value:Effect` or `key:Effect`, comma separated; malformed entries reported and skipped.
 pub fn parse_taints_annotation(
-    object: &str,
+    object: impl Into<Subject> + Copy,
     annotations: &BTreeMap<String, String>,
     problems: &mut Vec<Problem>,
 ) -> Vec<Taint> {

@@ -197,7 +197,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
 
     for p in &outcome.problems {
         assert!(!p.message.is_empty(), "{p:?}");
-        let named = match p.object.as_str() {
+        let named = match p.object.to_string().as_str() {
             OBJECT => {
                 let annotation = KEYS.iter().find(|k| p.field == annotation_field(k));
                 match annotation {

@@ -34,7 +34,7 @@ use crate::removal::{
     our_mark_time, pool_node_entry,
 };
 use crate::snapshot::Settings;
-use crate::store::Store;
+use crate::watch::Store;
 
 // ===== fixtures: objects, the fake API, the actuator over it =====
 

@@ -57,7 +57,12 @@ pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject
     let key = object_key(&obj);
     let json = obj.into_json();
     let problem = |kind: &str, e: ParseError| {
-        Problem::new(format!("{kind} {key}"), e.field, e.message).with_kind(ProblemKind::Malformed)
+        Problem::new(
+            crate::problem::Subject::object(kind, &key),
+            e.field,
+            e.message,
+        )
+        .with_kind(ProblemKind::Malformed)
     };
     match what {
         Watched::Scalable(kind) => {

@@ -15,7 +15,7 @@ use crate::metrics::Metrics;
 use crate::pricing;
 use crate::proto::cloud_provider_server::CloudProvider;
 use crate::proto::*;
-use crate::snapshot::{NodeGroup as Group, Snapshot};
+use crate::snapshot::{GroupId, NodeGroup as Group, Snapshot};
 use crate::template::NODE_GROUP_ANNOTATION;
 
 mod convert;
@@ -73,10 +73,10 @@ impl<B: Backend> Service<B> {
     /// a watch they depend on is stale, they are refused with UNAVAILABLE (CA retries) rather than made
     /// against an old view.
     fn writable(&self, id: &str) -> Result<(), Status> {
-        let Some(kind) = id.split('/').next().and_then(ScalableKind::from_kind) else {
+        let Some(group) = GroupId::parse(id) else {
             return Ok(()); // not a group id: the backend answers NOT_FOUND
         };
-        let stale = self.backend.stale_for_write(kind);
+        let stale = self.backend.stale_for_write(group.kind);
         if stale.is_empty() {
             return Ok(());
         }

@@ -273,7 +273,7 @@ mod rollout {
     use crate::capi::ScalableKind;
     use crate::capi::rollout::REVISION_ANNOTATION;
     use crate::snapshot::Settings;
-    use crate::store::Store;
+    use crate::watch::Store;
     use serde_json::{Value, json};
     use std::sync::atomic::{AtomicUsize, Ordering};
 

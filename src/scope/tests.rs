@@ -184,7 +184,7 @@ fn discovery_specs_naming_another_cluster_are_problems_naming_spec_and_served_cl
         &BTreeSet::new(),
     );
     let problems = discovery_problems(&specs, &scope);
-    let objects: Vec<&str> = problems.iter().map(|p| p.object.as_str()).collect();
+    let objects: Vec<String> = problems.iter().map(|p| p.object.to_string()).collect();
     assert_eq!(
         objects,
         [

@@ -331,7 +331,7 @@ impl<'a> Builder<'a> {
             _ => "machineDeployments",
         };
         Some(Problem::new(
-            format!("Cluster {cluster_key}"),
+            object_name("Cluster", &cluster_key),
             format!("spec.topology.workers.{list}[{position}].replicas"),
             format!(
                 "sets replicas ({replicas}) of {} {}, which the autoscaler manages: remove it, \
@@ -394,7 +394,7 @@ impl<'a> Builder<'a> {
     fn served_sizes(
         &mut self,
         id: &str,
-        object: &str,
+        object: &crate::problem::Subject,
         key: &ObjectKey,
         resource: &ScalableResource,
     ) -> Option<(i32, i32, i32)> {

@@ -360,8 +360,8 @@ fn position(locations: &[Location]) -> u32 {
     u32::try_from(locations.len()).unwrap_or(u32::MAX)
 }
 
-fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> String {
-    format!("{kind} {key}")
+fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> crate::problem::Subject {
+    crate::problem::Subject::object(kind, key)
 }
 
 mod build;

@@ -374,7 +374,7 @@ fn malformed_values_are_problems_and_ignored() {
         let got: Vec<(String, String)> = out
             .problems
             .iter()
-            .map(|p| (p.object.clone(), p.field.clone()))
+            .map(|p| (p.object.to_string(), p.field.clone()))
             .collect();
         let want: Vec<(String, String)> = want
             .iter()
