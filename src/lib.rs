@@ -1,9 +1,8 @@
 //! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
 //!
 //! A functional core (capi, discovery, snapshot, template, options, pricing: plain data in, plain data
-//! out) and a thin shell (store, actuator, service, server) that does the I/O.
+//! out) and a thin shell (store, scale, service, server) that does the I/O.
 
-mod actuator;
 mod apis;
 pub mod capi;
 pub mod check;
@@ -20,7 +19,7 @@ pub mod preflight;
 pub mod pricing;
 pub mod problem;
 pub mod proto;
-mod removal;
+mod scale;
 pub mod scope;
 pub mod server;
 pub mod service;

@@ -18,10 +18,10 @@ use tokio::sync::Semaphore;
 use tonic::body::Body;
 use tonic::transport::Server;
 
-use crate::actuator::Actuator;
 use crate::config::ServeArgs;
 use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
+use crate::scale::Actuator;
 use crate::service::Service;
 use crate::startup::start_store;
 use crate::store::{Store, WatchSettings};

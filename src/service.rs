@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 
-use crate::actuator::{ActuatorError, NodeToDelete};
 use crate::capi::{GPU_LABEL, Keys, ScalableKind};
 use crate::metrics::Metrics;
 use crate::pricing;
 use crate::proto::cloud_provider_server::CloudProvider;
 use crate::proto::*;
+use crate::scale::{ActuatorError, NodeToDelete};
 use crate::snapshot::{NodeGroup as Group, Snapshot};
 use crate::template::NODE_GROUP_ANNOTATION;
 

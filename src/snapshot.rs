@@ -1953,7 +1953,7 @@ impl<'a> Builder<'a> {
                         !m.deleting
                             && m.annotations
                                 .get(delete_key)
-                                .is_some_and(|v| !crate::removal::is_our_mark(v))
+                                .is_some_and(|v| !crate::scale::removal::is_our_mark(v))
                     })
             })
             .map(|key| key.name.clone())
@@ -1975,7 +1975,7 @@ impl<'a> Builder<'a> {
             .filter(|i| i.state != InstanceState::Deleting)
             .count()
             + unlisted;
-        let mut surplus = crate::removal::surplus(active, target);
+        let mut surplus = crate::scale::removal::surplus(active, target);
         for instance in list.iter_mut() {
             if surplus == 0 {
                 break;

@@ -268,10 +268,10 @@ mod rollout {
     use super::super::*;
     use super::calls;
     use super::objects::{index_of, machine, md};
-    use crate::actuator::Actuator;
     use crate::apis::CapiApis;
     use crate::capi::ScalableKind;
     use crate::capi::rollout::REVISION_ANNOTATION;
+    use crate::scale::Actuator;
     use crate::snapshot::Settings;
     use crate::store::Store;
     use serde_json::{Value, json};
@@ -464,7 +464,7 @@ mod handlers {
     use super::super::*;
     use super::calls;
     use super::objects::{index_of, machine, md};
-    use crate::actuator::ApiCause;
+    use crate::scale::ApiCause;
     use crate::snapshot::Settings;
     use serde_json::json;
     use std::sync::Mutex;

@@ -1399,7 +1399,7 @@ fn marks_the_provider_did_not_write_are_listed_and_unlisted_machines_kept() {
     add_machine(&mut index, marked("by-hand", "yes", false));
     add_machine(
         &mut index,
-        marked("ours", &crate::removal::our_mark(5), false),
+        marked("ours", &crate::scale::removal::our_mark(5), false),
     );
     add_machine(&mut index, marked("going", "yes", true));
     add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));

@@ -17,14 +17,16 @@ use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::ApiObject;
 use crate::preflight;
-use crate::removal::{
-    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState,
-    RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time, payment_entry,
-    pool_node_entry, raised_at,
-};
 use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
 use crate::store::Store;
+use removal::{
+    Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, MachineState, RAISED_ANNOTATION,
+    TAKING_BACK_ANNOTATION, mark_entry, our_mark, our_mark_time, payment_entry, pool_node_entry,
+    raised_at,
+};
+
+pub(crate) mod removal;
 
 /// Attempts at a replica write before giving up on conflicts.
 const MAX_ATTEMPTS: usize = 8;
