@@ -4,6 +4,7 @@
 //! out) and a thin shell (store, scale, service, server) that does the I/O.
 
 mod apis;
+mod backend;
 pub mod capi;
 pub mod check;
 pub mod config;

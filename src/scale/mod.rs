@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 
+use crate::backend::{ActuatorError, ApiCause, Backend, NodeToDelete};
 use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource};
 use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::ApiObject;
 use crate::preflight;
-use crate::service::Backend;
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot, scaling_bounds};
 use crate::store::Store;
 use removal::{
@@ -32,74 +32,6 @@ pub(crate) mod removal;
 const MAX_ATTEMPTS: usize = 8;
 /// Bound on each API call, below CA's default gRPC deadline (5s).
 const CALL_TIMEOUT: Duration = Duration::from_secs(4);
-
-/// Why a scale operation failed, in the domain's terms; the wire module maps each to the status
-/// code CA acts on.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ActuatorError {
-    /// No node group has this id (any more).
-    #[error("node group {id:?} not found")]
-    GroupNotFound { id: String },
-    /// A node or an object the request names is not there.
-    #[error("{0}")]
-    NotFound(String),
-    /// The request itself is wrong: a delta of the wrong sign, a node of another group.
-    #[error("{0}")]
-    BadRequest(String),
-    /// The size the operation leads to is outside the bounds of the group object it would write.
-    #[error("{group}: {operation}: desired size {desired} is outside [{min}, {max}]")]
-    OutOfBounds {
-        group: String,
-        operation: String,
-        desired: i32,
-        min: i32,
-        max: i32,
-    },
-    /// The group's state does not allow it: a rollout, a malformed object, registered nodes that
-    /// would go.
-    #[error("{0}")]
-    Refused(String),
-    /// Still conflicting with other writers after every attempt.
-    #[error("{0}")]
-    Conflict(String),
-    /// The management cluster's API failed the call.
-    #[error("{message}")]
-    Api { cause: ApiCause, message: String },
-    #[error("{0}")]
-    Internal(String),
-}
-
-/// Why an API call failed, as far as a caller decides differently.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ApiCause {
-    /// Not reached, no answer in time, or a server-side error: whether a write landed may be
-    /// unknown, a retry finds out.
-    Unreachable,
-    /// The API refused this identity (RBAC).
-    Forbidden,
-    /// Any other answer.
-    Failed,
-}
-
-impl ActuatorError {
-    fn api(cause: ApiCause, message: String) -> Self {
-        ActuatorError::Api { cause, message }
-    }
-
-    fn unreachable(message: String) -> Self {
-        Self::api(ApiCause::Unreachable, message)
-    }
-
-    fn is_unreachable(&self) -> bool {
-        matches!(
-            self,
-            ActuatorError::Api {
-                cause: ApiCause::Unreachable,
-                ..
-            }
-        )
-    }
-}
 
 /// An API error, kept apart from conflicts so writes can retry those.
 #[derive(Debug)]
@@ -152,24 +84,6 @@ fn other(e: ApiFailure, what: &str) -> ActuatorError {
     match e {
         ApiFailure::Conflict => ActuatorError::Conflict(format!("{what}: conflict")),
         ApiFailure::Other(e) => e,
-    }
-}
-
-/// The node CA names, as far as DeleteNodes needs it.
-#[derive(Clone, Debug, Default)]
-pub struct NodeToDelete {
-    pub provider_id: String,
-    pub name: String,
-    pub annotations: HashMap<String, String>,
-}
-
-impl NodeToDelete {
-    fn describe(&self) -> String {
-        if self.provider_id.is_empty() {
-            format!("node {:?}", self.name)
-        } else {
-            format!("node {:?} (providerID {:?})", self.name, self.provider_id)
-        }
     }
 }
 

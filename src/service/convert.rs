@@ -9,11 +9,11 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use prost::Message;
 use tonic::Status;
 
+use crate::backend::{ActuatorError, ApiCause, NodeToDelete};
 use crate::options::{Defaults, GroupOptions};
 use crate::pricing;
 use crate::proto::instance_status::InstanceState as WireState;
 use crate::proto::*;
-use crate::scale::{ActuatorError, ApiCause, NodeToDelete};
 use crate::snapshot::{InstanceState, NodeGroup as Group, NodeRef};
 use crate::template::TemplateNode;
 

@@ -464,7 +464,7 @@ mod handlers {
     use super::super::*;
     use super::calls;
     use super::objects::{index_of, machine, md};
-    use crate::scale::ApiCause;
+    use crate::backend::{ApiCause, NodeToDelete};
     use crate::snapshot::Settings;
     use serde_json::json;
     use std::sync::Mutex;
