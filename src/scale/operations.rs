@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::api::members;
 use super::removal::{
-    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, TAKING_BACK_ANNOTATION, payment_entry,
+    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, TAKING_BACK_ANNOTATION,
     pool_node_entry,
 };
 use super::write::{Change, GroupState};
@@ -282,13 +282,12 @@ impl Actuator {
             .filter(|(_, m)| m.is_none())
             .map(|(n, _)| n)
             .collect();
-        let pool_owed = pool_nodes
-            .iter()
-            .filter(|n| {
-                self.cached(&group)
-                    .is_ok_and(|state| !state.ledger.contains(&pool_node_entry(&n.provider_id)))
-            })
-            .count();
+        let pool_owed = self.cached(&group).map_or(0, |state| {
+            removal::unpaid_pool_nodes(
+                &state.ledger,
+                pool_nodes.iter().map(|n| n.provider_id.as_str()),
+            )
+        });
         let mut group = group;
         if !named.is_empty() {
             group = self
@@ -540,29 +539,21 @@ impl Actuator {
                     )));
                 }
                 // The named Machines' marks (ours, or another's kept as its writer left it) that
-                // no entry pays for yet.
-                let paid_at = now_unix();
-                let unpaid: Vec<String> = marks
-                    .iter()
-                    .filter(|(name, _)| names.contains(name.as_str()))
-                    .filter_map(|(name, mark)| {
-                        let mark = mark.as_deref()?;
-                        (!state.ledger.pays(name, Some(mark)))
-                            .then(|| payment_entry(name, mark, paid_at))
-                    })
-                    .collect();
-                let owed = removal::still_owed(
+                // no entry pays for yet, as many as are still owed.
+                let entries = removal::owed_payments(
+                    &names,
+                    &marks,
                     decrement,
                     (decided.0, &decided.1),
                     (state.replicas, &state.ledger),
-                )
-                .min(unpaid.len());
-                if owed == 0 {
+                    now_unix(),
+                );
+                if entries.is_empty() {
                     return Ok(None);
                 }
                 Ok(Some(Change {
-                    replicas: state.replicas - owed as i32,
-                    entries: unpaid.into_iter().take(owed).collect(),
+                    replicas: state.replicas - entries.len() as i32,
+                    entries,
                 }))
             })
             .await;
