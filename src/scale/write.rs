@@ -97,21 +97,51 @@ fn size_change_event(operation: &str, from: i32, change: &Change) -> (&'static s
 /// How often an unknown outcome (an answer lost in transit) is looked up before giving up.
 const RESOLVE_ATTEMPTS: u32 = 3;
 
-impl Actuator {
-    /// The ledger as the next write leaves it: entries that need no record any more dropped (see
-    /// [`Ledger::pruned`]; a Machine's mark as cached), `entry` added.
-    fn next_ledger(&self, group: &NodeGroup, state: &GroupState, entries: &[String]) -> Ledger {
-        let mut ledger = state.ledger.pruned(
-            &state.listed,
-            |name| self.cached_mark(group, name),
-            now_unix(),
-        );
-        for entry in entries {
-            ledger.insert(entry.clone());
-        }
-        ledger
+/// The ledger as the next write leaves it: entries that need no record any more dropped (see
+/// [`Ledger::pruned`]; `mark_of`: a Machine's mark as cached), `entries` added.
+fn next_ledger(
+    state: &GroupState,
+    entries: &[String],
+    mark_of: impl Fn(&str) -> Option<String>,
+    now_unix: u64,
+) -> Ledger {
+    let mut ledger = state.ledger.pruned(&state.listed, mark_of, now_unix);
+    for entry in entries {
+        ledger.insert(entry.clone());
     }
+    ledger
+}
 
+/// What one attempt of a write sends over the version `state` read.
+#[derive(Debug, PartialEq)]
+enum Attempt {
+    /// The merge patch, guarded by that version's resourceVersion.
+    Patch(serde_json::Value),
+    /// `wanted` leaves the bounds of that version (and does not move toward them): nothing sent.
+    OutOfBounds,
+}
+
+/// What a write changes over `state` for `wanted` (the guarded write's decision, no I/O):
+/// `spec.replicas`; the ledger when `ledger` (see [`next_ledger`]) differs from the one read; for a
+/// raise, its time `now_ceil` (every provider's repair reads it, see `RAISED_ANNOTATION`).
+fn patch_for(state: &GroupState, wanted: &Change, ledger: &Ledger, now_ceil: u64) -> Attempt {
+    if !removal::within_bounds(state.replicas, wanted.replicas, state.min, state.max) {
+        return Attempt::OutOfBounds;
+    }
+    let mut patch = json!({
+        "metadata": {"resourceVersion": state.resource_version},
+        "spec": {"replicas": wanted.replicas},
+    });
+    if *ledger != state.ledger {
+        patch["metadata"]["annotations"][LEDGER_ANNOTATION] = json!(ledger.render());
+    }
+    if wanted.replicas > state.replicas {
+        patch["metadata"]["annotations"][RAISED_ANNOTATION] = json!(now_ceil.to_string());
+    }
+    Attempt::Patch(patch)
+}
+
+impl Actuator {
     /// Writes `change(state)` to the group object in one guarded write: `spec.replicas` and, for a
     /// removal, its ledger entry, for a raise the time of it (`None`: nothing is owed over that
     /// version, no write). Bounds are those of the version written over; a conflict re-reads and
@@ -152,22 +182,18 @@ impl Actuator {
                 // Nothing is owed any more: the version just read already carries the change.
                 return Ok(state.replicas);
             };
-            if !removal::within_bounds(state.replicas, wanted.replicas, state.min, state.max) {
-                return Err(state.out_of_bounds(group, operation, wanted.replicas));
-            }
-            let ledger = self.next_ledger(group, &state, &wanted.entries);
-            let mut patch = json!({
-                "metadata": {"resourceVersion": state.resource_version},
-                "spec": {"replicas": wanted.replicas},
-            });
-            if ledger != state.ledger {
-                patch["metadata"]["annotations"][LEDGER_ANNOTATION] = json!(ledger.render());
-            }
-            if wanted.replicas > state.replicas {
-                // Every provider's repair reads it (see `RAISED_ANNOTATION`).
-                patch["metadata"]["annotations"][RAISED_ANNOTATION] =
-                    json!(now_unix_ceil().to_string());
-            }
+            let ledger = next_ledger(
+                &state,
+                &wanted.entries,
+                |name| self.cached_mark(group, name),
+                now_unix(),
+            );
+            let patch = match patch_for(&state, &wanted, &ledger, now_unix_ceil()) {
+                Attempt::Patch(patch) => patch,
+                Attempt::OutOfBounds => {
+                    return Err(state.out_of_bounds(group, operation, wanted.replicas));
+                }
+            };
             let started = Instant::now();
             match call(
                 &what,
@@ -287,5 +313,135 @@ mod tests {
             size_change_event("decrease-target-size", 4, &change(2, &[])).0,
             "DecreaseTargetSize"
         );
+    }
+
+    fn state(replicas: i32, ledger: &str, version: &str) -> GroupState {
+        GroupState {
+            replicas,
+            min: 1,
+            max: 10,
+            ledger: Ledger::parse(Some(ledger)),
+            raised: None,
+            taking_back: Ledger::default(),
+            listed: BTreeSet::new(),
+            resource_version: version.to_string(),
+        }
+    }
+
+    fn change(replicas: i32, entries: &[&str]) -> Change {
+        Change {
+            replicas,
+            entries: entries.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn a_raise_writes_replicas_and_its_time_guarded_by_the_version_read() {
+        let read = state(2, "", "7");
+        let wanted = change(3, &[]);
+        let ledger = next_ledger(&read, &wanted.entries, |_| None, 1_000);
+        assert_eq!(
+            patch_for(&read, &wanted, &ledger, 1_001),
+            Attempt::Patch(json!({
+                "metadata": {
+                    "resourceVersion": "7",
+                    "annotations": {RAISED_ANNOTATION: "1001"},
+                },
+                "spec": {"replicas": 3},
+            }))
+        );
+    }
+
+    #[test]
+    fn a_removal_writes_its_entry_with_the_decrement_and_keeps_young_entries() {
+        let read = state(3, "m0@100", "8");
+        let wanted = change(2, &["m1@200"]);
+        let ledger = next_ledger(&read, &wanted.entries, |_| None, 300);
+        assert_eq!(
+            patch_for(&read, &wanted, &ledger, 301),
+            Attempt::Patch(json!({
+                "metadata": {
+                    "resourceVersion": "8",
+                    "annotations": {LEDGER_ANNOTATION: "m0@100,m1@200"},
+                },
+                "spec": {"replicas": 2},
+            })),
+            "no raise time for a decrement"
+        );
+    }
+
+    #[test]
+    fn a_write_drops_ledger_entries_that_need_no_record_and_leaves_an_unchanged_ledger_alone() {
+        let read = state(3, "m0@100,id:i-1", "9");
+        let now = 100 + removal::STALE_ENTRY_SECS;
+        let still_marked = |name: &str| (name == "m0").then(|| removal::our_mark(100));
+        let kept = next_ledger(&read, &[], still_marked, now);
+        assert_eq!(
+            kept,
+            Ledger::parse(Some("m0@100")),
+            "the pool node left the list"
+        );
+        let gone = next_ledger(&read, &[], |_| None, now);
+        assert_eq!(
+            patch_for(&read, &change(2, &[]), &gone, now),
+            Attempt::Patch(json!({
+                "metadata": {
+                    "resourceVersion": "9",
+                    "annotations": {LEDGER_ANNOTATION: null},
+                },
+                "spec": {"replicas": 2},
+            })),
+            "an emptied ledger removes the annotation"
+        );
+        let unchanged = state(3, "m0@100", "9");
+        let young = next_ledger(&unchanged, &[], |_| None, 101);
+        assert_eq!(
+            patch_for(&unchanged, &change(2, &[]), &young, 101),
+            Attempt::Patch(json!({
+                "metadata": {"resourceVersion": "9"},
+                "spec": {"replicas": 2},
+            }))
+        );
+    }
+
+    #[test]
+    fn a_write_leaving_the_bounds_sends_nothing_unless_it_moves_toward_them() {
+        let within = state(2, "", "1");
+        let ledger = within.ledger.clone();
+        assert_eq!(
+            patch_for(&within, &change(11, &[]), &ledger, 0),
+            Attempt::OutOfBounds
+        );
+        assert_eq!(
+            patch_for(&within, &change(0, &[]), &ledger, 0),
+            Attempt::OutOfBounds
+        );
+        let above = state(12, "", "1");
+        assert!(matches!(
+            patch_for(&above, &change(11, &[]), &ledger, 0),
+            Attempt::Patch(_)
+        ));
+        assert_eq!(
+            patch_for(&above, &change(13, &[]), &ledger, 0),
+            Attempt::OutOfBounds
+        );
+    }
+
+    #[test]
+    fn a_write_landed_when_its_entries_show_or_its_replicas_show_in_a_later_version() {
+        let paid = state(2, "m0@100,m1@200", "11");
+        assert!(landed("10", &change(2, &["m1@200"]), &paid));
+        assert!(
+            landed("11", &change(2, &["m1@200"]), &paid),
+            "entries are written only with their decrement: their presence proves it"
+        );
+        assert!(!landed("10", &change(2, &["m2@300"]), &paid));
+        let raised = state(4, "", "12");
+        assert!(landed("11", &change(4, &[]), &raised));
+        assert!(
+            !landed("12", &change(4, &[]), &raised),
+            "the version written over: nothing landed"
+        );
+        assert!(!landed("11", &change(5, &[]), &raised));
     }
 }
