@@ -8,11 +8,11 @@ use kube::api::Patch;
 use serde_json::json;
 
 use super::api::{ApiFailure, call, members, write_params};
-use super::removal::{self, Counts, TAKING_BACK_ANNOTATION, mark_entry};
+use super::removal::{self, Counts, Ledger, MachineState, TAKING_BACK_ANNOTATION, mark_entry};
 use super::write::GroupState;
 use super::{Actuator, now_unix};
 use crate::backend::ActuatorError;
-use crate::capi::ObjectKey;
+use crate::capi::{Machine, ObjectKey};
 use crate::snapshot::NodeGroup;
 
 impl Actuator {
@@ -98,14 +98,9 @@ impl Actuator {
         live: &GroupState,
         confirmed: &[(ObjectKey, String)],
     ) -> Result<(), ActuatorError> {
-        let mut record = live
-            .taking_back
-            .still_marked(|name| self.cached_mark_time(group, name));
-        for (key, _) in confirmed {
-            if let Some(t) = self.cached_mark_time(group, &key.name) {
-                record.insert(mark_entry(&key.name, t));
-            }
-        }
+        let record = taking_back_record(&live.taking_back, confirmed, |name| {
+            self.cached_mark_time(group, name)
+        });
         let key = &group.resource.key;
         let api = self.group_api(group.kind(), &key.namespace)?;
         let what = format!(
@@ -155,20 +150,8 @@ impl Actuator {
     ) -> Vec<(ObjectKey, String)> {
         let delete_key = &self.store.settings().keys.delete_machine;
         let machines = self.machines(group);
-        let states = members(group, &machines, delete_key);
-        let counts = Counts::of(state.replicas, &state.ledger, states.iter().copied());
-        removal::orphans(
-            &states,
-            &state.ledger,
-            &counts,
-            state.raised,
-            now_unix(),
-            grace.as_secs(),
-        )
-        .into_iter()
-        .filter_map(|name| machines.iter().find(|(k, _)| k.name == name))
-        .map(|(k, m)| (k.clone(), m.resource_version.clone()))
-        .collect()
+        let members = members(group, &machines, delete_key);
+        marks_to_take_back(&machines, &members, state, now_unix(), grace.as_secs())
     }
 
     /// Runs [`Actuator::repair`] now and then every `interval`.
@@ -182,5 +165,187 @@ impl Actuator {
                 tokio::time::sleep(interval).await;
             }
         });
+    }
+}
+
+/// What a repair takes back in a group (its decision, no I/O): of the group's `members` (the
+/// rules' terms of `machines`, as cached), our marks `state` (replicas, ledger, last raise) does not
+/// pay for and older than `grace_secs` at `now_unix` ([`removal::orphans`]), each with the version
+/// of its Machine, so the unmark is guarded by the version decided from.
+fn marks_to_take_back(
+    machines: &[(ObjectKey, Arc<Machine>)],
+    members: &[MachineState<'_>],
+    state: &GroupState,
+    now_unix: u64,
+    grace_secs: u64,
+) -> Vec<(ObjectKey, String)> {
+    let counts = Counts::of(state.replicas, &state.ledger, members.iter().copied());
+    removal::orphans(
+        members,
+        &state.ledger,
+        &counts,
+        state.raised,
+        now_unix,
+        grace_secs,
+    )
+    .into_iter()
+    .filter_map(|name| machines.iter().find(|(k, _)| k.name == name))
+    .map(|(k, m)| (k.clone(), m.resource_version.clone()))
+    .collect()
+}
+
+/// The record a repair writes on the group before taking marks back: of the record read
+/// (`taking_back`), the entries whose Machine still carries that very mark, and each mark about to
+/// be taken back (`confirmed`) as its Machine carries it (`mark_time_of`: the time of our mark on a
+/// Machine of the group, as cached; `None` when gone or unmarked, then not recorded).
+fn taking_back_record(
+    taking_back: &Ledger,
+    confirmed: &[(ObjectKey, String)],
+    mark_time_of: impl Fn(&str) -> Option<u64>,
+) -> Ledger {
+    let mut record = taking_back.still_marked(&mark_time_of);
+    for (key, _) in confirmed {
+        if let Some(t) = mark_time_of(&key.name) {
+            record.insert(mark_entry(&key.name, t));
+        }
+    }
+    record
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::scale::removal::our_mark;
+
+    fn machine(name: &str, version: &str) -> (ObjectKey, Arc<Machine>) {
+        let key = ObjectKey::new("ns", name);
+        let machine = Machine {
+            key: key.clone(),
+            uid: format!("uid-{name}"),
+            resource_version: version.to_string(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            cluster_name: "c".into(),
+            provider_id: None,
+            node_ref: Some(name.to_string()),
+            failure_domain: None,
+            deleting: false,
+            owners: Vec::new(),
+            phase: None,
+            failure: None,
+            conditions_unhealthy: false,
+        };
+        (key, Arc::new(machine))
+    }
+
+    fn member<'a>(name: &'a str, mark: Option<&'a str>) -> MachineState<'a> {
+        MachineState {
+            name,
+            deleting: false,
+            mark,
+            registered: true,
+            unhealthy: false,
+            machineless: false,
+        }
+    }
+
+    fn state(replicas: i32, ledger: &str, raised: Option<u64>) -> GroupState {
+        GroupState {
+            replicas,
+            min: 0,
+            max: 10,
+            ledger: Ledger::parse(Some(ledger)),
+            raised,
+            taking_back: Ledger::default(),
+            listed: BTreeSet::new(),
+            resource_version: "1".into(),
+        }
+    }
+
+    /// 3 Machines, replicas 3: our mark on m2 (at 100) makes Cluster API delete nothing, its
+    /// decrement never landed. Past the grace period it is taken back, guarded by m2's version.
+    #[test]
+    fn a_repair_takes_back_an_unpaid_mark_past_the_grace_with_its_machine_version() {
+        let machines = [
+            machine("m0", "10"),
+            machine("m1", "11"),
+            machine("m2", "12"),
+        ];
+        let mark = our_mark(100);
+        let members = [
+            member("m0", None),
+            member("m1", None),
+            member("m2", Some(&mark)),
+        ];
+        assert_eq!(
+            marks_to_take_back(&machines, &members, &state(3, "", None), 200, 60),
+            vec![(ObjectKey::new("ns", "m2"), "12".to_string())]
+        );
+        assert!(
+            marks_to_take_back(&machines, &members, &state(3, "", None), 150, 60).is_empty(),
+            "a mark younger than the grace period may still get its decrement"
+        );
+        assert!(
+            marks_to_take_back(&machines, &members, &state(3, "", Some(180)), 200, 60).is_empty(),
+            "nothing while a raise is within the grace period"
+        );
+        assert!(
+            marks_to_take_back(&machines, &members, &state(2, "m2@100", None), 200, 60).is_empty(),
+            "a paid mark the replicas remove stays"
+        );
+        assert!(
+            marks_to_take_back(&machines, &members, &state(2, "", None), 200, 60).is_empty(),
+            "replicas lowered for it by someone else: covered, it stays"
+        );
+        let foreign = [
+            member("m0", None),
+            member("m1", None),
+            member("m2", Some("yes")),
+        ];
+        assert!(
+            marks_to_take_back(&machines, &foreign, &state(3, "", None), 200, 60).is_empty(),
+            "someone else's mark is theirs to take back"
+        );
+    }
+
+    /// A paid mark a raise absorbed (replicas back to the Machines) is taken back too.
+    #[test]
+    fn a_repair_takes_back_a_paid_mark_a_raise_absorbed() {
+        let machines = [machine("m0", "10"), machine("m1", "11")];
+        let mark = our_mark(100);
+        let members = [member("m0", Some(&mark)), member("m1", None)];
+        assert_eq!(
+            marks_to_take_back(&machines, &members, &state(2, "m0@100", Some(120)), 200, 60),
+            vec![(ObjectKey::new("ns", "m0"), "10".to_string())]
+        );
+    }
+
+    /// The record keeps the entries whose Machine still carries that mark and adds the marks
+    /// about to be taken back as they are now; a Machine gone meanwhile is not recorded.
+    #[test]
+    fn the_taking_back_record_keeps_marks_still_there_and_adds_the_confirmed_ones() {
+        let read = Ledger::parse(Some("m0@100,m1@50"));
+        let marked = |name: &str| match name {
+            "m0" => Some(100),
+            "m1" => Some(60),
+            "m2" => Some(70),
+            _ => None,
+        };
+        let confirmed = [
+            (ObjectKey::new("ns", "m2"), "12".to_string()),
+            (ObjectKey::new("ns", "m3"), "13".to_string()),
+        ];
+        assert_eq!(
+            taking_back_record(&read, &confirmed, marked),
+            Ledger::parse(Some("m0@100,m2@70")),
+            "m1 was marked again since; m3 is gone"
+        );
+        assert_eq!(
+            taking_back_record(&Ledger::default(), &[], marked).render(),
+            None,
+            "nothing to record removes the annotation"
+        );
     }
 }
