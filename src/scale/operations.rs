@@ -113,41 +113,45 @@ impl Actuator {
         let _guard = group_lock.lock().await;
         let (_, group) = self.group(id)?;
         refuse_during_rollout(&group, "DecreaseTargetSize")?;
-        let registered = group.registered;
-        let by = delta.unsigned_abs();
-        let refuse_registered = |current: i32, delta: i32| {
-            let desired = current.saturating_add(delta);
-            (desired < registered).then(|| ActuatorError::Refused(format!(
-                "{id}: attempt to delete existing nodes: replicas {current}, delta {delta}, registered nodes {registered}"
-            )))
-        };
         // A MachinePool has no deletion order to count with: which instance goes is the
         // infrastructure provider's choice, so only the registered count guards it.
         if group.kind() == ScalableKind::MachinePool {
-            return self
-                .write(&group, "decrease-target-size", false, |state| {
-                    if let Some(e) = refuse_registered(state.replicas, delta) {
-                        return Err(e);
-                    }
-                    let desired = state.replicas.saturating_add(delta);
-                    if !removal::within_bounds(state.replicas, desired, state.min, state.max) {
-                        return Err(state.out_of_bounds(&group, "size decrease", desired));
-                    }
-                    Ok(Some(Change {
-                        replicas: desired,
-                        entries: Vec::new(),
-                    }))
-                })
-                .await
-                .map(|_| ());
+            return self.decrease_pool(&group, delta).await;
         }
-        let (group, _) = self.confirm(id, &group).await?;
+        self.cancel(id, &group, delta.unsigned_abs()).await
+    }
+
+    /// Lowers a MachinePool's replicas by `-delta`, never below its registered nodes.
+    async fn decrease_pool(&self, group: &NodeGroup, delta: i32) -> Result<(), ActuatorError> {
+        self.write(group, "decrease-target-size", false, |state| {
+            if let Some(e) = refuse_registered(group, state.replicas, delta) {
+                return Err(e);
+            }
+            let desired = state.replicas.saturating_add(delta);
+            if !removal::within_bounds(state.replicas, desired, state.min, state.max) {
+                return Err(state.out_of_bounds(group, "size decrease", desired));
+            }
+            Ok(Some(Change {
+                replicas: desired,
+                entries: Vec::new(),
+            }))
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Cancels `by` replicas of a group of Machines: those without a Machine by a decrement alone,
+    /// then the pending Machines [`removal::cancellation_plan`] pins ([`Actuator::pin_pending`]).
+    async fn cancel(&self, id: &str, group: &NodeGroup, by: u32) -> Result<(), ActuatorError> {
+        // Registered nodes as of the group the call decided from, before it was confirmed.
+        let asked = group;
+        let (group, _) = self.confirm(id, group).await?;
         let delete_key = self.store.settings().keys.delete_machine.clone();
         // The plan over `state` and the Machines as cached: `by` in all, every refusal checked.
         let plan = |state: &GroupState, by: u32| -> Result<(usize, Vec<String>), ActuatorError> {
             let current = state.replicas;
             let delta = -i32::try_from(by).unwrap_or(i32::MAX);
-            if let Some(e) = refuse_registered(current, delta) {
+            if let Some(e) = refuse_registered(asked, current, delta) {
                 return Err(e);
             }
             let (_, now) = self.group(id)?;
@@ -164,21 +168,9 @@ impl Actuator {
                 plan.pin.into_iter().map(str::to_string).collect(),
             ))
         };
-        // Capacity without a Machine is not cancelled while Cluster API may still be creating
-        // Machines for the last raise (by any provider: read from the group object): one it
-        // creates after this decision could not be pinned, and the lower count could delete it,
-        // registered by then, unmarked. CA calls DecreaseTargetSize only after
-        // --max-node-provision-time, long after its raise.
         let grace = self.mark_grace.as_secs();
-        let hold = |state: &GroupState, uncreated: usize| -> Result<(), ActuatorError> {
-            match removal::uncreated_hold(uncreated, state.raised, now_unix(), grace) {
-                Some(until) => Err(ActuatorError::Refused(format!(
-                    "{id}: {uncreated} of the replicas to cancel have no Machine yet and the group was raised at unix {} (within --mark-grace-period {grace}s): Cluster API may still be creating Machines for that raise; nothing written, retry after unix {until}",
-                    state.raised.unwrap_or_default()
-                ))),
-                None => Ok(()),
-            }
-        };
+        let hold =
+            |state: &GroupState, uncreated: usize| uncreated_hold(id, state, uncreated, grace);
         let cached = self.cached(&group)?;
         let (uncreated, mut pin) = plan(&cached, by)?;
         hold(&cached, uncreated)?;
@@ -213,6 +205,12 @@ impl Actuator {
         if pin.is_empty() {
             return Ok(());
         }
+        self.pin_pending(id, &pin).await
+    }
+
+    /// Marks and pays the pending Machines `pin` of a DecreaseTargetSize like a DeleteNodes of them
+    /// ([`Actuator::remove_machines`]), refused if one got its Node or went meanwhile.
+    async fn pin_pending(&self, id: &str, pin: &[String]) -> Result<(), ActuatorError> {
         let (_, group) = self.group(id)?;
         let namespace = group.resource.key.namespace.clone();
         let named: Vec<ObjectKey> = pin
@@ -586,6 +584,36 @@ type Marks = Vec<(String, Option<String>)>;
 enum Decided {
     Proceed { mark: Vec<String>, decrement: usize },
     Refused(ActuatorError),
+}
+
+/// The refusal of a decrease by `-delta` from `current` replicas that would leave fewer than the
+/// group's registered nodes (as of the group decided from).
+fn refuse_registered(group: &NodeGroup, current: i32, delta: i32) -> Option<ActuatorError> {
+    let registered = group.registered;
+    let desired = current.saturating_add(delta);
+    (desired < registered).then(|| ActuatorError::Refused(format!(
+        "{}: attempt to delete existing nodes: replicas {current}, delta {delta}, registered nodes {registered}",
+        group.id
+    )))
+}
+
+/// Capacity without a Machine is not cancelled while Cluster API may still be creating Machines
+/// for the last raise (by any provider: read from the group object): one it creates after this
+/// decision could not be pinned, and the lower count could delete it, registered by then,
+/// unmarked. CA calls DecreaseTargetSize only after --max-node-provision-time, long after its raise.
+fn uncreated_hold(
+    id: &str,
+    state: &GroupState,
+    uncreated: usize,
+    grace: u64,
+) -> Result<(), ActuatorError> {
+    match removal::uncreated_hold(uncreated, state.raised, now_unix(), grace) {
+        Some(until) => Err(ActuatorError::Refused(format!(
+            "{id}: {uncreated} of the replicas to cancel have no Machine yet and the group was raised at unix {} (within --mark-grace-period {grace}s): Cluster API may still be creating Machines for that raise; nothing written, retry after unix {until}",
+            state.raised.unwrap_or_default()
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Refuses `operation` while the group's MachineDeployment rolls out: the MachineDeployment
