@@ -56,6 +56,35 @@ impl Actuator {
         }
     }
 
+    /// Marks each Machine `mark` of `namespace` in turn ([`Actuator::mark`]), adding to `written`
+    /// each one marked with the value it carried before (`marks`). `Some(key)`: Machine `key`
+    /// changed since the decision (nothing written to it, the rest not marked); an error leaves
+    /// `written` for the caller to take back.
+    pub(super) async fn mark_each(
+        &self,
+        namespace: &str,
+        mark: &[String],
+        marks: &[(String, Option<String>)],
+        delete_key: &str,
+        ledger: &Ledger,
+        written: &mut Vec<(ObjectKey, Option<String>)>,
+    ) -> Result<Option<ObjectKey>, ActuatorError> {
+        for name in mark {
+            let key = ObjectKey::new(namespace, name.as_str());
+            let previous = marks
+                .iter()
+                .find(|(n, _)| n == name)
+                .and_then(|(_, v)| v.clone());
+            if !self.mark(&key, delete_key, ledger).await? {
+                return Ok(Some(key));
+            }
+            if !written.iter().any(|(k, _)| *k == key) {
+                written.push((key, previous));
+            }
+        }
+        Ok(None)
+    }
+
     /// Takes back the marks this call wrote, each restoring what the Machine carried before.
     pub(super) async fn take_back(
         &self,

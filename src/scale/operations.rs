@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::api::members;
 use super::removal::{
-    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, TAKING_BACK_ANNOTATION,
+    self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, TAKING_BACK_ANNOTATION,
     pool_node_entry,
 };
 use super::write::{Change, GroupState};
@@ -469,31 +469,25 @@ impl Actuator {
                     desired,
                 ));
             }
-            let mut changed = None;
-            for name in &mark {
-                let key = ObjectKey::new(namespace.as_str(), name.as_str());
-                let previous = marks
-                    .iter()
-                    .find(|(n, _)| n == name)
-                    .and_then(|(_, v)| v.clone());
-                match self.mark(&key, &delete_key, &state.ledger).await {
-                    Ok(true) => {
-                        if !written.iter().any(|(k, _)| *k == key) {
-                            written.push((key, previous));
-                        }
-                    }
-                    Ok(false) => {
-                        changed = Some(key);
-                        break;
-                    }
-                    Err(e) => {
-                        // A mark that landed unseen is owed a decrement: a retry pays it, else
-                        // the repair takes it back after the grace period.
-                        self.take_back(&written, &delete_key).await;
-                        return Err(e);
-                    }
+            let changed = match self
+                .mark_each(
+                    &namespace,
+                    &mark,
+                    &marks,
+                    &delete_key,
+                    &state.ledger,
+                    &mut written,
+                )
+                .await
+            {
+                Ok(changed) => changed,
+                Err(e) => {
+                    // A mark that landed unseen is owed a decrement: a retry pays it, else
+                    // the repair takes it back after the grace period.
+                    self.take_back(&written, &delete_key).await;
+                    return Err(e);
                 }
-            }
+            };
             let Some(key) = changed else {
                 break (group, decrement);
             };
@@ -516,43 +510,16 @@ impl Actuator {
             .write(&group, operation, true, |state| {
                 let (now_group, marks, now) = self.deletion_of(id, &names, state)?;
                 before_marking(&now_group, &[])?;
-                match now {
-                    Decided::Refused(e) => return Err(e),
-                    Decided::Proceed { mark, .. } if !mark.is_empty() => {
-                        return Err(ActuatorError::Conflict(format!(
-                            "{id}: the delete mark of Machine(s) {} was removed while they were being removed",
-                            mark.join(", ")
-                        )));
-                    }
-                    Decided::Proceed { .. } => {}
-                }
-                // A repair is taking one of these marks back (another provider's, which decided
-                // from the objects that no decrement paid it): paying it now would land after the
-                // unmark, and Cluster API would delete a Machine nobody marked.
-                if let Some((name, _)) = marks.iter().find(|(name, mark)| {
-                    names.contains(name.as_str()) && state.taking_back.pays(name, mark.as_deref())
-                }) {
-                    return Err(ActuatorError::Refused(format!(
-                        "{id}: the delete mark of Machine {name} is being taken back by a repair (its {TAKING_BACK_ANNOTATION} annotation): nothing written; ask again once it is gone, as a fresh removal"
-                    )));
-                }
-                // The named Machines' marks (ours, or another's kept as its writer left it) that
-                // no entry pays for yet, as many as are still owed.
-                let entries = removal::owed_payments(
+                decrement_over(
+                    id,
                     &names,
                     &marks,
+                    now,
+                    state,
                     decrement,
                     (decided.0, &decided.1),
-                    (state.replicas, &state.ledger),
                     now_unix(),
-                );
-                if entries.is_empty() {
-                    return Ok(None);
-                }
-                Ok(Some(Change {
-                    replicas: state.replicas - entries.len() as i32,
-                    entries,
-                }))
+                )
             })
             .await;
         match result {
@@ -570,6 +537,61 @@ impl Actuator {
             }
         }
     }
+}
+
+/// What the decrement of a removal of `names` writes over the version `state` of the group (its
+/// decision, no I/O), `now` being [`removal::deletion`] over that version and `marks` the group's
+/// Machines with their marks: refused when a mark was removed meanwhile or a repair is taking one
+/// back; `None` when nothing is owed any more (an earlier attempt landed, replicas were lowered
+/// for them); else the lower replicas with the ledger entries [`removal::owed_payments`] pays.
+#[allow(clippy::too_many_arguments)]
+fn decrement_over(
+    id: &str,
+    names: &BTreeSet<&str>,
+    marks: &Marks,
+    now: Decided,
+    state: &GroupState,
+    decrement: usize,
+    decided: (i32, &Ledger),
+    paid_at: u64,
+) -> Result<Option<Change>, ActuatorError> {
+    match now {
+        Decided::Refused(e) => return Err(e),
+        Decided::Proceed { mark, .. } if !mark.is_empty() => {
+            return Err(ActuatorError::Conflict(format!(
+                "{id}: the delete mark of Machine(s) {} was removed while they were being removed",
+                mark.join(", ")
+            )));
+        }
+        Decided::Proceed { .. } => {}
+    }
+    // A repair is taking one of these marks back (another provider's, which decided
+    // from the objects that no decrement paid it): paying it now would land after the
+    // unmark, and Cluster API would delete a Machine nobody marked.
+    if let Some((name, _)) = marks.iter().find(|(name, mark)| {
+        names.contains(name.as_str()) && state.taking_back.pays(name, mark.as_deref())
+    }) {
+        return Err(ActuatorError::Refused(format!(
+            "{id}: the delete mark of Machine {name} is being taken back by a repair (its {TAKING_BACK_ANNOTATION} annotation): nothing written; ask again once it is gone, as a fresh removal"
+        )));
+    }
+    // The named Machines' marks (ours, or another's kept as its writer left it) that
+    // no entry pays for yet, as many as are still owed.
+    let entries = removal::owed_payments(
+        names,
+        marks,
+        decrement,
+        decided,
+        (state.replicas, &state.ledger),
+        paid_at,
+    );
+    if entries.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Change {
+        replicas: state.replicas - entries.len() as i32,
+        entries,
+    }))
 }
 
 /// A check [`Actuator::remove_machines`] runs over the group (as cached) and the Machines it is
@@ -752,4 +774,85 @@ fn removal_plan(
         plan.push((node.clone(), location.machine.clone()));
     }
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::scale::removal::our_mark;
+
+    fn state(replicas: i32, ledger: &str, taking_back: &str) -> GroupState {
+        GroupState {
+            replicas,
+            min: 0,
+            max: 10,
+            ledger: Ledger::parse(Some(ledger)),
+            raised: None,
+            taking_back: Ledger::parse(Some(taking_back)),
+            listed: BTreeSet::new(),
+            resource_version: "1".into(),
+        }
+    }
+
+    fn proceed() -> Decided {
+        Decided::Proceed {
+            mark: Vec::new(),
+            decrement: 1,
+        }
+    }
+
+    /// m1 named and marked (ours, at 100), 3 Machines, replicas 3 when decided: one decrement
+    /// with its entry; nothing over a version it landed in; refused while a repair takes the
+    /// mark back; a conflict when the mark went meanwhile.
+    #[test]
+    fn the_decrement_over_each_version_pays_once_and_never_a_mark_being_taken_back() {
+        let names: BTreeSet<&str> = ["m1"].into();
+        let marks: Marks = vec![
+            ("m0".into(), None),
+            ("m1".into(), Some(our_mark(100))),
+            ("m2".into(), None),
+        ];
+        let none = Ledger::default();
+        let pays = |over: &GroupState, now: Decided| {
+            decrement_over("g", &names, &marks, now, over, 1, (3, &none), 500)
+        };
+        let change = pays(&state(3, "", ""), proceed())
+            .expect("owed")
+            .expect("a write");
+        assert_eq!(
+            (change.replicas, change.entries),
+            (2, vec!["m1@100".to_string()])
+        );
+        assert!(
+            pays(&state(2, "m1@100", ""), proceed())
+                .expect("landed")
+                .is_none(),
+            "an earlier attempt that landed is not paid twice"
+        );
+        assert!(
+            pays(&state(2, "", ""), proceed())
+                .expect("by hand")
+                .is_none(),
+            "replicas lowered by someone else pay for it"
+        );
+        assert!(matches!(
+            pays(&state(3, "", "m1@100"), proceed()),
+            Err(ActuatorError::Refused(m)) if m.contains("taken back by a repair")
+        ));
+        let unmarked = Decided::Proceed {
+            mark: vec!["m1".into()],
+            decrement: 1,
+        };
+        assert!(matches!(
+            pays(&state(3, "", ""), unmarked),
+            Err(ActuatorError::Conflict(m)) if m.contains("was removed while")
+        ));
+        let refused = Decided::Refused(ActuatorError::Refused("absorbed".into()));
+        assert_eq!(
+            pays(&state(3, "", ""), refused).err(),
+            Some(ActuatorError::Refused("absorbed".into()))
+        );
+    }
 }
