@@ -1,10 +1,11 @@
 //! cluster-autoscaler's externalgrpc cloud provider for Cluster API.
 //!
-//! A functional core (capi, discovery, cache, snapshot, template, options, pricing: plain data in, plain
-//! data out) and a thin shell (watch, actuator, grpc, server) that does the I/O.
+//! A functional core (capi, discovery, cache, snapshot, template, options, pricing, removal: plain data
+//! in, plain data out) and a thin shell (watch, scale, grpc, server) that does the I/O; `backend` is the
+//! seam between the gRPC service and what it answers from and writes through.
 
-mod actuator;
 mod apis;
+mod backend;
 pub mod cache;
 pub mod capi;
 pub mod check;
@@ -23,6 +24,7 @@ pub mod print_template;
 pub mod problem;
 pub mod proto;
 mod removal;
+mod scale;
 pub mod scope;
 pub mod server;
 pub mod snapshot;

@@ -489,6 +489,42 @@ pub fn still_owed(decrement: usize, decided: (i32, &Ledger), now: (i32, &Ledger)
     decrement.saturating_sub(usize::try_from(unexplained).unwrap_or(0))
 }
 
+/// The ledger entries a removal of the Machines `names` still writes with its decrement over a
+/// later version `now` of the group (replicas and ledger), decided over `decided` as `decrement`:
+/// as many as [`still_owed`] leaves, each paying the mark (`marks`: each Machine of the group with
+/// the delete mark it carries) of a named Machine no entry pays yet, ours by its time, someone
+/// else's by its value at `paid_at` ([`payment_entry`]). Never more than such marks: a named
+/// Machine without a mark is owed nothing. Empty: nothing is owed, nothing is written.
+pub fn owed_payments(
+    names: &BTreeSet<&str>,
+    marks: &[(String, Option<String>)],
+    decrement: usize,
+    decided: (i32, &Ledger),
+    now: (i32, &Ledger),
+    paid_at: u64,
+) -> Vec<String> {
+    let unpaid = marks
+        .iter()
+        .filter(|(name, _)| names.contains(name.as_str()))
+        .filter_map(|(name, mark)| {
+            let mark = mark.as_deref()?;
+            (!now.1.pays(name, Some(mark))).then(|| payment_entry(name, mark, paid_at))
+        });
+    unpaid.take(still_owed(decrement, decided, now)).collect()
+}
+
+/// How many of the MachinePool nodes without a Machine (by providerID) DeleteNodes names are owed
+/// a decrement: those whose entry is not in the pool's `ledger` yet.
+pub fn unpaid_pool_nodes<'a>(
+    ledger: &Ledger,
+    provider_ids: impl IntoIterator<Item = &'a str>,
+) -> usize {
+    provider_ids
+        .into_iter()
+        .filter(|id| !ledger.contains(&pool_node_entry(id)))
+        .count()
+}
+
 /// Why lowering replicas would remove more than capacity that never became a node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Cancellation<'a> {
@@ -1157,6 +1193,72 @@ mod tests {
         );
         assert_eq!(still_owed(2, (5, &decided), (4, &decided)), 1);
         assert_eq!(still_owed(1, (5, &decided), (6, &decided)), 1, "a raise");
+    }
+
+    /// The decrement pays the named Machines' marks no entry pays yet, one entry each, never more
+    /// than is still owed: a retry whose decrement landed owes nothing, a drop by hand pays one.
+    #[test]
+    fn a_removal_owes_one_entry_per_unpaid_named_mark_and_no_more_than_still_owed() {
+        let marks = |pairs: &[(&str, Option<String>)]| -> Vec<(String, Option<String>)> {
+            pairs
+                .iter()
+                .map(|(n, m)| (n.to_string(), m.clone()))
+                .collect()
+        };
+        let all = marks(&[
+            ("a", Some(our_mark(100))),
+            ("b", Some(our_mark(101))),
+            ("c", Some(our_mark(102))),
+        ]);
+        let none = Ledger::default();
+        let ab = named(&["a", "b"]);
+        assert_eq!(
+            owed_payments(&ab, &all, 2, (5, &none), (5, &none), 900),
+            vec!["a@100".to_string(), "b@101".to_string()],
+            "each named mark once; c is not named"
+        );
+        let landed = Ledger::parse(Some("a@100,b@101"));
+        assert!(
+            owed_payments(&ab, &all, 2, (5, &none), (3, &landed), 900).is_empty(),
+            "a retry over the version its decrement landed in pays nothing twice"
+        );
+        assert_eq!(
+            owed_payments(&ab, &all, 2, (5, &none), (4, &none), 900),
+            vec!["a@100".to_string()],
+            "replicas lowered by hand since pay for one of them"
+        );
+        assert_eq!(
+            owed_payments(&ab, &all, 2, (5, &none), (6, &none), 900).len(),
+            2,
+            "a raise since changes nothing owed"
+        );
+        let half = Ledger::parse(Some("a@100"));
+        assert_eq!(
+            owed_payments(&ab, &all, 1, (5, &half), (5, &half), 900),
+            vec!["b@101".to_string()],
+            "a paid mark is never paid again"
+        );
+        let unmarked = marks(&[("a", None), ("b", Some(our_mark(101)))]);
+        assert_eq!(
+            owed_payments(&ab, &unmarked, 2, (5, &none), (5, &none), 900),
+            vec!["b@101".to_string()],
+            "a named Machine without a mark is owed nothing"
+        );
+        let foreign = marks(&[("a", Some("yes".to_string()))]);
+        let paid = owed_payments(&named(&["a"]), &foreign, 1, (5, &none), (5, &none), 900);
+        assert_eq!(paid, vec![foreign_entry("a", "yes", 900)]);
+        assert!(Ledger::parse(Some(&paid[0])).pays("a", Some("yes")));
+    }
+
+    #[test]
+    fn pool_nodes_already_in_the_ledger_are_owed_nothing_in_any_spelling() {
+        let ledger = Ledger::parse(Some("id:i-1,m0@100"));
+        assert_eq!(
+            unpaid_pool_nodes(&ledger, ["aws:///us-east-1a/i-1", "aws:///us-east-1a/i-2"]),
+            1
+        );
+        assert_eq!(unpaid_pool_nodes(&ledger, ["i-1"]), 0);
+        assert_eq!(unpaid_pool_nodes(&Ledger::default(), ["i-1", "i-2"]), 2);
     }
 
     /// The surplus pays for paid marks first (their decrements are certain), what it leaves for

@@ -18,12 +18,12 @@ use tokio::sync::Semaphore;
 use tonic::body::Body;
 use tonic::transport::Server;
 
-use crate::actuator::Actuator;
 use crate::config::ServeArgs;
 use crate::grpc::Service;
 use crate::grpc::wire::{self, Shape};
 use crate::metrics::Metrics;
 use crate::proto::cloud_provider_server::CloudProviderServer;
+use crate::scale::Actuator;
 use crate::startup::start_store;
 use crate::tls::{ReloadingTls, TlsFiles};
 use crate::version;

@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use prost::Message;
 use tonic::Status;
 
-use crate::actuator::{ActuatorError, ApiCause, NodeToDelete};
+use crate::backend::{ActuatorError, ApiCause, NodeToDelete};
 use crate::options::{Defaults, GroupOptions};
 use crate::pricing;
 use crate::proto::instance_status::InstanceState as WireState;

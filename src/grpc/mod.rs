@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 
-use crate::actuator::{ActuatorError, NodeToDelete};
-use crate::capi::{GPU_LABEL, Keys, ScalableKind};
+use crate::backend::{ActuatorError, Backend};
+use crate::capi::{GPU_LABEL, Keys};
 use crate::metrics::Metrics;
 use crate::pricing;
 use crate::proto::cloud_provider_server::CloudProvider;
@@ -28,23 +28,6 @@ use limits::{bounded, pod_bytes_within_limits, shorten};
 
 /// CA renames template nodes `template-node-for-<group id>-<random>` before pricing them.
 const TEMPLATE_NODE_PREFIX: &str = "template-node-for-";
-
-/// What the service answers from and writes through.
-#[tonic::async_trait]
-pub trait Backend: Send + Sync + 'static {
-    /// The current view of the node groups.
-    fn snapshot(&self) -> Arc<Snapshot>;
-    /// Every watch has listed and a snapshot was built from that.
-    fn is_complete(&self) -> bool;
-    /// Why a write to a group of `kind` would be made against an old view; empty when it would not.
-    fn stale_for_write(&self, kind: ScalableKind) -> Vec<String>;
-    fn keys(&self) -> &Keys;
-    /// Asks for a snapshot build (CA's Refresh).
-    fn refresh(&self);
-    async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError>;
-    async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError>;
-    async fn delete_nodes(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError>;
-}
 
 pub struct Service<B> {
     backend: B,

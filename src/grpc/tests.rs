@@ -2,6 +2,7 @@
 
 use super::convert::*;
 use super::*;
+use crate::capi::ScalableKind;
 use crate::options::GroupOptions;
 use prost::Message;
 use std::time::Duration;
@@ -268,10 +269,10 @@ mod rollout {
     use super::super::*;
     use super::calls;
     use super::objects::{index_of, machine, md};
-    use crate::actuator::Actuator;
     use crate::apis::CapiApis;
     use crate::capi::ScalableKind;
     use crate::capi::rollout::REVISION_ANNOTATION;
+    use crate::scale::Actuator;
     use crate::snapshot::Settings;
     use crate::watch::Store;
     use serde_json::{Value, json};
@@ -464,7 +465,8 @@ mod handlers {
     use super::super::*;
     use super::calls;
     use super::objects::{index_of, machine, md};
-    use crate::actuator::ApiCause;
+    use crate::backend::{ApiCause, NodeToDelete};
+    use crate::capi::ScalableKind;
     use crate::snapshot::Settings;
     use serde_json::json;
     use std::sync::Mutex;

@@ -23,8 +23,8 @@ use kube::client::Body;
 use serde_json::{Value, json};
 use tower_test::mock::{Handle, SendResponse};
 
-use crate::actuator::{Actuator, ActuatorError, ApiCause, NodeToDelete};
 use crate::apis::CapiApis;
+use crate::backend::{ActuatorError, ApiCause, NodeToDelete};
 use crate::cache::Index;
 use crate::capi::{DEFAULT_GROUP, Keys, Machine, ScalableKind, ScalableResource};
 use crate::lock;
@@ -33,6 +33,7 @@ use crate::removal::{
     LEDGER_ANNOTATION, RAISED_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry, our_mark,
     our_mark_time, pool_node_entry,
 };
+use crate::scale::Actuator;
 use crate::snapshot::Settings;
 use crate::watch::Store;
 
