@@ -9,7 +9,7 @@ use std::time::Duration;
 use kube::api::{Api, ListParams, PatchParams};
 
 use super::Actuator;
-use super::write::GroupState;
+use super::state::GroupState;
 use crate::backend::{ActuatorError, ApiCause};
 use crate::capi::{ObjectKey, ScalableKind, ScalableResource, scaling_bounds};
 use crate::object::ApiObject;

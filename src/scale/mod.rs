@@ -19,6 +19,7 @@ mod api;
 mod marks;
 mod operations;
 mod repair;
+mod state;
 mod write;
 
 /// Attempts at a replica write before giving up on conflicts.

@@ -6,7 +6,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use super::api::members;
-use super::write::{Change, GroupState};
+use super::state::GroupState;
+use super::write::Change;
 use super::{Actuator, MAX_ATTEMPTS, now_unix};
 use crate::backend::{ActuatorError, NodeToDelete};
 use crate::capi::{ObjectKey, ScalableKind};

@@ -8,7 +8,7 @@ use kube::api::Patch;
 use serde_json::json;
 
 use super::api::{ApiFailure, call, members, write_params};
-use super::write::GroupState;
+use super::state::GroupState;
 use super::{Actuator, now_unix};
 use crate::backend::ActuatorError;
 use crate::capi::{Machine, ObjectKey};

@@ -2,51 +2,17 @@
 //! checked against the bounds of that very version, recomputed after a conflict, and an answer lost
 //! in transit resolved by reading back.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use kube::api::Patch;
 use serde_json::json;
 
 use super::api::{ApiFailure, call, write_params};
+use super::state::GroupState;
 use super::{Actuator, MAX_ATTEMPTS, now_unix, now_unix_ceil};
 use crate::backend::ActuatorError;
 use crate::removal::{self, LEDGER_ANNOTATION, Ledger, RAISED_ANNOTATION};
 use crate::snapshot::NodeGroup;
-
-/// The group object as a write starts from it: replicas, bounds, ledger and last raise of one
-/// resourceVersion.
-pub(super) struct GroupState {
-    pub(super) replicas: i32,
-    pub(super) min: i32,
-    pub(super) max: i32,
-    pub(super) ledger: Ledger,
-    /// When replicas were last raised by any provider ([`RAISED_ANNOTATION`]).
-    pub(super) raised: Option<u64>,
-    /// Marks a repair is taking back ([`TAKING_BACK_ANNOTATION`]): no decrement pays them.
-    pub(super) taking_back: Ledger,
-    /// `spec.providerIDList` entries (normalised) of the same version: ledger entries of nodes no
-    /// longer listed need no record.
-    pub(super) listed: BTreeSet<String>,
-    pub(super) resource_version: String,
-}
-
-impl GroupState {
-    pub(super) fn out_of_bounds(
-        &self,
-        group: &NodeGroup,
-        operation: &str,
-        desired: i32,
-    ) -> ActuatorError {
-        ActuatorError::OutOfBounds {
-            group: group.id.clone(),
-            operation: operation.to_string(),
-            desired,
-            min: self.min,
-            max: self.max,
-        }
-    }
-}
 
 /// What a write changes: the new replica count and, for a removal, the ledger entries it pays for.
 pub(super) struct Change {
@@ -280,6 +246,7 @@ impl Actuator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     #[test]
     fn size_change_events_say_who_asked_from_and_to() {

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-use super::instances::{held_instances, is_synthetic};
+use super::instances::{MachineView, held_instances, is_synthetic};
 use super::{
     GroupId, Groups, Instance, InstanceState, Location, Lookup, NodeGroup, NotServed, Settings,
     Snapshot, object_name, position,
@@ -160,6 +160,14 @@ impl InfraInput {
 }
 
 impl<'a> Builder<'a> {
+    /// The cached Machines and Nodes the instances are read from.
+    pub(super) fn machines(&self) -> MachineView<'a> {
+        MachineView {
+            index: self.index,
+            delete_key: &self.settings.keys.delete_machine,
+        }
+    }
+
     fn new(
         index: &'a Index,
         settings: &'a Settings,
@@ -718,7 +726,7 @@ impl<'a> Builder<'a> {
                 machine: Some(key.clone()),
                 in_pool_list: false,
             });
-            match self.instance_of(machine) {
+            match self.machines().instance_of(machine) {
                 Some(instance) => found.instances.entry(group_id).or_default().push(instance),
                 None => found
                     .unlisted
@@ -758,7 +766,8 @@ impl<'a> Builder<'a> {
             list.dedup_by(|a, b| a.id == b.id);
             let unlisted = found.unlisted.get(id).map_or(0, Vec::len);
             let held = held_instances(group, &list, unlisted);
-            self.mark_leaving(&mut list, unlisted, group.target);
+            self.machines()
+                .mark_leaving(&mut list, unlisted, group.target);
             list.extend(held);
             let pool: BTreeSet<&str> = group
                 .resource
@@ -788,7 +797,9 @@ impl<'a> Builder<'a> {
                 + found.unlisted.get(id).map_or(0, Vec::len) as i32;
             group.instances = list;
             group.unlisted = found.unlisted.remove(id).unwrap_or_default();
-            group.foreign_marks = self.foreign_marks(&group.instances, &group.unlisted);
+            group.foreign_marks = self
+                .machines()
+                .foreign_marks(&group.instances, &group.unlisted);
         }
     }
 

@@ -1,14 +1,22 @@
 //! What CA sees of a group's Machines, for the build and the patch alike: the instance of a Machine,
 //! marked Machines leaving, delete marks of others, and the capacity preflight checks hold back.
 
-use super::build::Builder;
 use super::{
     DELETING_PREFIX, FAILED_PREFIX, Instance, InstanceError, InstanceState, NodeGroup,
     OTHER_ERROR_CLASS, PENDING_PREFIX,
 };
+use crate::cache::Index;
 use crate::capi::{Machine, ObjectKey};
 
-impl Builder<'_> {
+/// The cached Machines and Nodes a group's instances are read from.
+#[derive(Clone, Copy)]
+pub(super) struct MachineView<'a> {
+    pub index: &'a Index,
+    /// The delete-machine annotation's key.
+    pub delete_key: &'a str,
+}
+
+impl MachineView<'_> {
     /// The Machines (not being deleted) of `instances` and `unlisted` carrying a delete mark this
     /// provider did not write.
     pub(super) fn foreign_marks(
@@ -16,7 +24,7 @@ impl Builder<'_> {
         instances: &[Instance],
         unlisted: &[ObjectKey],
     ) -> Vec<String> {
-        let delete_key = &self.settings.keys.delete_machine;
+        let delete_key = self.delete_key;
         instances
             .iter()
             .filter_map(|i| i.machine.as_ref())
@@ -46,7 +54,7 @@ impl Builder<'_> {
     /// MachinePool's instances without a Machine, and the `unlisted` Machines (a Node, no
     /// providerID).
     pub(super) fn mark_leaving(&self, list: &mut [Instance], unlisted: usize, target: i32) {
-        let delete_key = &self.settings.keys.delete_machine;
+        let delete_key = self.delete_key;
         let active = list
             .iter()
             .filter(|i| i.state != InstanceState::Deleting)

@@ -141,7 +141,7 @@ impl<'a> Builder<'a> {
         for instance in old.instances.iter().filter(|i| !is_held(i)) {
             match &instance.machine {
                 Some(machine) => {
-                    let fresh = self.instance_of(index.machine(machine)?)?;
+                    let fresh = self.machines().instance_of(index.machine(machine)?)?;
                     if fresh.id != instance.id {
                         return None;
                     }
@@ -157,7 +157,7 @@ impl<'a> Builder<'a> {
         // Machines with a Node but no providerID stay with the group (the removal counts and the
         // repair read them); one that has an id now is an instance: built from scratch.
         for key in &old.unlisted {
-            if self.instance_of(index.machine(key)?).is_some() {
+            if self.machines().instance_of(index.machine(key)?).is_some() {
                 return None;
             }
         }
@@ -167,14 +167,15 @@ impl<'a> Builder<'a> {
         if held.iter().map(|i| &i.id).ne(old_held) {
             return None;
         }
-        self.mark_leaving(&mut list, group.unlisted.len(), group.target);
+        self.machines()
+            .mark_leaving(&mut list, group.unlisted.len(), group.target);
         list.extend(held);
         let running = list
             .iter()
             .filter(|i| i.state == InstanceState::Running)
             .count();
         group.registered = running as i32 + group.unlisted.len() as i32;
-        group.foreign_marks = self.foreign_marks(&list, &group.unlisted);
+        group.foreign_marks = self.machines().foreign_marks(&list, &group.unlisted);
         group.instances = list;
         Some(())
     }
