@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use capi_autoscaler_provider::proto::{
     ExternalGrpcNode, NodeGroupDeleteNodesRequest, NodeGroupIncreaseSizeRequest,
 };
-use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::json;
 use support::capi::{
@@ -38,8 +38,7 @@ use support::faults::{
     our_mark_time, provider_metric,
 };
 use support::procs::{self, announce};
-use support::real_capi_scenario::{CLUSTER, RealCapiScenario};
-use support::standin;
+use support::real_capi_scenario::RealCapiScenario;
 use support::{CAPI_GROUP, Check, ProviderProcess, poll_until, start_provider};
 use tonic::{Code, Status};
 
@@ -1606,28 +1605,8 @@ async fn bounds_lowered_during_increase_size_are_those_of_the_version_written_ov
 /// until CAPI lists the stand-in's `replicas` instances in its `spec.providerIDList`, and returns
 /// them.
 async fn machine_pool(s: &RealCapiScenario, min: i64, max: i64, replicas: i64) -> Vec<String> {
-    let ar = standin::resource(standin::MACHINE_POOL_KIND);
-    let pools = kube::Api::<DynamicObject>::namespaced_with(s.client.clone(), &s.ns, &ar);
-    let infra = DynamicObject::new("pool", &ar).data(json!({"spec": {}}));
-    if let Err(e) = pools.create(&PostParams::default(), &infra).await {
-        s.fail(&format!("create {} pool: {e}", standin::MACHINE_POOL_KIND));
-    }
-    let mut mp = s.md("pool", "unused", min, max, replicas);
-    mp["kind"] = json!("MachinePool");
-    mp["spec"] = json!({
-        "clusterName": CLUSTER,
-        "replicas": replicas,
-        "template": {"spec": {
-            "clusterName": CLUSTER,
-            "version": standin::KUBERNETES_VERSION,
-            "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
-            "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, "pool"),
-        }},
-    });
-    let api = s.capi.api(Kind::MachinePool);
-    if let Err(e) = support::real_capi::create(&api, &mp).await {
-        s.fail(&format!("create MachinePool pool: {e}"));
-    }
+    s.create_pool(&s.mp("pool", min, max, replicas), json!({}))
+        .await;
     wait_pool_listing(s, usize::try_from(replicas).unwrap_or(0)).await
 }
 

@@ -57,17 +57,13 @@ use capi_autoscaler_provider::proto::{
     ExternalGrpcNode, NodeGroupDecreaseTargetSizeRequest, NodeGroupDeleteNodesRequest,
     NodeGroupIncreaseSizeRequest, NodeGroupNodesRequest,
 };
-use kube::Api;
-use kube::api::{DynamicObject, PostParams};
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::json;
 use support::capi::{Capi, Kind, Rpc, grpc_node};
 use support::faults::{GroupView, History, bound_violations, etcd_versions};
 use support::procs::announce;
-use support::real_capi::create;
-use support::real_capi_scenario::{CLUSTER, Deletion, MachineDeletions, RealCapiScenario};
-use support::standin;
+use support::real_capi_scenario::{Deletion, MachineDeletions, RealCapiScenario};
 use support::{CAPI_GROUP, Check, poll_until};
 use tonic::Code;
 
@@ -778,32 +774,8 @@ const TEMPLATE: &str = "small";
 /// MachinePool `name` of [`CLUSTER`] on a stand-in machine pool of the same name, with autoscaler
 /// bounds and `replicas`.
 async fn create_pool(s: &RealCapiScenario, name: &str, bounds: (i64, i64), replicas: i64) {
-    let ar = standin::resource(standin::MACHINE_POOL_KIND);
-    let infra = DynamicObject::new(name, &ar).data(json!({"spec": {}}));
-    if let Err(e) = Api::<DynamicObject>::namespaced_with(s.client.clone(), &s.ns, &ar)
-        .create(&PostParams::default(), &infra)
-        .await
-    {
-        s.fail(&format!(
-            "create {} {name}: {e}",
-            standin::MACHINE_POOL_KIND
-        ));
-    }
-    let mut mp = s.md(name, TEMPLATE, bounds.0, bounds.1, replicas);
-    mp["kind"] = json!("MachinePool");
-    mp["spec"] = json!({
-        "clusterName": CLUSTER,
-        "replicas": replicas,
-        "template": {"spec": {
-            "clusterName": CLUSTER,
-            "version": standin::KUBERNETES_VERSION,
-            "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
-            "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, name),
-        }},
-    });
-    if let Err(e) = create(&s.capi.api(Kind::MachinePool), &mp).await {
-        s.fail(&format!("create MachinePool {name}: {e}"));
-    }
+    s.create_pool(&s.mp(name, bounds.0, bounds.1, replicas), json!({}))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,6 +32,7 @@ pub mod pki;
 pub mod procs;
 pub mod provider;
 pub mod real_capi;
+pub mod real_capi_namespace;
 pub mod real_capi_scenario;
 pub mod render;
 pub mod standin;

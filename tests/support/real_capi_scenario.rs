@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{DynamicObject, ListParams, WatchEvent, WatchParams};
+use kube::api::{DynamicObject, ListParams, PostParams, WatchEvent, WatchParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use tokio::task::AbortHandle;
@@ -157,6 +157,44 @@ impl RealCapiScenario {
                 "create MachineDeployment {}/{}: {e}",
                 self.ns, md["metadata"]["name"]
             ));
+        }
+    }
+
+    /// A v1beta2 MachinePool `name` of [`CLUSTER`] on the stand-in machine pool of the same name,
+    /// with autoscaler bounds, `replicas` and the scenario label (as [`RealCapiScenario::md`]).
+    pub fn mp(&self, name: &str, min: i64, max: i64, replicas: i64) -> Value {
+        let mut mp = self.md(name, "unused", min, max, replicas);
+        mp["kind"] = json!("MachinePool");
+        mp["spec"] = json!({
+            "clusterName": CLUSTER,
+            "replicas": replicas,
+            "template": {"spec": {
+                "clusterName": CLUSTER,
+                "version": standin::KUBERNETES_VERSION,
+                "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
+                "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, name),
+            }},
+        });
+        mp
+    }
+
+    /// Creates the stand-in machine pool MachinePool `mp` refers to (named the same, with spec
+    /// `infra_spec`), then `mp` (through CAPI's webhooks).
+    pub async fn create_pool(&self, mp: &Value, infra_spec: Value) {
+        let name = mp["metadata"]["name"].as_str().unwrap_or_default();
+        let ar = standin::resource(standin::MACHINE_POOL_KIND);
+        let infra = DynamicObject::new(name, &ar).data(json!({ "spec": infra_spec }));
+        if let Err(e) = Api::<DynamicObject>::namespaced_with(self.client.clone(), &self.ns, &ar)
+            .create(&PostParams::default(), &infra)
+            .await
+        {
+            self.fail(&format!(
+                "create {} {name}: {e}",
+                standin::MACHINE_POOL_KIND
+            ));
+        }
+        if let Err(e) = create(&self.capi.api(Kind::MachinePool), mp).await {
+            self.fail(&format!("create MachinePool {name}: {e}"));
         }
     }
 
