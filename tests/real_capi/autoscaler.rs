@@ -10,16 +10,15 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
-use support::autoscaler::Autoscaler;
+use support::autoscaler::{Autoscaler, AutoscalerProcess};
 use support::capi::Rpc;
-use support::capi_manager::capi_manager;
 use support::procs::{self, Check, poll_until};
 use support::real_capi::{
     CAPACITY, DEPLOYMENT_NAME, MACHINES, api, create, machine_deployment, machines_of,
     machines_with_nodes, name_of, replicas,
 };
-use support::standin::{self, StandIn};
-use support::start_provider;
+use support::real_capi_namespace::{RealCapiNamespace, SIZE};
+use support::standin;
 use support::workload::{self, PodSpec, scenario_labels};
 
 /// The real cluster-autoscaler, through this provider, with the real CAPI manager: a pending pod
@@ -30,15 +29,15 @@ use support::workload::{self, PodSpec, scenario_labels};
 /// Machine and Node, replicas back to 0.
 #[tokio::test]
 async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_real_capi() {
-    let manager = capi_manager();
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let RealCapiNamespace {
+        manager,
+        client,
+        ns,
+        standin,
+        started,
+    } = &s;
     let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
     // The size comes from the template's status (the scale-from-zero contract), read by the
     // provider through the stand-in's group; only the Node label is an annotation.
     let mut md = machine_deployment("pool", "workload", "small", "0", "3");
@@ -49,24 +48,10 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
         .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/pool: {e}"));
     assert_eq!(created.data["spec"]["replicas"], json!(0));
 
-    let discovery = format!("clusterapi:namespace={ns}");
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
+    let provider = s.provider().await;
     let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
-    let fail = |message: String, ca: &support::autoscaler::AutoscalerProcess| -> ! {
-        panic!(
-            "{message}\nstand-in actions: {:?}\nstand-in errors: {:?}\n--- provider log ---\n{}\n\
-             --- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.actions(),
-            standin.errors(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail(),
-            manager.log_tail()
-        )
-    };
+    let fail =
+        |message: String, ca: &AutoscalerProcess| -> ! { s.fail(message, &provider, Some(ca)) };
 
     let t_up = Instant::now();
     workload::create_pod(&client, &ns, &PodSpec::new("web", "1500m", "1Gi")).await;
@@ -232,15 +217,15 @@ async fn two_machines_a_second_apart(client: &Client, ns: &str, md: &str) -> Vec
 /// exactly that Machine and its Node in every group, whatever its own order would have taken.
 #[tokio::test]
 async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_order() {
-    let manager = capi_manager();
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let RealCapiNamespace {
+        manager,
+        client,
+        ns,
+        standin,
+        started,
+    } = &s;
     let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
     let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
     let orders = ["Random", "Newest", "Oldest"];
     for order in orders {
@@ -301,12 +286,7 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
         workload::create_bound_pod(&client, &ns, &pod, &capi_pick).await;
     }
 
-    let discovery = format!("clusterapi:namespace={ns}");
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
+    let provider = s.provider().await;
     let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
     let t_down = Instant::now();
     let machine_api = api(&client, &ns, "v1beta2", "Machine");
@@ -346,13 +326,10 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
     )
     .await;
     if let Err(e) = outcome {
-        panic!(
-            "{e}\nbusy {busy:?}, empty {empty:?}\nstand-in errors: {:?}\n--- provider log ---\n{}\n\
-             --- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.errors(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail(),
-            manager.log_tail()
+        s.fail(
+            format!("{e}\nbusy {busy:?}, empty {empty:?}"),
+            &provider,
+            Some(&ca),
         );
     }
     let down = t_down.elapsed();
@@ -383,48 +360,36 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
 /// Machine of the new MachineSet left.
 #[tokio::test]
 async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() {
-    let manager = capi_manager();
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let RealCapiNamespace {
+        manager,
+        client,
+        ns,
+        standin,
+        started,
+    } = &s;
     let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
-    standin::create_template(&client, &ns, "small-v2", &size).await;
-    let mut md = machine_deployment("roll", "workload", "small", "1", "3");
-    md["metadata"]["annotations"][format!("{CAPACITY}/labels")] = json!(scenario_labels(&ns, &[]));
-    md["spec"]["replicas"] = json!(2);
-    let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
-    let created = create(&mds, &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/roll: {e}"));
+    standin::create_template(client, ns, "small-v2", &SIZE).await;
+    let created = s.group("roll", ("1", "3", 2), |_| {}).await;
     assert_eq!(
         created.data["spec"]["rollout"]["strategy"]["rollingUpdate"]["maxSurge"],
         json!(1),
         "CAPI's webhook defaults maxSurge: {}",
         created.data["spec"]
     );
-    let old = poll_until(
-        "two Machines of roll with Nodes",
-        MACHINES,
-        Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "roll", 2),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let old = s.machines("roll", 2).await;
 
     standin.hold("small-v2");
-    mds.patch(
-        "roll",
-        &PatchParams::default(),
-        &Patch::Merge(&json!({"spec": {"template": {"spec": {
-            "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2"),
-        }}}})),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("change the template of roll: {e}"));
+    api(client, ns, "v1beta2", "MachineDeployment")
+        .patch(
+            "roll",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"template": {"spec": {
+                "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2"),
+            }}}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("change the template of roll: {e}"));
     poll_until(
         "CAPI surges a third Machine for the rollout",
         MACHINES,
@@ -440,12 +405,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     .await
     .unwrap_or_else(|e| panic!("{e}"));
 
-    let discovery = format!("clusterapi:namespace={ns}");
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
+    let provider = s.provider().await;
     let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
     let t_paused = Instant::now();
     ca.wait_loops(8, Duration::from_secs(60)).await;
@@ -454,14 +414,8 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let nodes: Api<Node> = Api::all(client.clone());
-    let fail = |message: String, ca: &support::autoscaler::AutoscalerProcess| -> ! {
-        panic!(
-            "{message}\nstand-in actions: {:?}\n--- provider log ---\n{}\n--- CA log (tail) ---\n{}",
-            standin.actions(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail()
-        )
-    };
+    let fail =
+        |message: String, ca: &AutoscalerProcess| -> ! { s.fail(message, &provider, Some(ca)) };
     if machines.len() != 3 || machines.iter().any(|(_, marked)| *marked) {
         fail(
             format!("during the rollout: Machines {machines:?}, want 3, none marked"),
@@ -590,29 +544,17 @@ async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Op
 /// runs there.
 #[tokio::test]
 async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
-    let manager = capi_manager();
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let RealCapiNamespace {
+        manager,
+        client,
+        ns,
+        standin,
+        started,
+    } = &s;
     let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
-    let mut md = machine_deployment("drain", "workload", "small", "1", "3");
-    md["metadata"]["annotations"][format!("{CAPACITY}/labels")] = json!(scenario_labels(&ns, &[]));
-    md["spec"]["replicas"] = json!(2);
-    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/drain: {e}"));
-    let machines = poll_until(
-        "two Machines of drain with Nodes",
-        MACHINES,
-        Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "drain", 2),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    s.group("drain", ("1", "3", 2), |_| {}).await;
+    let machines = s.machines("drain", 2).await;
     // The Node CAPI's own order would keep (Random: ties by name, first goes) is the one to drain.
     let (kept, drained) = (
         machines.first().expect("two Machines").clone(),
@@ -622,14 +564,7 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     graceful_pod(&client, &ns, "stay", "1200m", Some(&kept)).await;
     graceful_pod(&client, &ns, "move", "500m", Some(&drained)).await;
 
-    let provider = start_provider(
-        &[
-            "--node-group-auto-discovery",
-            &format!("clusterapi:namespace={ns}"),
-        ],
-        cp.admin_kubeconfig(),
-    )
-    .await;
+    let provider = s.provider().await;
     let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
     let t_down = Instant::now();
     let machine_api = api(&client, &ns, "v1beta2", "Machine");
@@ -656,14 +591,7 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     )
     .await;
     if let Err(e) = removed {
-        panic!(
-            "{e}\nstand-in actions: {:?}\n--- provider log ---\n{}\n--- CA log (tail) ---\n{}\n\
-             --- CAPI manager log (tail) ---\n{}",
-            standin.actions(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail(),
-            manager.log_tail()
-        );
+        s.fail(e, &provider, Some(&ca));
     }
     let down = t_down.elapsed();
     let finished = standin

@@ -18,11 +18,9 @@ use support::real_capi::{
     CAPACITY, DELETE_MACHINE, MACHINES, MAX_SIZE, api, create, machine_deployment,
     machines_with_nodes,
 };
-use support::real_capi_namespace::RealCapiNamespace;
+use support::real_capi_namespace::{RealCapiNamespace, SIZE};
 use support::standin;
 use support::workload::{self, PodSpec, scenario_labels};
-
-const SIZE: [(&str, &str); 3] = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
 
 /// How many times the provider answered `method` with `code`.
 async fn answered(provider: &ProviderProcess, method: &str, code: &str) -> u64 {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kube::Client;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 use super::autoscaler::AutoscalerProcess;
@@ -30,6 +30,9 @@ use super::{ProviderProcess, start_provider};
 pub const CLUSTER: &str = "workload";
 /// The stand-in machine template every group of the namespace is made on.
 pub const TEMPLATE: &str = "small";
+
+/// The size CA needs to read from template [`TEMPLATE`]'s status to scale a group from zero.
+pub const SIZE: [(&str, &str); 3] = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
 
 /// A namespace with a workload Cluster, the stand-in cloud and the `small` template.
 pub struct RealCapiNamespace {
@@ -102,12 +105,13 @@ impl RealCapiNamespace {
     }
 
     /// MachineDeployment `name` with `replicas`, sized for CA; `edit` adjusts it before creation.
+    /// Returns it as CAPI's webhooks made it.
     pub async fn group(
         &self,
         name: &str,
         (min, max, replicas): (&str, &str, i64),
         edit: impl FnOnce(&mut Value),
-    ) {
+    ) -> DynamicObject {
         let mut md = machine_deployment(name, CLUSTER, TEMPLATE, min, max);
         md["metadata"]["annotations"][format!("{CAPACITY}/labels")] =
             json!(scenario_labels(&self.ns, &[]));
@@ -118,7 +122,7 @@ impl RealCapiNamespace {
             &md,
         )
         .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {}/{name}: {e}", self.ns));
+        .unwrap_or_else(|e| panic!("create MachineDeployment {}/{name}: {e}", self.ns))
     }
 
     /// MachineDeployment `name` with `replicas` and the bounds only (no capacity labels).
