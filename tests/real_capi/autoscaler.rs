@@ -30,14 +30,7 @@ use support::workload::{self, PodSpec, scenario_labels};
 #[tokio::test]
 async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_real_capi() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let RealCapiNamespace {
-        manager,
-        client,
-        ns,
-        standin,
-        started,
-    } = &s;
-    let cp = manager.cp;
+    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
     // The size comes from the template's status (the scale-from-zero contract), read by the
     // provider through the stand-in's group; only the Node label is an annotation.
     let mut md = machine_deployment("pool", "workload", "small", "0", "3");
@@ -118,12 +111,12 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
     if let Err(e) = ca.check_alive() {
         fail(e, &ca);
     }
-    let errors = standin.errors();
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-ca-up-and-down passed in {:.1}s: pod -> replicas 1 {:.1}s, pod -> \
          bound {:.1}s, pod deleted -> replicas 0 with Machine and Node gone {:.1}s",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         up.as_secs_f64(),
         bound.as_secs_f64(),
         down.as_secs_f64(),
@@ -218,14 +211,7 @@ async fn two_machines_a_second_apart(client: &Client, ns: &str, md: &str) -> Vec
 #[tokio::test]
 async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_order() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let RealCapiNamespace {
-        manager,
-        client,
-        ns,
-        standin,
-        started,
-    } = &s;
-    let cp = manager.cp;
+    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
     let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
     let orders = ["Random", "Newest", "Oldest"];
     for order in orders {
@@ -245,7 +231,7 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
             .map(|name| two_machines_a_second_apart(&client, &ns, name)),
     )
     .await;
-    let set_up = started.elapsed();
+    let set_up = s.started.elapsed();
     for (order, name) in orders.iter().zip(&names) {
         let sets = api(&client, &ns, "v1beta2", "MachineSet")
             .list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={name}")))
@@ -340,13 +326,13 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
     if let Err(e) = ca.check_alive() {
         panic!("{e}");
     }
-    let errors = standin.errors();
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-deletion-orders passed in {:.1}s: 3 groups of 2 Nodes set up in \
          {:.1}s, CA start -> the 3 empty Machines and Nodes deleted by CAPI {:.1}s (busy kept: \
          {busy:?})",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         set_up.as_secs_f64(),
         down.as_secs_f64(),
     ));
@@ -361,14 +347,7 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
 #[tokio::test]
 async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let RealCapiNamespace {
-        manager,
-        client,
-        ns,
-        standin,
-        started,
-    } = &s;
-    let cp = manager.cp;
+    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
     standin::create_template(client, ns, "small-v2", &SIZE).await;
     let created = s.group("roll", ("1", "3", 2), |_| {}).await;
     assert_eq!(
@@ -379,7 +358,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     );
     let old = s.machines("roll", 2).await;
 
-    standin.hold("small-v2");
+    s.standin.hold("small-v2");
     api(client, ns, "v1beta2", "MachineDeployment")
         .patch(
             "roll",
@@ -442,7 +421,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     }
 
     let t_down = Instant::now();
-    standin.release("small-v2");
+    s.standin.release("small-v2");
     let left = poll_until(
         "the rollout done and roll scaled down to its minimum",
         Duration::from_secs(90),
@@ -473,12 +452,12 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     if let Err(e) = ca.check_alive() {
         fail(e, &ca);
     }
-    let errors = standin.errors();
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-rollout passed in {:.1}s: 8 CA loops ({:.1}s) during the rollout \
          removed nothing; release -> rollout done and scaled down to 1 ({survivor}) {:.1}s",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         paused.as_secs_f64(),
         down.as_secs_f64(),
     ));
@@ -508,18 +487,7 @@ async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Op
                 .unwrap_or_else(|e| panic!("create ReplicaSet {ns}/movers: {e}"))
         }
     };
-    let mut spec = json!({
-        "terminationGracePeriodSeconds": 30,
-        "nodeSelector": {workload::SCENARIO_LABEL: ns},
-        "containers": [{
-            "name": "app",
-            "image": "registry.k8s.io/pause:3.10",
-            "resources": {"requests": {"cpu": cpu, "memory": "512Mi"}},
-        }],
-    });
-    if let Some(node) = node {
-        spec["nodeName"] = json!(node);
-    }
+    let spec = workload::graceful_spec(ns, cpu, node);
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {
             "name": name,
@@ -545,14 +513,7 @@ async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Op
 #[tokio::test]
 async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let RealCapiNamespace {
-        manager,
-        client,
-        ns,
-        standin,
-        started,
-    } = &s;
-    let cp = manager.cp;
+    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
     s.group("drain", ("1", "3", 2), |_| {}).await;
     let machines = s.machines("drain", 2).await;
     // The Node CAPI's own order would keep (Random: ties by name, first goes) is the one to drain.
@@ -594,7 +555,8 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
         s.fail(e, &provider, Some(&ca));
     }
     let down = t_down.elapsed();
-    let finished = standin
+    let finished = s
+        .standin
         .actions()
         .iter()
         .any(|(_, a)| a == &format!("pod {ns}/move finished"));
@@ -626,12 +588,12 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     if let Err(e) = ca.check_alive() {
         panic!("{e}");
     }
-    let errors = standin.errors();
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-drain passed in {:.1}s: CA start -> pod evicted and ended, Machine \
          and Node {drained} deleted by CAPI {:.1}s",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         down.as_secs_f64(),
     ));
 }

@@ -35,6 +35,7 @@ pub mod real_capi;
 pub mod real_capi_namespace;
 pub mod real_capi_scenario;
 pub mod render;
+pub mod resuming_watch;
 pub mod standin;
 pub mod workload;
 pub mod workload_cluster;

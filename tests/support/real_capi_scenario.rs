@@ -10,9 +10,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{DynamicObject, ListParams, PostParams, WatchEvent, WatchParams};
+use kube::api::{DynamicObject, ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use tokio::task::AbortHandle;
@@ -23,6 +22,7 @@ use super::capi_manager::{CapiManager, capi_manager};
 use super::control_plane::ControlPlane;
 use super::procs::{self, Check, poll_until};
 use super::real_capi::{self, CAPACITY, DELETE_MACHINE, MAX_SIZE, MIN_SIZE, api, create};
+use super::resuming_watch::{Watched, watch_resuming};
 use super::standin::{self, StandIn};
 use super::workload::{self, scenario_labels};
 use super::{CAPI_GROUP, ProviderProcess, start_provider};
@@ -585,60 +585,22 @@ impl MachineDeletions {
     pub async fn start(capi: &Capi) -> MachineDeletions {
         let api = capi.api(Kind::Machine);
         let state = Arc::new(Mutex::new(Deletions::default()));
-        let list = api
-            .list(&ListParams::default())
-            .await
-            .expect("list the Machines to watch");
-        for m in &list.items {
-            record(&state, m, false);
-        }
-        let mut rv = list.metadata.resource_version.clone().unwrap_or_default();
         let shared = Arc::clone(&state);
-        let task = tokio::spawn(async move {
-            loop {
-                let params = WatchParams::default().timeout(290);
-                let stream = match api.watch(&params, &rv).await {
-                    Ok(s) => s,
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        continue;
-                    }
-                };
-                let mut stream = std::pin::pin!(stream);
-                let mut expired = false;
-                while let Some(event) = stream.next().await {
-                    match event {
-                        Ok(WatchEvent::Added(o)) | Ok(WatchEvent::Modified(o)) => {
-                            rv = o.metadata.resource_version.clone().unwrap_or_default();
-                            record(&shared, &o, false);
-                        }
-                        Ok(WatchEvent::Deleted(o)) => {
-                            rv = o.metadata.resource_version.clone().unwrap_or_default();
-                            record(&shared, &o, true);
-                        }
-                        Ok(WatchEvent::Bookmark(b)) => rv = b.metadata.resource_version,
-                        Ok(WatchEvent::Error(status)) => {
-                            expired = status.code == 410;
-                            break;
-                        }
-                        Err(_) => break,
-                    }
+        let task = watch_resuming(api, move |seen| match seen {
+            Watched::Listed { objects, relisted } => {
+                if relisted {
+                    lock(&shared).gaps += 1;
+                    record_vanished(&shared, objects);
                 }
-                if expired {
-                    match api.list(&ListParams::default()).await {
-                        Ok(list) => {
-                            lock(&shared).gaps += 1;
-                            record_vanished(&shared, &list.items);
-                            for m in &list.items {
-                                record(&shared, m, false);
-                            }
-                            rv = list.metadata.resource_version.unwrap_or_default();
-                        }
-                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-                    }
+                for m in objects {
+                    record(&shared, m, false);
                 }
             }
+            Watched::Changed(m) => record(&shared, m, false),
+            Watched::Deleted(m) => record(&shared, m, true),
+            Watched::Resumed => {}
         })
+        .await
         .abort_handle();
         MachineDeletions { state, task }
     }
