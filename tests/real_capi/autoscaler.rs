@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
-use support::autoscaler::{Autoscaler, AutoscalerProcess};
+use support::autoscaler::AutoscalerProcess;
 use support::capi::Rpc;
 use support::procs::{self, Check, poll_until};
 use support::real_capi::{
@@ -30,7 +30,7 @@ use support::workload::{self, PodSpec, scenario_labels};
 #[tokio::test]
 async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_real_capi() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
+    let (client, ns) = (&s.client, &s.ns);
     // The size comes from the template's status (the scale-from-zero contract), read by the
     // provider through the stand-in's group; only the Node label is an annotation.
     let mut md = machine_deployment("pool", "workload", "small", "0", "3");
@@ -42,7 +42,7 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
     assert_eq!(created.data["spec"]["replicas"], json!(0));
 
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let mut ca = s.start_ca(&provider).await;
     let fail =
         |message: String, ca: &AutoscalerProcess| -> ! { s.fail(message, &provider, Some(ca)) };
 
@@ -108,9 +108,7 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
         fail(e, &ca);
     }
     let down = t_down.elapsed();
-    if let Err(e) = ca.check_alive() {
-        fail(e, &ca);
-    }
+    s.check_ca_alive(&mut ca, &provider);
     let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
@@ -211,7 +209,7 @@ async fn two_machines_a_second_apart(client: &Client, ns: &str, md: &str) -> Vec
 #[tokio::test]
 async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_order() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
+    let (client, ns) = (&s.client, &s.ns);
     let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
     let orders = ["Random", "Newest", "Oldest"];
     for order in orders {
@@ -273,7 +271,7 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
     }
 
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let mut ca = s.start_ca(&provider).await;
     let t_down = Instant::now();
     let machine_api = api(&client, &ns, "v1beta2", "Machine");
     let nodes: Api<Node> = Api::all(client.clone());
@@ -323,9 +321,7 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
         let name = order.to_lowercase();
         assert_eq!(replicas(&client, &ns, &name).await, Ok(1), "{name} at 1");
     }
-    if let Err(e) = ca.check_alive() {
-        panic!("{e}");
-    }
+    s.check_ca_alive(&mut ca, &provider);
     let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
@@ -347,7 +343,7 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
 #[tokio::test]
 async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
+    let (client, ns) = (&s.client, &s.ns);
     standin::create_template(client, ns, "small-v2", &SIZE).await;
     let created = s.group("roll", ("1", "3", 2), |_| {}).await;
     assert_eq!(
@@ -385,7 +381,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     .unwrap_or_else(|e| panic!("{e}"));
 
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let mut ca = s.start_ca(&provider).await;
     let t_paused = Instant::now();
     ca.wait_loops(8, Duration::from_secs(60)).await;
     let paused = t_paused.elapsed();
@@ -449,9 +445,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
             &ca,
         );
     }
-    if let Err(e) = ca.check_alive() {
-        fail(e, &ca);
-    }
+    s.check_ca_alive(&mut ca, &provider);
     let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
@@ -513,7 +507,7 @@ async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Op
 #[tokio::test]
 async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns, cp) = (&s.client, &s.ns, s.manager.cp);
+    let (client, ns) = (&s.client, &s.ns);
     s.group("drain", ("1", "3", 2), |_| {}).await;
     let machines = s.machines("drain", 2).await;
     // The Node CAPI's own order would keep (Random: ties by name, first goes) is the one to drain.
@@ -526,7 +520,7 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     graceful_pod(&client, &ns, "move", "500m", Some(&drained)).await;
 
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let mut ca = s.start_ca(&provider).await;
     let t_down = Instant::now();
     let machine_api = api(&client, &ns, "v1beta2", "Machine");
     let nodes: Api<Node> = Api::all(client.clone());
@@ -585,9 +579,7 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     graceful_pod(&client, &ns, "move-again", "500m", None).await;
     let placed = workload::wait_bound(&client, &ns, "move-again", Duration::from_secs(30)).await;
     assert_eq!(placed, kept, "the replacement runs on the kept Node");
-    if let Err(e) = ca.check_alive() {
-        panic!("{e}");
-    }
+    s.check_ca_alive(&mut ca, &provider);
     let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
 use support::ProviderProcess;
-use support::autoscaler::{self, Autoscaler, AutoscalerProcess};
+use support::autoscaler::{self, AutoscalerProcess};
 use support::capi::{Rpc, grpc_node};
 use support::procs::{self, Check, poll_until};
 use support::real_capi::{
@@ -109,9 +109,7 @@ async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
     s.mark_by_hand(&a).await;
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     refused(&s, &provider, Some(&ca), "NodeGroupDeleteNodes", 2).await;
     assert!(deleted.names().is_empty(), "deleted {:?}", deleted.names());
     assert_eq!(s.replicas("fm").await, Ok(3), "nothing written");
@@ -131,9 +129,7 @@ async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
         || s.deleted_exactly(&deleted, "fm", 1, &want, &kept),
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-foreign-mark passed in {:.1}s: DeleteNodes({c}) refused while {a} \
          carried a mark by hand, nothing deleted; replicas lowered by hand -> CAPI deleted \
@@ -163,7 +159,8 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
     s.mark_by_hand(&marked).await;
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+    let mut ca = s
+        .autoscaler(&provider)
         .flag("--max-node-provision-time=8s")
         .start(s.manager.cp)
         .await;
@@ -203,9 +200,7 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
         || s.deleted_exactly(&deleted, "pend", 2, &want, &registered),
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-decrease-beside-mark passed in {:.1}s: with {marked} marked by hand, \
          CA's DeleteNodes of the unregistered node refused {deletes_refused} times and \
@@ -357,9 +352,7 @@ async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
     s.patch("MachineDeployment", "rp", json!({"spec": {"paused": true}}))
         .await;
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
     let t = Instant::now();
     let machines = s
@@ -381,9 +374,7 @@ async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
         .await
         .map(|md| md.data["spec"]["paused"].clone());
     assert_eq!(paused.ok(), Some(json!(true)), "still rollout-paused");
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-rollout-paused passed in {:.1}s: pod -> replicas 2, Machines \
          {machines:?} with Nodes in {:.1}s",
@@ -402,9 +393,7 @@ async fn the_groups_of_a_paused_cluster_are_not_served_until_it_resumes() {
     s.group("pc", ("0", "3", 0), |_| {}).await;
     let provider = s.provider().await;
     let mut rpc = Rpc::connect(&provider).await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
     ca.wait_loops(6, Duration::from_secs(40)).await;
     assert!(rpc.ids_in(&s.ns).await.is_empty(), "no group served");
@@ -429,9 +418,7 @@ async fn the_groups_of_a_paused_cluster_are_not_served_until_it_resumes() {
         },
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-paused-cluster passed in {:.1}s: 6 CA loops with the Cluster paused, \
          nothing served or scaled; resumed -> Machine with its Node in {:.1}s",
@@ -464,9 +451,7 @@ async fn max_lowered_below_replicas_lets_cluster_autoscaler_bring_the_group_back
     .await;
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     let t = Instant::now();
     let want: BTreeSet<String> = names.iter().filter(|n| **n != busy).cloned().collect();
     let kept = [&busy];
@@ -478,9 +463,7 @@ async fn max_lowered_below_replicas_lets_cluster_autoscaler_bring_the_group_back
         || s.deleted_exactly(&deleted, "over", 1, &want, &kept),
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-above-max passed in {:.1}s: CAPI deleted {:?} in {:.1}s, {busy} kept",
         s.started.elapsed().as_secs_f64(),
@@ -508,9 +491,7 @@ async fn a_foreign_mark_on_the_machine_cluster_autoscaler_removes_is_kept_and_pa
     let marks = s.watch_mark(&a);
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     let t = Instant::now();
     let ledger = s
         .until(
@@ -559,9 +540,7 @@ async fn a_foreign_mark_on_the_machine_cluster_autoscaler_removes_is_kept_and_pa
         left.iter().all(|(_, marked)| !marked),
         "nothing left marked: {left:?}"
     );
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-foreign-mark-named passed in {:.1}s: DeleteNodes({a}) with a's mark \
          by hand kept; ledger {ledger:?}; CAPI deleted {:?} in {:.1}s; mark values seen {:?}",
@@ -666,9 +645,7 @@ async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
     let empty = instance(3);
     s.standin.hold(&pool);
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     let t = Instant::now();
     let pool_replicas = || async {
         api(&s.client, &s.ns, "v1beta2", "MachinePool")
@@ -735,9 +712,7 @@ async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
         },
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-pool-instance passed in {:.1}s: CA's DeleteNodes({empty}) -> replicas \
          2 in {:.1}s, ledger {ledger:?} ({entry}); a DeleteNodes sent again while listed wrote \

@@ -12,7 +12,7 @@ use kube::Client;
 use kube::api::{DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
-use super::autoscaler::AutoscalerProcess;
+use super::autoscaler::{Autoscaler, AutoscalerProcess};
 use capi_autoscaler_provider::proto::ExternalGrpcNode;
 
 use super::capi::{Rpc, grpc_node};
@@ -315,6 +315,23 @@ impl RealCapiNamespace {
             .next()
             .expect("the group is served");
         (rpc, id)
+    }
+
+    /// CA for the namespace's pods, pointed at `provider` (to add flags to before it starts).
+    pub fn autoscaler(&self, provider: &ProviderProcess) -> Autoscaler {
+        Autoscaler::new(&self.ns, &provider.address)
+    }
+
+    /// CA for the namespace's pods, pointed at `provider`, started.
+    pub async fn start_ca(&self, provider: &ProviderProcess) -> AutoscalerProcess {
+        self.autoscaler(provider).start(self.manager.cp).await
+    }
+
+    /// Fails the scenario if CA is no longer running.
+    pub fn check_ca_alive(&self, ca: &mut AutoscalerProcess, provider: &ProviderProcess) {
+        if let Err(e) = ca.check_alive() {
+            self.fail(e, provider, Some(ca));
+        }
     }
 
     pub async fn patch(&self, kind: &str, name: &str, patch: Value) {
