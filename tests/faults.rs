@@ -34,12 +34,11 @@ use support::capi::{
     socket_addr_of,
 };
 use support::faults::{
-    ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, bound_violations, etcd_versions,
-    our_mark_time, provider_metric,
+    ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, our_mark_time, provider_metric,
 };
 use support::procs::{self, announce};
 use support::real_capi_scenario::RealCapiScenario;
-use support::{CAPI_GROUP, Check, ProviderProcess, poll_until, start_provider};
+use support::{Check, ProviderProcess, poll_until, start_provider};
 use tonic::{Code, Status};
 
 /// One fault test at a time: they stall, kill and stop processes of this binary's control plane.
@@ -1121,23 +1120,14 @@ async fn apiserver_killed_and_stopped_during_scale_operations_keeps_bounds_and_m
     let etcd = apiserver.etcd_url();
     let mut versions = 0;
     for group in GROUPS {
-        let all = etcd_versions(
-            &etcd,
-            CAPI_GROUP,
-            "machinedeployments",
-            &capi.ns,
-            group,
-            &capi.min_key(),
-            &capi.max_key(),
-        )
-        .await
-        .unwrap_or_else(|e| s.fail(&format!("{group}'s versions from etcd: {e}")));
-        let violations = bound_violations(&all);
+        let (stored, violations) = s
+            .stored_bound_violations(&etcd, "machinedeployments", group)
+            .await;
         s.check(
             violations.is_empty(),
             &format!("invariant 2 for {group}:\n{}", violations.join("\n")),
         );
-        versions += all.len();
+        versions += stored;
     }
     check_no_unmarked_deletion(&s);
     let marked_deletions = s.deletions.marked().len();

@@ -61,10 +61,10 @@ use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::json;
 use support::capi::{Capi, Kind, Rpc, grpc_node};
-use support::faults::{GroupView, History, bound_violations, etcd_versions};
+use support::faults::{GroupView, History};
 use support::procs::announce;
 use support::real_capi_scenario::{Deletion, MachineDeletions, RealCapiScenario};
-use support::{CAPI_GROUP, Check, poll_until};
+use support::{Check, poll_until};
 use tonic::Code;
 
 const DEFAULT_SEED: u64 = 0x2026_1123_c0ff_ee01;
@@ -962,18 +962,7 @@ async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
     let etcd = support::faults::ApiServer::of(s.cp).etcd_url();
     let mut stored = 0;
     for (kind, name) in groups.clone() {
-        let versions = etcd_versions(
-            &etcd,
-            CAPI_GROUP,
-            kind.plural(),
-            &capi.ns,
-            &name,
-            &capi.min_key(),
-            &capi.max_key(),
-        )
-        .await
-        .unwrap_or_else(|e| s.fail(&format!("{name}'s versions from etcd: {e}")));
-        let violations = bound_violations(&versions);
+        let (versions, violations) = s.stored_bound_violations(&etcd, kind.plural(), &name).await;
         s.check(
             violations.is_empty(),
             &format!(
@@ -981,7 +970,7 @@ async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
                 violations.join("\n")
             ),
         );
-        stored += versions.len();
+        stored += versions;
     }
 
     // Invariant 3 over the whole run: every Machine CAPI deleted without our mark is paid by a

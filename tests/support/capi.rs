@@ -1203,6 +1203,21 @@ pub async fn start_provider_with_env(
     unreachable!("three attempts either return or panic")
 }
 
+/// A test's environment: the shared control plane and a fresh namespace of it, with builders for
+/// `cluster.x-k8s.io` at one version.
+pub struct Env {
+    pub cp: &'static super::ControlPlane,
+    pub capi: Capi,
+}
+
+impl Env {
+    /// [`fresh_capi`] as an [`Env`].
+    pub async fn fresh(setup: super::Setup, version: &str) -> Env {
+        let (cp, capi) = fresh_capi(setup, version).await;
+        Env { cp, capi }
+    }
+}
+
 /// A fresh namespace on the shared control plane of `setup`, with builders for `cluster.x-k8s.io` at
 /// `version`.
 pub async fn fresh_capi(

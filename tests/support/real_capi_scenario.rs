@@ -20,6 +20,7 @@ use super::autoscaler::{Autoscaler, AutoscalerProcess};
 use super::capi::{Capi, Kind};
 use super::capi_manager::{CapiManager, capi_manager};
 use super::control_plane::ControlPlane;
+use super::faults::{bound_violations, etcd_versions};
 use super::procs::{self, Check, poll_until};
 use super::real_capi::{self, CAPACITY, DELETE_MACHINE, MAX_SIZE, MIN_SIZE, api, create};
 use super::resuming_watch::{Watched, watch_resuming};
@@ -196,6 +197,21 @@ impl RealCapiScenario {
         if let Err(e) = create(&self.capi.api(Kind::MachinePool), mp).await {
             self.fail(&format!("create MachinePool {name}: {e}"));
         }
+    }
+
+    /// How many versions of group `name` (`plural` of its kind) etcd at `etcd` holds, and those
+    /// whose replicas lie outside the bounds of the version written over (invariant 2).
+    pub async fn stored_bound_violations(
+        &self,
+        etcd: &str,
+        plural: &str,
+        name: &str,
+    ) -> (usize, Vec<String>) {
+        let (min_key, max_key) = (self.capi.min_key(), self.capi.max_key());
+        let versions = etcd_versions(etcd, CAPI_GROUP, plural, &self.ns, name, &min_key, &max_key)
+            .await
+            .unwrap_or_else(|e| self.fail(&format!("{name}'s versions from etcd: {e}")));
+        (versions.len(), bound_violations(&versions))
     }
 
     /// Starts the provider limited to this namespace (plus `args`) with the admin identity.
