@@ -568,6 +568,24 @@ impl Capi {
             .unwrap_or_else(|e| panic!("patch {} {name}: {e}", kind.as_str()))
     }
 
+    /// Waits (reading every 20 ms, up to `timeout`) until some Machine carries the delete mark;
+    /// returns the marked ones.
+    pub async fn wait_marked(
+        &self,
+        what: &str,
+        timeout: Duration,
+    ) -> Result<BTreeSet<String>, String> {
+        poll_until(what, timeout, Duration::from_millis(20), || async {
+            let marked = self.marked_machines().await;
+            if marked.is_empty() {
+                Check::Wait("no mark yet".into())
+            } else {
+                Check::Done(marked)
+            }
+        })
+        .await
+    }
+
     /// The Machines in the namespace that carry the delete annotation.
     pub async fn marked_machines(&self) -> BTreeSet<String> {
         let key = self.delete_key();
@@ -620,16 +638,7 @@ impl Rpc {
     /// Connects once the CloudProvider service reports SERVING (every watch has listed).
     pub async fn connect(provider: &impl HasEndpoint) -> Rpc {
         wait_serving(&provider.endpoint(), CLOUD_PROVIDER_SERVICE).await;
-        let channel = tonic::transport::Endpoint::from_shared(provider.endpoint())
-            .expect("provider endpoint URI")
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(10))
-            .connect()
-            .await
-            .unwrap_or_else(|e| panic!("connect to the provider at {}: {e}", provider.endpoint()));
-        Rpc {
-            client: CloudProviderClient::new(channel),
-        }
+        Rpc::connect_unready(provider).await
     }
 
     /// Connects at once, without waiting for SERVING: for a provider that is not ready on purpose
