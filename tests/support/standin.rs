@@ -676,13 +676,7 @@ impl Worker {
             || current["ready"] != json!(true)
             || current["infrastructureMachineKind"] != json!(MACHINE_KIND)
         {
-            api.patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({ "status": status })),
-            )
-            .await
-            .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))?;
+            write_pool_status(&api, &name, status).await?;
         }
         Ok(())
     }
@@ -747,13 +741,7 @@ impl Worker {
         });
         let current = &pool.data["status"];
         if current["replicas"] != status["replicas"] || current["ready"] != json!(true) {
-            api.patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({ "status": status })),
-            )
-            .await
-            .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))?;
+            write_pool_status(&api, &name, status).await?;
         }
         Ok(())
     }
@@ -1044,4 +1032,20 @@ fn ready_node(name: &str, provider_id: &str, ns: &str, status: &Value) -> Result
         },
     });
     serde_json::from_value(node).map_err(|e| format!("Node {name} object: {e}"))
+}
+
+/// Writes `status` as the status of stand-in machine pool `name`.
+async fn write_pool_status(
+    api: &Api<DynamicObject>,
+    name: &str,
+    status: Value,
+) -> Result<(), String> {
+    api.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(&json!({ "status": status })),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))
 }
