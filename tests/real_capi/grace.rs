@@ -107,14 +107,14 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
     let mut rounds = Vec::new();
     let mut unmarked = BTreeSet::new();
     for round in 0..ROUNDS {
-        let current = poll_until(
-            &format!("round {round}: 3 Machines with Nodes, none marked"),
-            MACHINES,
-            Duration::from_millis(100),
-            || s.settled("grace", 3),
-        )
-        .await
-        .unwrap_or_else(|e| fail(e));
+        let current = s
+            .wait_settled(
+                &format!("round {round}: 3 Machines with Nodes, none marked"),
+                "grace",
+                3,
+            )
+            .await
+            .unwrap_or_else(|e| fail(e));
         let victim = current.last().expect("three Machines").clone();
         let node = s.grpc_node(&victim).await;
         if let Err(e) = rpc.delete_nodes(&id, vec![node]).await {

@@ -86,14 +86,14 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
     let mut refused_before_created = 0;
     for round in 0..ROUNDS {
         let delete_first = round % 2 == 0;
-        let current = poll_until(
-            &format!("round {round}: race settled at 3 Machines with Nodes, none marked"),
-            MACHINES,
-            Duration::from_millis(100),
-            || s.settled("race", 3),
-        )
-        .await
-        .unwrap_or_else(|e| fail(e));
+        let current = s
+            .wait_settled(
+                &format!("round {round}: race settled at 3 Machines with Nodes, none marked"),
+                "race",
+                3,
+            )
+            .await
+            .unwrap_or_else(|e| fail(e));
         // Not the Machine CAPI's own order (Random: ties by name) would take without a mark.
         let victim = current.last().expect("three Machines").clone();
         let node = s.grpc_node(&victim).await;

@@ -57,5 +57,17 @@ pub fn capi_resource(group: &str, version: &str, kind: &str, plural: &str) -> Ap
     }
 }
 
+/// The MachineDeployments of `group`/`version` in namespace `ns` through `client`, and their
+/// `ApiResource`.
+pub fn machine_deployments(
+    client: kube::Client,
+    ns: &str,
+    group: &str,
+    version: &str,
+) -> (kube::Api<kube::api::DynamicObject>, ApiResource) {
+    let ar = capi_resource(group, version, "MachineDeployment", "machinedeployments");
+    (kube::Api::namespaced_with(client, ns, &ar), ar)
+}
+
 /// The Cluster API group.
 pub const CAPI_GROUP: &str = "cluster.x-k8s.io";

@@ -171,6 +171,19 @@ impl RealCapiNamespace {
         }
     }
 
+    /// Waits (reading every 100 ms, up to [`MACHINES`]) until `md` is [`Self::settled`] at `want`.
+    pub async fn wait_settled(
+        &self,
+        what: &str,
+        md: &str,
+        want: usize,
+    ) -> Result<BTreeSet<String>, String> {
+        poll_until(what, MACHINES, Duration::from_millis(100), || {
+            self.settled(md, want)
+        })
+        .await
+    }
+
     /// The Machines of `md` carrying delete-machine.
     pub async fn marked(&self, md: &str) -> BTreeSet<String> {
         machines_of(&self.client, &self.ns, md)
