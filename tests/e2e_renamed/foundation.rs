@@ -7,6 +7,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule};
 use kube::Api;
 use kube::api::{DynamicObject, ListParams, ObjectMeta, PostParams};
 use serde_json::json;
+use support::capi::e2e_machine_deployment;
 use support::{CAPI_GROUP, Setup, capi_resource, machine_deployments};
 use tonic_health::pb::health_check_response::ServingStatus;
 
@@ -14,36 +15,16 @@ const SETUP: Setup = Setup::shipped().with_renamed_group();
 
 /// A v1beta2 MachineDeployment with every field the v1beta2 schema requires.
 fn machine_deployment_v1beta2(name: &str) -> serde_json::Value {
-    let labels = json!({
-        "cluster.x-k8s.io/cluster-name": "e2e",
-        "cluster.x-k8s.io/deployment-name": name,
-    });
-    json!({
-        "metadata": {
+    e2e_machine_deployment(
+        name,
+        ("0", "3"),
+        1,
+        json!({
+            "apiGroup": "infrastructure.cluster.x-k8s.io",
+            "kind": "E2EMachineTemplate",
             "name": name,
-            "annotations": {
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": "0",
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": "3",
-            },
-        },
-        "spec": {
-            "clusterName": "e2e",
-            "replicas": 1,
-            "selector": { "matchLabels": labels },
-            "template": {
-                "metadata": { "labels": labels },
-                "spec": {
-                    "clusterName": "e2e",
-                    "bootstrap": { "dataSecretName": format!("{name}-bootstrap") },
-                    "infrastructureRef": {
-                        "apiGroup": "infrastructure.cluster.x-k8s.io",
-                        "kind": "E2EMachineTemplate",
-                        "name": name,
-                    },
-                },
-            },
-        },
-    })
+        }),
+    )
 }
 
 async fn create_md(

@@ -6,41 +6,22 @@ use crate::support;
 use kube::Api;
 use kube::api::{DynamicObject, ListParams, PostParams};
 use serde_json::json;
+use support::capi::e2e_machine_deployment;
 use support::{CAPI_GROUP, Setup, capi_resource, machine_deployments};
 
 const SETUP: Setup = Setup::v1beta1();
 
 fn machine_deployment_v1beta1(name: &str) -> serde_json::Value {
-    let labels = json!({
-        "cluster.x-k8s.io/cluster-name": "e2e",
-        "cluster.x-k8s.io/deployment-name": name,
-    });
-    json!({
-        "metadata": {
+    e2e_machine_deployment(
+        name,
+        ("1", "5"),
+        2,
+        json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+            "kind": "E2EMachineTemplate",
             "name": name,
-            "annotations": {
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": "1",
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": "5",
-            },
-        },
-        "spec": {
-            "clusterName": "e2e",
-            "replicas": 2,
-            "selector": { "matchLabels": labels },
-            "template": {
-                "metadata": { "labels": labels },
-                "spec": {
-                    "clusterName": "e2e",
-                    "bootstrap": { "dataSecretName": format!("{name}-bootstrap") },
-                    "infrastructureRef": {
-                        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-                        "kind": "E2EMachineTemplate",
-                        "name": name,
-                    },
-                },
-            },
-        },
-    })
+        }),
+    )
 }
 
 #[tokio::test]

@@ -1212,6 +1212,43 @@ pub async fn start_provider_with_env(
     unreachable!("three attempts either return or panic")
 }
 
+/// A MachineDeployment of Cluster `e2e` on E2EMachineTemplate `name`, with the autoscaler bounds
+/// `min`/`max`, `replicas` and `infrastructure_ref` (its shape differs between v1beta1 and
+/// v1beta2): every field either schema requires.
+pub fn e2e_machine_deployment(
+    name: &str,
+    (min, max): (&str, &str),
+    replicas: i64,
+    infrastructure_ref: Value,
+) -> Value {
+    let labels = json!({
+        "cluster.x-k8s.io/cluster-name": "e2e",
+        "cluster.x-k8s.io/deployment-name": name,
+    });
+    json!({
+        "metadata": {
+            "name": name,
+            "annotations": {
+                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": min,
+                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": max,
+            },
+        },
+        "spec": {
+            "clusterName": "e2e",
+            "replicas": replicas,
+            "selector": { "matchLabels": labels },
+            "template": {
+                "metadata": { "labels": labels },
+                "spec": {
+                    "clusterName": "e2e",
+                    "bootstrap": { "dataSecretName": format!("{name}-bootstrap") },
+                    "infrastructureRef": infrastructure_ref,
+                },
+            },
+        },
+    })
+}
+
 /// A test's environment: the shared control plane and a fresh namespace of it, with builders for
 /// `cluster.x-k8s.io` at one version.
 pub struct Env {

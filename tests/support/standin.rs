@@ -723,16 +723,7 @@ impl Worker {
             if lock(&self.state).nodes_made.contains(node_name) {
                 continue;
             }
-            let node = ready_node(node_name, id, &self.ns, &Value::Null)?;
-            match Api::<Node>::all(self.client.clone())
-                .create(&PostParams::default(), &node)
-                .await
-            {
-                Ok(_) => self.act(format!("Node {node_name} Ready ({id})")),
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
-                Err(e) => return Err(format!("create Node {node_name}: {e}")),
-            }
-            lock(&self.state).nodes_made.insert(node_name.to_string());
+            self.make_node(node_name, id, &Value::Null).await?;
         }
         let status = json!({
             "replicas": ids.len(),
@@ -743,6 +734,22 @@ impl Worker {
         if current["replicas"] != status["replicas"] || current["ready"] != json!(true) {
             write_pool_status(&api, &name, status).await?;
         }
+        Ok(())
+    }
+
+    /// Creates Ready Node `name` with providerID `id` and `capacity` (unless it exists), and
+    /// records it as made.
+    async fn make_node(&self, name: &str, id: &str, capacity: &Value) -> Result<(), String> {
+        let node = ready_node(name, id, &self.ns, capacity)?;
+        match Api::<Node>::all(self.client.clone())
+            .create(&PostParams::default(), &node)
+            .await
+        {
+            Ok(_) => self.act(format!("Node {name} Ready ({id})")),
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(format!("create Node {name}: {e}")),
+        }
+        lock(&self.state).nodes_made.insert(name.to_string());
         Ok(())
     }
 
@@ -789,16 +796,7 @@ impl Worker {
                 Some(t) => self.template_status(&t).await?,
                 None => Value::Null,
             };
-            let node = ready_node(&name, &id, &self.ns, &capacity)?;
-            match Api::<Node>::all(self.client.clone())
-                .create(&PostParams::default(), &node)
-                .await
-            {
-                Ok(_) => self.act(format!("Node {name} Ready ({id})")),
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
-                Err(e) => return Err(format!("create Node {name}: {e}")),
-            }
-            lock(&self.state).nodes_made.insert(name.clone());
+            self.make_node(&name, &id, &capacity).await?;
         }
         if machine.data["status"]["initialization"]["provisioned"] != json!(true) {
             let status = json!({"status": {"initialization": {"provisioned": true}}});
