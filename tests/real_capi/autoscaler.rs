@@ -30,7 +30,7 @@ use support::workload::{self, PodSpec, scenario_labels};
 #[tokio::test]
 async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_real_capi() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns) = (&s.client, &s.ns);
+    let (client, ns) = (s.client.clone(), s.ns.clone());
     // The size comes from the template's status (the scale-from-zero contract), read by the
     // provider through the stand-in's group; only the Node label is an annotation.
     let mut md = machine_deployment("pool", "workload", "small", "0", "3");
@@ -209,7 +209,7 @@ async fn two_machines_a_second_apart(client: &Client, ns: &str, md: &str) -> Vec
 #[tokio::test]
 async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_order() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns) = (&s.client, &s.ns);
+    let (client, ns) = (s.client.clone(), s.ns.clone());
     let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
     let orders = ["Random", "Newest", "Oldest"];
     for order in orders {
@@ -343,8 +343,8 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
 #[tokio::test]
 async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns) = (&s.client, &s.ns);
-    standin::create_template(client, ns, "small-v2", &SIZE).await;
+    let (client, ns) = (s.client.clone(), s.ns.clone());
+    standin::create_template(&client, &ns, "small-v2", &SIZE).await;
     let created = s.group("roll", ("1", "3", 2), |_| {}).await;
     assert_eq!(
         created.data["spec"]["rollout"]["strategy"]["rollingUpdate"]["maxSurge"],
@@ -355,7 +355,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     let old = s.machines("roll", 2).await;
 
     s.standin.hold("small-v2");
-    api(client, ns, "v1beta2", "MachineDeployment")
+    api(&client, &ns, "v1beta2", "MachineDeployment")
         .patch(
             "roll",
             &PatchParams::default(),
@@ -507,7 +507,7 @@ async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Op
 #[tokio::test]
 async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     let s = RealCapiNamespace::new(&SIZE).await;
-    let (client, ns) = (&s.client, &s.ns);
+    let (client, ns) = (s.client.clone(), s.ns.clone());
     s.group("drain", ("1", "3", 2), |_| {}).await;
     let machines = s.machines("drain", 2).await;
     // The Node CAPI's own order would keep (Random: ties by name, first goes) is the one to drain.
