@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use capi_autoscaler_provider::proto::{
     ExternalGrpcNode, NodeGroupDeleteNodesRequest, NodeGroupIncreaseSizeRequest,
 };
-use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::json;
 use support::capi::{
@@ -34,13 +34,11 @@ use support::capi::{
     socket_addr_of,
 };
 use support::faults::{
-    ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, bound_violations, etcd_versions,
-    our_mark_time, provider_metric,
+    ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, our_mark_time, provider_metric,
 };
 use support::procs::{self, announce};
-use support::real_capi_scenario::{CLUSTER, RealCapiScenario};
-use support::standin;
-use support::{CAPI_GROUP, Check, ProviderProcess, poll_until, start_provider};
+use support::real_capi_scenario::RealCapiScenario;
+use support::{Check, ProviderProcess, poll_until, start_provider};
 use tonic::{Code, Status};
 
 /// One fault test at a time: they stall, kill and stop processes of this binary's control plane.
@@ -1122,23 +1120,14 @@ async fn apiserver_killed_and_stopped_during_scale_operations_keeps_bounds_and_m
     let etcd = apiserver.etcd_url();
     let mut versions = 0;
     for group in GROUPS {
-        let all = etcd_versions(
-            &etcd,
-            CAPI_GROUP,
-            "machinedeployments",
-            &capi.ns,
-            group,
-            &capi.min_key(),
-            &capi.max_key(),
-        )
-        .await
-        .unwrap_or_else(|e| s.fail(&format!("{group}'s versions from etcd: {e}")));
-        let violations = bound_violations(&all);
+        let (stored, violations) = s
+            .stored_bound_violations(&etcd, "machinedeployments", group)
+            .await;
         s.check(
             violations.is_empty(),
             &format!("invariant 2 for {group}:\n{}", violations.join("\n")),
         );
-        versions += all.len();
+        versions += stored;
     }
     check_no_unmarked_deletion(&s);
     let marked_deletions = s.deletions.marked().len();
@@ -1606,28 +1595,8 @@ async fn bounds_lowered_during_increase_size_are_those_of_the_version_written_ov
 /// until CAPI lists the stand-in's `replicas` instances in its `spec.providerIDList`, and returns
 /// them.
 async fn machine_pool(s: &RealCapiScenario, min: i64, max: i64, replicas: i64) -> Vec<String> {
-    let ar = standin::resource(standin::MACHINE_POOL_KIND);
-    let pools = kube::Api::<DynamicObject>::namespaced_with(s.client.clone(), &s.ns, &ar);
-    let infra = DynamicObject::new("pool", &ar).data(json!({"spec": {}}));
-    if let Err(e) = pools.create(&PostParams::default(), &infra).await {
-        s.fail(&format!("create {} pool: {e}", standin::MACHINE_POOL_KIND));
-    }
-    let mut mp = s.md("pool", "unused", min, max, replicas);
-    mp["kind"] = json!("MachinePool");
-    mp["spec"] = json!({
-        "clusterName": CLUSTER,
-        "replicas": replicas,
-        "template": {"spec": {
-            "clusterName": CLUSTER,
-            "version": standin::KUBERNETES_VERSION,
-            "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
-            "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, "pool"),
-        }},
-    });
-    let api = s.capi.api(Kind::MachinePool);
-    if let Err(e) = support::real_capi::create(&api, &mp).await {
-        s.fail(&format!("create MachinePool pool: {e}"));
-    }
+    s.create_pool(&s.mp("pool", min, max, replicas), json!({}))
+        .await;
     wait_pool_listing(s, usize::try_from(replicas).unwrap_or(0)).await
 }
 

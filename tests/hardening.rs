@@ -16,6 +16,7 @@
 
 pub mod support;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use capi_autoscaler_provider::proto::{NodeGroupForNodeRequest, PricingPodPriceRequest};
@@ -26,9 +27,9 @@ use prost::Message;
 use prost::bytes::Bytes;
 use rand::{Rng as _, SeedableRng as _};
 use support::capi::{
-    CLOUD_PROVIDER_SERVICE, Capi, Kind, Rpc, SHIPPED_ROLE, Scalable, TcpProxy, apply_cluster_role,
-    apply_shipped_cluster_role, expect_code, fresh_capi, grpc_node, ids, kubeconfig_with_server,
-    socket_addr_of, start_provider_with_env,
+    CLOUD_PROVIDER_SERVICE, Capi, EnvProvider, Kind, Rpc, SHIPPED_ROLE, Scalable, TcpProxy,
+    apply_cluster_role, apply_shipped_cluster_role, expect_code, fresh_capi, grpc_node, ids,
+    kubeconfig_with_server, socket_addr_of, start_provider_with_env,
 };
 use support::hardening::{
     TlsDir, TlsSet, empty_elements, expect_one_of, http_get, len_field, metric, node_groups_on,
@@ -443,15 +444,15 @@ async fn tls_files_rotated_to_a_new_ca_are_picked_up_without_a_restart() {
     assert!(id.starts_with("MachineDeployment/"));
 }
 
-#[tokio::test]
-async fn a_revoked_watch_makes_the_provider_not_serving_with_the_reason_and_writes_unavailable() {
-    let (cp, capi) = capi().await;
-    let id = priced_group(&capi, "md").await;
-    let admin = cp.admin_client().await;
-    apply_shipped_cluster_role(&admin).await;
-    let (_, kubeconfig) = cp.restricted_identity(SHIPPED_ROLE).await;
+/// The provider on namespace `capi.ns` through `kubeconfig`, its watches re-established every 2 s
+/// and stale after `stale_after`, and a client of it once it serves group `id`.
+async fn quick_watch_provider(
+    capi: &Capi,
+    kubeconfig: &Path,
+    stale_after: &str,
+    id: &str,
+) -> (EnvProvider, Rpc) {
     let discovery = discovery(&capi.ns);
-    // Watches re-established every 2 s: a revoked permission shows within that.
     let provider = start_provider_with_env(
         &[
             "--node-group-auto-discovery",
@@ -459,14 +460,26 @@ async fn a_revoked_watch_makes_the_provider_not_serving_with_the_reason_and_writ
             "--watch-timeout",
             "2s",
             "--watch-stale-after",
-            "10s",
+            stale_after,
         ],
-        &kubeconfig,
+        kubeconfig,
         &[],
     )
     .await;
     let mut rpc = Rpc::connect(&provider).await;
-    rpc.wait_ids(&capi.ns, &ids(&[&id])).await;
+    rpc.wait_ids(&capi.ns, &ids(&[id])).await;
+    (provider, rpc)
+}
+
+#[tokio::test]
+async fn a_revoked_watch_makes_the_provider_not_serving_with_the_reason_and_writes_unavailable() {
+    let (cp, capi) = capi().await;
+    let id = priced_group(&capi, "md").await;
+    let admin = cp.admin_client().await;
+    apply_shipped_cluster_role(&admin).await;
+    let (_, kubeconfig) = cp.restricted_identity(SHIPPED_ROLE).await;
+    // Watches re-established every 2 s: a revoked permission shows within that.
+    let (provider, mut rpc) = quick_watch_provider(&capi, &kubeconfig, "10s", &id).await;
     rpc.increase(&id, 1)
         .await
         .expect("IncreaseSize while in sync");
@@ -654,22 +667,7 @@ async fn an_api_gone_longer_than_the_stale_bound_makes_the_provider_not_serving(
         &cp.server,
         &format!("https://{proxy_addr}"),
     );
-    let discovery = discovery(&capi.ns);
-    let provider = start_provider_with_env(
-        &[
-            "--node-group-auto-discovery",
-            &discovery,
-            "--watch-timeout",
-            "2s",
-            "--watch-stale-after",
-            "5s",
-        ],
-        &kubeconfig,
-        &[],
-    )
-    .await;
-    let mut rpc = Rpc::connect(&provider).await;
-    rpc.wait_ids(&capi.ns, &ids(&[&id])).await;
+    let (provider, mut rpc) = quick_watch_provider(&capi, &kubeconfig, "5s", &id).await;
 
     let gone = Instant::now();
     proxy.stop().await;

@@ -945,7 +945,6 @@ async fn a_key_mounted_0400_without_fs_group_is_unreadable_for_the_provider() {
     require_root();
     let _serial = SERIAL.lock().await;
     let cp = support::control_plane(Setup::shipped());
-    let admin = cp.admin_client().await;
     let mut objects = render::kustomize("deploy/overlays/standalone");
     // Named, so that what stops the provider is its key.
     render::name_cluster(&mut objects, "old-standalone");
@@ -963,30 +962,8 @@ async fn a_key_mounted_0400_without_fs_group_is_unreadable_for_the_provider() {
             }
         }
     }
-    support::crds::install(
-        &admin,
-        &[render::repo("tests/fixtures/cert-manager-crds.yaml")],
-    )
-    .await
-    .expect("install the cert-manager stand-in CRDs");
-    let applied = Applied::apply(cp, "old-standalone", &objects);
-    let certificates: Vec<Value> = objects
-        .iter()
-        .filter(|o| o["kind"] == "Certificate" || o["kind"] == "Issuer")
-        .cloned()
-        .collect();
-    support::cert_manager::issue(&admin, "kube-system", &certificates).await;
-    let kubelet = Kubelet {
-        client: admin.clone(),
-        server: cp.server.clone(),
-        ca_pem: std::fs::read_to_string(cp.dir.join("ca.crt")).expect("the control plane's CA"),
-        ports: PortMap::fresh(&PORTS),
-        hosts: service_names(&objects),
-    };
-    let spec = stored_pod_spec(&admin, "kube-system", "capi-autoscaler-provider").await;
-    let mut pod = kubelet
-        .start_pod("kube-system", "old-provider-e2e", &spec)
-        .await;
+    let (applied, mut pod) =
+        standalone_provider_pod(cp, "old-standalone", &objects, "old-provider-e2e").await;
     let provider = &mut pod.containers[0];
     let exited = provider.wait_exit(Duration::from_secs(30)).await;
     let log = provider.log_tail();
@@ -1005,22 +982,23 @@ async fn a_key_mounted_0400_without_fs_group_is_unreadable_for_the_provider() {
     drop(applied);
 }
 
-/// The overlays as shipped, the Cluster not named: the provider, run as the pod runs it, stops at start
-/// with an error that says what to set (and CA would never get a provider serving every Cluster).
-#[tokio::test]
-async fn the_placeholder_left_in_the_overlay_stops_the_provider_saying_what_to_set() {
-    require_root();
-    let _serial = SERIAL.lock().await;
-    let cp = support::control_plane(Setup::shipped());
+/// Applies the standalone overlay's `objects` as release `release` (with the cert-manager stand-in
+/// CRDs and the certificates cert-manager would issue) and runs the provider's pod from its stored
+/// Deployment as `pod_name`: what a start of the shipped standalone provider does.
+async fn standalone_provider_pod(
+    cp: &'static ControlPlane,
+    release: &str,
+    objects: &[Value],
+    pod_name: &str,
+) -> (Applied, RunningPod) {
     let admin = cp.admin_client().await;
-    let objects = render::kustomize("deploy/overlays/standalone");
     support::crds::install(
         &admin,
         &[render::repo("tests/fixtures/cert-manager-crds.yaml")],
     )
     .await
     .expect("install the cert-manager stand-in CRDs");
-    let applied = Applied::apply(cp, "placeholder-standalone", &objects);
+    let applied = Applied::apply(cp, release, objects);
     let certificates: Vec<Value> = objects
         .iter()
         .filter(|o| o["kind"] == "Certificate" || o["kind"] == "Issuer")
@@ -1032,12 +1010,28 @@ async fn the_placeholder_left_in_the_overlay_stops_the_provider_saying_what_to_s
         server: cp.server.clone(),
         ca_pem: std::fs::read_to_string(cp.dir.join("ca.crt")).expect("the control plane's CA"),
         ports: PortMap::fresh(&PORTS),
-        hosts: service_names(&objects),
+        hosts: service_names(objects),
     };
     let spec = stored_pod_spec(&admin, "kube-system", "capi-autoscaler-provider").await;
-    let mut pod = kubelet
-        .start_pod("kube-system", "placeholder-provider-e2e", &spec)
-        .await;
+    let pod = kubelet.start_pod("kube-system", pod_name, &spec).await;
+    (applied, pod)
+}
+
+/// The overlays as shipped, the Cluster not named: the provider, run as the pod runs it, stops at start
+/// with an error that says what to set (and CA would never get a provider serving every Cluster).
+#[tokio::test]
+async fn the_placeholder_left_in_the_overlay_stops_the_provider_saying_what_to_set() {
+    require_root();
+    let _serial = SERIAL.lock().await;
+    let cp = support::control_plane(Setup::shipped());
+    let objects = render::kustomize("deploy/overlays/standalone");
+    let (applied, mut pod) = standalone_provider_pod(
+        cp,
+        "placeholder-standalone",
+        &objects,
+        "placeholder-provider-e2e",
+    )
+    .await;
     let provider = &mut pod.containers[0];
     let exited = provider.wait_exit(Duration::from_secs(30)).await;
     let log = provider.log_tail();

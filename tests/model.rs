@@ -57,18 +57,14 @@ use capi_autoscaler_provider::proto::{
     ExternalGrpcNode, NodeGroupDecreaseTargetSizeRequest, NodeGroupDeleteNodesRequest,
     NodeGroupIncreaseSizeRequest, NodeGroupNodesRequest,
 };
-use kube::Api;
-use kube::api::{DynamicObject, PostParams};
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::json;
 use support::capi::{Capi, Kind, Rpc, grpc_node};
-use support::faults::{GroupView, History, bound_violations, etcd_versions};
+use support::faults::{GroupView, History};
 use support::procs::announce;
-use support::real_capi::create;
-use support::real_capi_scenario::{CLUSTER, Deletion, MachineDeletions, RealCapiScenario};
-use support::standin;
-use support::{CAPI_GROUP, Check, poll_until};
+use support::real_capi_scenario::{Deletion, MachineDeletions, RealCapiScenario};
+use support::{Check, poll_until};
 use tonic::Code;
 
 const DEFAULT_SEED: u64 = 0x2026_1123_c0ff_ee01;
@@ -778,32 +774,8 @@ const TEMPLATE: &str = "small";
 /// MachinePool `name` of [`CLUSTER`] on a stand-in machine pool of the same name, with autoscaler
 /// bounds and `replicas`.
 async fn create_pool(s: &RealCapiScenario, name: &str, bounds: (i64, i64), replicas: i64) {
-    let ar = standin::resource(standin::MACHINE_POOL_KIND);
-    let infra = DynamicObject::new(name, &ar).data(json!({"spec": {}}));
-    if let Err(e) = Api::<DynamicObject>::namespaced_with(s.client.clone(), &s.ns, &ar)
-        .create(&PostParams::default(), &infra)
-        .await
-    {
-        s.fail(&format!(
-            "create {} {name}: {e}",
-            standin::MACHINE_POOL_KIND
-        ));
-    }
-    let mut mp = s.md(name, TEMPLATE, bounds.0, bounds.1, replicas);
-    mp["kind"] = json!("MachinePool");
-    mp["spec"] = json!({
-        "clusterName": CLUSTER,
-        "replicas": replicas,
-        "template": {"spec": {
-            "clusterName": CLUSTER,
-            "version": standin::KUBERNETES_VERSION,
-            "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
-            "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, name),
-        }},
-    });
-    if let Err(e) = create(&s.capi.api(Kind::MachinePool), &mp).await {
-        s.fail(&format!("create MachinePool {name}: {e}"));
-    }
+    s.create_pool(&s.mp(name, bounds.0, bounds.1, replicas), json!({}))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -990,18 +962,7 @@ async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
     let etcd = support::faults::ApiServer::of(s.cp).etcd_url();
     let mut stored = 0;
     for (kind, name) in groups.clone() {
-        let versions = etcd_versions(
-            &etcd,
-            CAPI_GROUP,
-            kind.plural(),
-            &capi.ns,
-            &name,
-            &capi.min_key(),
-            &capi.max_key(),
-        )
-        .await
-        .unwrap_or_else(|e| s.fail(&format!("{name}'s versions from etcd: {e}")));
-        let violations = bound_violations(&versions);
+        let (versions, violations) = s.stored_bound_violations(&etcd, kind.plural(), &name).await;
         s.check(
             violations.is_empty(),
             &format!(
@@ -1009,7 +970,7 @@ async fn random_scale_operations_keep_the_model_and_invariants_2_and_3() {
                 violations.join("\n")
             ),
         );
-        stored += versions.len();
+        stored += versions;
     }
 
     // Invariant 3 over the whole run: every Machine CAPI deleted without our mark is paid by a

@@ -13,25 +13,11 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
-use support::capi::{Rpc, grpc_node};
-use support::capi_manager::{CapiManager, capi_manager};
+use support::capi::grpc_node;
+use support::capi_manager::CapiManager;
 use support::procs::{self, Check, poll_until};
-use support::real_capi::{
-    MACHINES, api, create, machine_deployment, machines_of, machines_with_nodes, replicas,
-};
-use support::standin::{self, StandIn};
-use support::start_provider;
-
-/// The Machines of `md` that carry delete-machine.
-async fn marked(client: &Client, ns: &str, md: &str) -> BTreeSet<String> {
-    machines_of(client, ns, md)
-        .await
-        .unwrap_or_else(|e| panic!("list the Machines of {md}: {e}"))
-        .into_iter()
-        .filter(|(_, marked)| *marked)
-        .map(|(name, _)| name)
-        .collect()
-}
+use support::real_capi::{MACHINES, api, machines_with_nodes};
+use support::real_capi_namespace::RealCapiNamespace;
 
 async fn restart(manager: &CapiManager) -> Duration {
     manager
@@ -84,64 +70,21 @@ async fn pinned_pod(client: &Client, ns: &str, node: &str) {
 /// its Node and its pod go, the other Machine is never touched, nothing is left marked.
 #[tokio::test]
 async fn a_scale_down_survives_the_capi_manager_killed_before_and_during_it() {
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    standin::create_template(&client, &ns, "small", &[]).await;
-    let mut md = machine_deployment("group", "workload", "small", "1", "3");
-    md["spec"]["replicas"] = json!(2);
-    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/group: {e}"));
-    let machines = poll_until(
-        "two Machines of group with Nodes",
-        MACHINES,
-        Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "group", 2),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let s = RealCapiNamespace::new(&[]).await;
+    let manager = s.manager;
+    let ns = &s.ns;
+    s.plain_group("group", ("1", "3", 2)).await;
+    let machines = s.machines("group", 2).await;
     // CAPI's own order (Random, ties by name) would take the first: remove the other.
     let kept = machines.first().expect("two Machines").clone();
     let victim = machines.last().expect("two Machines").clone();
-    let machine_api = api(&client, &ns, "v1beta2", "Machine");
-    let victim_object = machine_api
-        .get(&victim)
-        .await
-        .unwrap_or_else(|e| panic!("get Machine {victim}: {e}"));
-    let victim_node = victim_object.data["status"]["nodeRef"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let victim_id = victim_object.data["spec"]["providerID"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    pinned_pod(&client, &ns, &victim_node).await;
+    let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
+    let (victim_id, victim_node) = s.provider_id_and_node(&victim).await;
+    pinned_pod(&s.client, &s.ns, &victim_node).await;
 
-    let provider = start_provider(
-        &[
-            "--node-group-auto-discovery",
-            &format!("clusterapi:namespace={ns}"),
-        ],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut rpc = Rpc::connect(&provider).await;
-    let ids = rpc.ids_in(&ns).await;
-    let id = ids.first().expect("the group is served").clone();
-    let fail = |message: String| -> ! {
-        panic!(
-            "{message}\nstand-in actions: {:?}\n--- provider log ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.actions(),
-            procs::log_tail(&provider.log, 4000),
-            manager.log_tail()
-        )
-    };
+    let provider = s.provider().await;
+    let (mut rpc, id) = s.served_group(&provider).await;
+    let fail = |message: String| -> ! { s.fail(message, &provider, None) };
 
     // Killed before the scale-down: the mark is refused by CAPI's unreachable webhook.
     manager.kill();
@@ -152,11 +95,11 @@ async fn a_scale_down_survives_the_capi_manager_killed_before_and_during_it() {
         Ok(()) => fail("DeleteNodes succeeded while CAPI's webhooks were down".into()),
         Err(status) => status,
     };
-    let marks = marked(&client, &ns, "group").await;
-    if !marks.is_empty() || replicas(&client, &ns, "group").await != Ok(2) {
+    let marks = s.marked("group").await;
+    if !marks.is_empty() || s.replicas("group").await != Ok(2) {
         fail(format!(
             "after the refused DeleteNodes: marked {marks:?}, replicas {:?}; want none and 2",
-            replicas(&client, &ns, "group").await
+            s.replicas("group").await
         ));
     }
     let first_restart = restart(manager).await;
@@ -165,8 +108,8 @@ async fn a_scale_down_survives_the_capi_manager_killed_before_and_during_it() {
         .await
         .unwrap_or_else(|e| fail(format!("DeleteNodes after the restart: {e}")));
     let t_down = Instant::now();
-    let marks = marked(&client, &ns, "group").await;
-    if marks != BTreeSet::from([victim.clone()]) || replicas(&client, &ns, "group").await != Ok(1) {
+    let marks = s.marked("group").await;
+    if marks != BTreeSet::from([victim.clone()]) || s.replicas("group").await != Ok(1) {
         fail(format!(
             "after DeleteNodes: marked {marks:?}, want only {victim}; replicas 1"
         ));
@@ -199,12 +142,12 @@ async fn a_scale_down_survives_the_capi_manager_killed_before_and_during_it() {
     .await
     .unwrap_or_else(|e| fail(e));
     manager.kill();
-    let nodes: Api<Node> = Api::all(client.clone());
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let nodes: Api<Node> = Api::all(s.client.clone());
+    let pods: Api<Pod> = Api::namespaced(s.client.clone(), &s.ns);
     if !matches!(pods.get_opt("pinned").await, Ok(Some(_))) {
         fail("the pinned pod went although its budget refuses eviction".into());
     }
-    Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
+    Api::<PodDisruptionBudget>::namespaced(s.client.clone(), &s.ns)
         .delete("pinned", &DeleteParams::default())
         .await
         .unwrap_or_else(|e| fail(format!("delete PodDisruptionBudget {ns}/pinned: {e}")));
@@ -235,17 +178,15 @@ async fn a_scale_down_survives_the_capi_manager_killed_before_and_during_it() {
         "the other Machine with its Node",
         MACHINES,
         Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "group", 1),
+        || machines_with_nodes(&s.client, &s.ns, "group", 1),
     )
     .await
     .unwrap_or_else(|e| fail(e));
     assert_eq!(left, BTreeSet::from([kept.clone()]), "only {victim} went");
-    assert!(
-        marked(&client, &ns, "group").await.is_empty(),
-        "nothing left marked"
-    );
-    assert_eq!(replicas(&client, &ns, "group").await, Ok(1));
-    let finished = standin
+    assert!(s.marked("group").await.is_empty(), "nothing left marked");
+    assert_eq!(s.replicas("group").await, Ok(1));
+    let finished = s
+        .standin
         .actions()
         .iter()
         .any(|(_, a)| a == &format!("pod {ns}/pinned finished"));
@@ -253,13 +194,13 @@ async fn a_scale_down_survives_the_capi_manager_killed_before_and_during_it() {
         finished,
         "the evicted pod (grace period 30 s) was finished by the stand-in kubelet"
     );
-    let errors = standin.errors();
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-manager-killed passed in {:.1}s: DeleteNodes with the manager dead \
          refused ({:?}: {}), nothing written; restarts healthy in {:.1}s and {:.1}s; DeleteNodes -> \
          Machine, Node and pod gone {:.1}s (the manager killed while CAPI drained the Node)",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         status.code(),
         status.message(),
         first_restart.as_secs_f64(),

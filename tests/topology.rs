@@ -113,21 +113,10 @@ async fn sidecar_takeover(name: &str, in_flight_write: InFlight) {
     };
 
     // The leader's scale-down: the moment its provider has marked a Machine, the leader goes.
-    let capi = &s.capi;
-    let marked = poll_until(
-        "the leader's provider marks a Machine",
-        DOWN,
-        Duration::from_millis(20),
-        || async move {
-            let marked = capi.marked_machines().await;
-            if marked.is_empty() {
-                Check::Wait("no mark yet".into())
-            } else {
-                Check::Done(marked)
-            }
-        },
-    )
-    .await;
+    let marked = s
+        .capi
+        .wait_marked("the leader's provider marks a Machine", DOWN)
+        .await;
     let marked = marked.unwrap_or_else(|e| fail(&s, &[&first, &second], &e));
     let standby_loops = main_activity(&second.ca).await;
     let standby_writes = writes(&second.provider).await;
@@ -283,21 +272,10 @@ async fn standalone_replicas_rolled_during_scale_operations_lose_nothing() {
     s.start_ca(ca).await;
 
     // CA starts removing the empty nodes; the pods that only md-up fits come at the same time.
-    let capi = &s.capi;
-    let marked = poll_until(
-        "the first mark of the scale-down",
-        DOWN,
-        Duration::from_millis(20),
-        || async move {
-            let marked = capi.marked_machines().await;
-            if marked.is_empty() {
-                Check::Wait("no mark yet".into())
-            } else {
-                Check::Done(marked)
-            }
-        },
-    )
-    .await;
+    let marked = s
+        .capi
+        .wait_marked("the first mark of the scale-down", DOWN)
+        .await;
     if let Err(e) = marked {
         fail_with(&s, &old, &[], &e);
     }

@@ -26,10 +26,8 @@ use support::capi::{
     expect_code, growth, grpc_node, kubeconfig_with_server, label_of, request_counts,
     socket_addr_of,
 };
-use support::capi::{fresh_capi, ids, provider_for_namespace};
-use support::{
-    CAPI_GROUP, Check, ControlPlane, ProviderProcess, Setup, poll_until, start_provider,
-};
+use support::capi::{Env, ids, provider_for_namespace};
+use support::{CAPI_GROUP, Check, ProviderProcess, Setup, poll_until, start_provider};
 use tokio::sync::RwLock;
 use tonic::Code;
 
@@ -39,14 +37,8 @@ const VERSION: &str = "v1beta2";
 /// Shared by every test; taken exclusively by the one that counts apiserver requests.
 pub(crate) static API_QUIET: RwLock<()> = RwLock::const_new(());
 
-struct Env {
-    cp: &'static ControlPlane,
-    capi: Capi,
-}
-
 async fn env() -> Env {
-    let (cp, capi) = fresh_capi(SETUP, VERSION).await;
-    Env { cp, capi }
+    Env::fresh(SETUP, VERSION).await
 }
 
 fn only_namespace(ns: &str) -> String {

@@ -18,13 +18,13 @@ use capi_autoscaler_provider::proto::{
     NodeGroupAutoscalingOptionsRequest,
 };
 use serde_json::json;
-use support::capi::{Capi, INFRA_GROUP, Kind, Rpc, Scalable, expect_code};
-use support::capi::{fresh_capi, provider_for_namespace};
+use support::capi::{Env, provider_for_namespace};
+use support::capi::{INFRA_GROUP, Kind, Rpc, Scalable, expect_code};
 use support::infra::{
     self, TemplateAnswer, create_node_from_proto, create_node_from_yaml, run_cli, stored_capacity,
     template_node, template_status, wait_log_line, wait_problem_event, wait_template,
 };
-use support::{CAPI_GROUP, ControlPlane, ProviderProcess, Setup, start_provider};
+use support::{CAPI_GROUP, ProviderProcess, Setup, start_provider};
 use tonic::Code;
 
 const SETUP: Setup = Setup::shipped();
@@ -41,14 +41,8 @@ const TAINTS: &str = "capacity.cluster-autoscaler.kubernetes.io/taints";
 const GPU_LABEL: &str = "cluster-api/accelerator";
 const NODE_GROUP_ANNOTATION: &str = "capi-autoscaler-provider/node-group";
 
-struct Env {
-    cp: &'static ControlPlane,
-    capi: Capi,
-}
-
 async fn env() -> Env {
-    let (cp, capi) = fresh_capi(SETUP, VERSION).await;
-    Env { cp, capi }
+    Env::fresh(SETUP, VERSION).await
 }
 
 /// A provider (admin identity) that only looks at the test's namespace, and a client for it.

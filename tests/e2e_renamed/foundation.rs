@@ -7,43 +7,24 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule};
 use kube::Api;
 use kube::api::{DynamicObject, ListParams, ObjectMeta, PostParams};
 use serde_json::json;
-use support::{CAPI_GROUP, Setup, capi_resource};
+use support::capi::e2e_machine_deployment;
+use support::{CAPI_GROUP, Setup, capi_resource, machine_deployments};
 use tonic_health::pb::health_check_response::ServingStatus;
 
 const SETUP: Setup = Setup::shipped().with_renamed_group();
 
 /// A v1beta2 MachineDeployment with every field the v1beta2 schema requires.
 fn machine_deployment_v1beta2(name: &str) -> serde_json::Value {
-    let labels = json!({
-        "cluster.x-k8s.io/cluster-name": "e2e",
-        "cluster.x-k8s.io/deployment-name": name,
-    });
-    json!({
-        "metadata": {
+    e2e_machine_deployment(
+        name,
+        ("0", "3"),
+        1,
+        json!({
+            "apiGroup": "infrastructure.cluster.x-k8s.io",
+            "kind": "E2EMachineTemplate",
             "name": name,
-            "annotations": {
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": "0",
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": "3",
-            },
-        },
-        "spec": {
-            "clusterName": "e2e",
-            "replicas": 1,
-            "selector": { "matchLabels": labels },
-            "template": {
-                "metadata": { "labels": labels },
-                "spec": {
-                    "clusterName": "e2e",
-                    "bootstrap": { "dataSecretName": format!("{name}-bootstrap") },
-                    "infrastructureRef": {
-                        "apiGroup": "infrastructure.cluster.x-k8s.io",
-                        "kind": "E2EMachineTemplate",
-                        "name": name,
-                    },
-                },
-            },
-        },
-    })
+        }),
+    )
 }
 
 async fn create_md(
@@ -87,13 +68,7 @@ async fn v1beta2_machine_deployment_round_trip() {
     let cp = support::control_plane(SETUP);
     let client = cp.admin_client().await;
     let ns = cp.fresh_namespace().await;
-    let ar = capi_resource(
-        CAPI_GROUP,
-        "v1beta2",
-        "MachineDeployment",
-        "machinedeployments",
-    );
-    let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &ar);
+    let (api, ar) = machine_deployments(client, &ns, CAPI_GROUP, "v1beta2");
 
     let created = create_md(&api, &ar, "md-a").await;
     assert_md_round_trip(&created, "cluster.x-k8s.io/v1beta2", "md-a");
@@ -110,13 +85,7 @@ async fn v1beta2_machine_deployment_round_trip() {
 async fn v1beta2_schema_rejects_a_machine_deployment_without_required_fields() {
     let cp = support::control_plane(SETUP);
     let ns = cp.fresh_namespace().await;
-    let ar = capi_resource(
-        CAPI_GROUP,
-        "v1beta2",
-        "MachineDeployment",
-        "machinedeployments",
-    );
-    let api: Api<DynamicObject> = Api::namespaced_with(cp.admin_client().await, &ns, &ar);
+    let (api, ar) = machine_deployments(cp.admin_client().await, &ns, CAPI_GROUP, "v1beta2");
     let mut body = machine_deployment_v1beta2("md-bad");
     body["spec"]["template"]["spec"]["infrastructureRef"]
         .as_object_mut()
@@ -141,25 +110,13 @@ async fn machine_deployment_in_the_renamed_group() {
     assert_eq!(cp.renamed_group, "cluster.example.dev");
     let ns = cp.fresh_namespace().await;
     let client = cp.admin_client().await;
-    let renamed = capi_resource(
-        &cp.renamed_group,
-        "v1beta2",
-        "MachineDeployment",
-        "machinedeployments",
-    );
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &renamed);
+    let (api, renamed) = machine_deployments(client.clone(), &ns, &cp.renamed_group, "v1beta2");
     create_md(&api, &renamed, "md-renamed").await;
     let read = api.get("md-renamed").await.expect("read back");
     assert_md_round_trip(&read, "cluster.example.dev/v1beta2", "md-renamed");
 
     // The two groups are separate resources: nothing of it under cluster.x-k8s.io.
-    let upstream = capi_resource(
-        CAPI_GROUP,
-        "v1beta2",
-        "MachineDeployment",
-        "machinedeployments",
-    );
-    let upstream_api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &upstream);
+    let (upstream_api, _) = machine_deployments(client, &ns, CAPI_GROUP, "v1beta2");
     assert!(
         upstream_api
             .list(&ListParams::default())

@@ -6,41 +6,22 @@ use crate::support;
 use kube::Api;
 use kube::api::{DynamicObject, ListParams, PostParams};
 use serde_json::json;
-use support::{CAPI_GROUP, Setup, capi_resource};
+use support::capi::e2e_machine_deployment;
+use support::{CAPI_GROUP, Setup, capi_resource, machine_deployments};
 
 const SETUP: Setup = Setup::v1beta1();
 
 fn machine_deployment_v1beta1(name: &str) -> serde_json::Value {
-    let labels = json!({
-        "cluster.x-k8s.io/cluster-name": "e2e",
-        "cluster.x-k8s.io/deployment-name": name,
-    });
-    json!({
-        "metadata": {
+    e2e_machine_deployment(
+        name,
+        ("1", "5"),
+        2,
+        json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+            "kind": "E2EMachineTemplate",
             "name": name,
-            "annotations": {
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": "1",
-                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": "5",
-            },
-        },
-        "spec": {
-            "clusterName": "e2e",
-            "replicas": 2,
-            "selector": { "matchLabels": labels },
-            "template": {
-                "metadata": { "labels": labels },
-                "spec": {
-                    "clusterName": "e2e",
-                    "bootstrap": { "dataSecretName": format!("{name}-bootstrap") },
-                    "infrastructureRef": {
-                        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-                        "kind": "E2EMachineTemplate",
-                        "name": name,
-                    },
-                },
-            },
-        },
-    })
+        }),
+    )
 }
 
 #[tokio::test]
@@ -48,13 +29,7 @@ async fn v1beta1_machine_deployment_round_trip() {
     let cp = support::control_plane(SETUP);
     let ns = cp.fresh_namespace().await;
     let client = cp.admin_client().await;
-    let ar = capi_resource(
-        CAPI_GROUP,
-        "v1beta1",
-        "MachineDeployment",
-        "machinedeployments",
-    );
-    let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &ar);
+    let (api, ar) = machine_deployments(client, &ns, CAPI_GROUP, "v1beta1");
     let object = DynamicObject::new("md-v1", &ar).data(machine_deployment_v1beta1("md-v1"));
     api.create(&PostParams::default(), &object)
         .await
@@ -82,13 +57,7 @@ async fn v1beta1_machine_deployment_round_trip() {
 async fn v1beta2_is_not_served_on_the_v1beta1_set() {
     let cp = support::control_plane(SETUP);
     let ns = cp.fresh_namespace().await;
-    let ar = capi_resource(
-        CAPI_GROUP,
-        "v1beta2",
-        "MachineDeployment",
-        "machinedeployments",
-    );
-    let api: Api<DynamicObject> = Api::namespaced_with(cp.admin_client().await, &ns, &ar);
+    let (api, _) = machine_deployments(cp.admin_client().await, &ns, CAPI_GROUP, "v1beta2");
     match api.list(&ListParams::default()).await {
         Err(kube::Error::Api(status)) if status.code == 404 => {}
         other => panic!("expected 404 for v1beta2 on the v1beta1-only CRDs, got {other:?}"),

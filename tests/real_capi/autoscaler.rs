@@ -10,16 +10,15 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
-use support::autoscaler::Autoscaler;
+use support::autoscaler::AutoscalerProcess;
 use support::capi::Rpc;
-use support::capi_manager::capi_manager;
 use support::procs::{self, Check, poll_until};
 use support::real_capi::{
     CAPACITY, DEPLOYMENT_NAME, MACHINES, api, create, machine_deployment, machines_of,
     machines_with_nodes, name_of, replicas,
 };
-use support::standin::{self, StandIn};
-use support::start_provider;
+use support::real_capi_namespace::{RealCapiNamespace, SIZE};
+use support::standin;
 use support::workload::{self, PodSpec, scenario_labels};
 
 /// The real cluster-autoscaler, through this provider, with the real CAPI manager: a pending pod
@@ -30,15 +29,8 @@ use support::workload::{self, PodSpec, scenario_labels};
 /// Machine and Node, replicas back to 0.
 #[tokio::test]
 async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_real_capi() {
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let (client, ns) = (s.client.clone(), s.ns.clone());
     // The size comes from the template's status (the scale-from-zero contract), read by the
     // provider through the stand-in's group; only the Node label is an annotation.
     let mut md = machine_deployment("pool", "workload", "small", "0", "3");
@@ -49,24 +41,10 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
         .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/pool: {e}"));
     assert_eq!(created.data["spec"]["replicas"], json!(0));
 
-    let discovery = format!("clusterapi:namespace={ns}");
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
-    let fail = |message: String, ca: &support::autoscaler::AutoscalerProcess| -> ! {
-        panic!(
-            "{message}\nstand-in actions: {:?}\nstand-in errors: {:?}\n--- provider log ---\n{}\n\
-             --- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.actions(),
-            standin.errors(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail(),
-            manager.log_tail()
-        )
-    };
+    let provider = s.provider().await;
+    let mut ca = s.start_ca(&provider).await;
+    let fail =
+        |message: String, ca: &AutoscalerProcess| -> ! { s.fail(message, &provider, Some(ca)) };
 
     let t_up = Instant::now();
     workload::create_pod(&client, &ns, &PodSpec::new("web", "1500m", "1Gi")).await;
@@ -130,15 +108,13 @@ async fn cluster_autoscaler_scales_a_group_up_from_zero_and_back_down_through_re
         fail(e, &ca);
     }
     let down = t_down.elapsed();
-    if let Err(e) = ca.check_alive() {
-        fail(e, &ca);
-    }
-    let errors = standin.errors();
+    s.check_ca_alive(&mut ca, &provider);
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-ca-up-and-down passed in {:.1}s: pod -> replicas 1 {:.1}s, pod -> \
          bound {:.1}s, pod deleted -> replicas 0 with Machine and Node gone {:.1}s",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         up.as_secs_f64(),
         bound.as_secs_f64(),
         down.as_secs_f64(),
@@ -232,15 +208,8 @@ async fn two_machines_a_second_apart(client: &Client, ns: &str, md: &str) -> Vec
 /// exactly that Machine and its Node in every group, whatever its own order would have taken.
 #[tokio::test]
 async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_order() {
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let (client, ns) = (s.client.clone(), s.ns.clone());
     let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
     let orders = ["Random", "Newest", "Oldest"];
     for order in orders {
@@ -260,7 +229,7 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
             .map(|name| two_machines_a_second_apart(&client, &ns, name)),
     )
     .await;
-    let set_up = started.elapsed();
+    let set_up = s.started.elapsed();
     for (order, name) in orders.iter().zip(&names) {
         let sets = api(&client, &ns, "v1beta2", "MachineSet")
             .list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={name}")))
@@ -301,13 +270,8 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
         workload::create_bound_pod(&client, &ns, &pod, &capi_pick).await;
     }
 
-    let discovery = format!("clusterapi:namespace={ns}");
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let provider = s.provider().await;
+    let mut ca = s.start_ca(&provider).await;
     let t_down = Instant::now();
     let machine_api = api(&client, &ns, "v1beta2", "Machine");
     let nodes: Api<Node> = Api::all(client.clone());
@@ -346,13 +310,10 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
     )
     .await;
     if let Err(e) = outcome {
-        panic!(
-            "{e}\nbusy {busy:?}, empty {empty:?}\nstand-in errors: {:?}\n--- provider log ---\n{}\n\
-             --- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.errors(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail(),
-            manager.log_tail()
+        s.fail(
+            format!("{e}\nbusy {busy:?}, empty {empty:?}"),
+            &provider,
+            Some(&ca),
         );
     }
     let down = t_down.elapsed();
@@ -360,16 +321,14 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
         let name = order.to_lowercase();
         assert_eq!(replicas(&client, &ns, &name).await, Ok(1), "{name} at 1");
     }
-    if let Err(e) = ca.check_alive() {
-        panic!("{e}");
-    }
-    let errors = standin.errors();
+    s.check_ca_alive(&mut ca, &provider);
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-deletion-orders passed in {:.1}s: 3 groups of 2 Nodes set up in \
          {:.1}s, CA start -> the 3 empty Machines and Nodes deleted by CAPI {:.1}s (busy kept: \
          {busy:?})",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         set_up.as_secs_f64(),
         down.as_secs_f64(),
     ));
@@ -383,48 +342,29 @@ async fn cluster_autoscaler_removes_the_node_it_chose_under_every_capi_deletion_
 /// Machine of the new MachineSet left.
 #[tokio::test]
 async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() {
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
-    standin::create_template(&client, &ns, "small-v2", &size).await;
-    let mut md = machine_deployment("roll", "workload", "small", "1", "3");
-    md["metadata"]["annotations"][format!("{CAPACITY}/labels")] = json!(scenario_labels(&ns, &[]));
-    md["spec"]["replicas"] = json!(2);
-    let mds = api(&client, &ns, "v1beta2", "MachineDeployment");
-    let created = create(&mds, &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/roll: {e}"));
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let (client, ns) = (s.client.clone(), s.ns.clone());
+    standin::create_template(&client, &ns, "small-v2", &SIZE).await;
+    let created = s.group("roll", ("1", "3", 2), |_| {}).await;
     assert_eq!(
         created.data["spec"]["rollout"]["strategy"]["rollingUpdate"]["maxSurge"],
         json!(1),
         "CAPI's webhook defaults maxSurge: {}",
         created.data["spec"]
     );
-    let old = poll_until(
-        "two Machines of roll with Nodes",
-        MACHINES,
-        Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "roll", 2),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let old = s.machines("roll", 2).await;
 
-    standin.hold("small-v2");
-    mds.patch(
-        "roll",
-        &PatchParams::default(),
-        &Patch::Merge(&json!({"spec": {"template": {"spec": {
-            "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2"),
-        }}}})),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("change the template of roll: {e}"));
+    s.standin.hold("small-v2");
+    api(&client, &ns, "v1beta2", "MachineDeployment")
+        .patch(
+            "roll",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"template": {"spec": {
+                "infrastructureRef": standin::reference(standin::TEMPLATE_KIND, "small-v2"),
+            }}}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("change the template of roll: {e}"));
     poll_until(
         "CAPI surges a third Machine for the rollout",
         MACHINES,
@@ -440,13 +380,8 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     .await
     .unwrap_or_else(|e| panic!("{e}"));
 
-    let discovery = format!("clusterapi:namespace={ns}");
-    let provider = start_provider(
-        &["--node-group-auto-discovery", &discovery],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let provider = s.provider().await;
+    let mut ca = s.start_ca(&provider).await;
     let t_paused = Instant::now();
     ca.wait_loops(8, Duration::from_secs(60)).await;
     let paused = t_paused.elapsed();
@@ -454,14 +389,8 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let nodes: Api<Node> = Api::all(client.clone());
-    let fail = |message: String, ca: &support::autoscaler::AutoscalerProcess| -> ! {
-        panic!(
-            "{message}\nstand-in actions: {:?}\n--- provider log ---\n{}\n--- CA log (tail) ---\n{}",
-            standin.actions(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail()
-        )
-    };
+    let fail =
+        |message: String, ca: &AutoscalerProcess| -> ! { s.fail(message, &provider, Some(ca)) };
     if machines.len() != 3 || machines.iter().any(|(_, marked)| *marked) {
         fail(
             format!("during the rollout: Machines {machines:?}, want 3, none marked"),
@@ -488,7 +417,7 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
     }
 
     let t_down = Instant::now();
-    standin.release("small-v2");
+    s.standin.release("small-v2");
     let left = poll_until(
         "the rollout done and roll scaled down to its minimum",
         Duration::from_secs(90),
@@ -516,15 +445,13 @@ async fn cluster_autoscaler_removes_nothing_while_real_capi_rolls_a_group_out() 
             &ca,
         );
     }
-    if let Err(e) = ca.check_alive() {
-        fail(e, &ca);
-    }
-    let errors = standin.errors();
+    s.check_ca_alive(&mut ca, &provider);
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-rollout passed in {:.1}s: 8 CA loops ({:.1}s) during the rollout \
          removed nothing; release -> rollout done and scaled down to 1 ({survivor}) {:.1}s",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         paused.as_secs_f64(),
         down.as_secs_f64(),
     ));
@@ -554,18 +481,7 @@ async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Op
                 .unwrap_or_else(|e| panic!("create ReplicaSet {ns}/movers: {e}"))
         }
     };
-    let mut spec = json!({
-        "terminationGracePeriodSeconds": 30,
-        "nodeSelector": {workload::SCENARIO_LABEL: ns},
-        "containers": [{
-            "name": "app",
-            "image": "registry.k8s.io/pause:3.10",
-            "resources": {"requests": {"cpu": cpu, "memory": "512Mi"}},
-        }],
-    });
-    if let Some(node) = node {
-        spec["nodeName"] = json!(node);
-    }
+    let spec = workload::graceful_spec(ns, cpu, node);
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {
             "name": name,
@@ -590,29 +506,10 @@ async fn graceful_pod(client: &Client, ns: &str, name: &str, cpu: &str, node: Op
 /// runs there.
 #[tokio::test]
 async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    let size = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-    standin::create_template(&client, &ns, "small", &size).await;
-    let mut md = machine_deployment("drain", "workload", "small", "1", "3");
-    md["metadata"]["annotations"][format!("{CAPACITY}/labels")] = json!(scenario_labels(&ns, &[]));
-    md["spec"]["replicas"] = json!(2);
-    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/drain: {e}"));
-    let machines = poll_until(
-        "two Machines of drain with Nodes",
-        MACHINES,
-        Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "drain", 2),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let s = RealCapiNamespace::new(&SIZE).await;
+    let (client, ns) = (s.client.clone(), s.ns.clone());
+    s.group("drain", ("1", "3", 2), |_| {}).await;
+    let machines = s.machines("drain", 2).await;
     // The Node CAPI's own order would keep (Random: ties by name, first goes) is the one to drain.
     let (kept, drained) = (
         machines.first().expect("two Machines").clone(),
@@ -622,15 +519,8 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     graceful_pod(&client, &ns, "stay", "1200m", Some(&kept)).await;
     graceful_pod(&client, &ns, "move", "500m", Some(&drained)).await;
 
-    let provider = start_provider(
-        &[
-            "--node-group-auto-discovery",
-            &format!("clusterapi:namespace={ns}"),
-        ],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut ca = Autoscaler::new(&ns, &provider.address).start(cp).await;
+    let provider = s.provider().await;
+    let mut ca = s.start_ca(&provider).await;
     let t_down = Instant::now();
     let machine_api = api(&client, &ns, "v1beta2", "Machine");
     let nodes: Api<Node> = Api::all(client.clone());
@@ -656,17 +546,11 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     )
     .await;
     if let Err(e) = removed {
-        panic!(
-            "{e}\nstand-in actions: {:?}\n--- provider log ---\n{}\n--- CA log (tail) ---\n{}\n\
-             --- CAPI manager log (tail) ---\n{}",
-            standin.actions(),
-            procs::log_tail(&provider.log, 4000),
-            ca.log_tail(),
-            manager.log_tail()
-        );
+        s.fail(e, &provider, Some(&ca));
     }
     let down = t_down.elapsed();
-    let finished = standin
+    let finished = s
+        .standin
         .actions()
         .iter()
         .any(|(_, a)| a == &format!("pod {ns}/move finished"));
@@ -695,15 +579,13 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
     graceful_pod(&client, &ns, "move-again", "500m", None).await;
     let placed = workload::wait_bound(&client, &ns, "move-again", Duration::from_secs(30)).await;
     assert_eq!(placed, kept, "the replacement runs on the kept Node");
-    if let Err(e) = ca.check_alive() {
-        panic!("{e}");
-    }
-    let errors = standin.errors();
+    s.check_ca_alive(&mut ca, &provider);
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-drain passed in {:.1}s: CA start -> pod evicted and ended, Machine \
          and Node {drained} deleted by CAPI {:.1}s",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         down.as_secs_f64(),
     ));
 }

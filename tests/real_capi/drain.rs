@@ -17,7 +17,7 @@ use serde_json::json;
 use support::controller_manager::capi_with_controller_manager;
 use support::procs::{self, Check, poll_until};
 use support::real_capi_scenario::RealCapiScenario;
-use support::workload::{self, SCENARIO_LABEL};
+use support::workload;
 
 /// A pod of Deployment `app` as last seen: name, Node, Ready.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,18 +30,7 @@ struct Running {
 /// Deployment `name` of one replica (a pod of `cpu` and 512Mi, 30 s grace period, on the scenario's
 /// Nodes; on Node `node` when given).
 fn deployment(ns: &str, name: &str, cpu: &str, node: Option<&str>) -> Deployment {
-    let mut spec = json!({
-        "terminationGracePeriodSeconds": 30,
-        "nodeSelector": {SCENARIO_LABEL: ns},
-        "containers": [{
-            "name": "app",
-            "image": "registry.k8s.io/pause:3.10",
-            "resources": {"requests": {"cpu": cpu, "memory": "512Mi"}},
-        }],
-    });
-    if let Some(node) = node {
-        spec["nodeName"] = json!(node);
-    }
+    let spec = workload::graceful_spec(ns, cpu, node);
     serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {

@@ -10,16 +10,9 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use kube::api::ListParams;
-use serde_json::json;
-use support::capi::{Rpc, grpc_node};
-use support::capi_manager::capi_manager;
 use support::procs::{self, Check, poll_until};
-use support::real_capi::{
-    DELETE_MACHINE, DEPLOYMENT_NAME, MACHINES, api, create, machine_deployment, machines_of,
-    machines_with_nodes, name_of, replicas,
-};
-use support::standin::{self, StandIn};
-use support::start_provider;
+use support::real_capi::{DELETE_MACHINE, DEPLOYMENT_NAME, MACHINES, api, name_of};
+use support::real_capi_namespace::RealCapiNamespace;
 
 const ROUNDS: usize = 20;
 /// Time between DeleteNodes and IncreaseSize, round by round: back to back, and with the lowered
@@ -104,86 +97,26 @@ async fn caught_up(
 #[tokio::test]
 #[ignore = "a measurement of a few minutes; run by hand (see the module doc)"]
 async fn grace_after_a_raise_measured_against_the_real_controllers() {
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    standin::create_template(&client, &ns, "small", &[]).await;
-    let mut md = machine_deployment("grace", "workload", "small", "1", "5");
-    md["spec"]["replicas"] = json!(3);
-    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/grace: {e}"));
-    let provider = start_provider(
-        &[
-            "--node-group-auto-discovery",
-            &format!("clusterapi:namespace={ns}"),
-            "--repair-interval=1s",
-            GRACE,
-        ],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc
-        .ids_in(&ns)
-        .await
-        .into_iter()
-        .next()
-        .expect("the group is served");
-    let machine_api = api(&client, &ns, "v1beta2", "Machine");
-    let fail = |message: String| -> ! {
-        panic!(
-            "{message}\nstand-in errors: {:?}\n--- provider log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.errors(),
-            procs::log_tail(&provider.log, 6000),
-            manager.log_tail()
-        )
-    };
+    let s = RealCapiNamespace::new(&[]).await;
+    s.plain_group("grace", ("1", "5", 3)).await;
+    let provider = s.provider_with(&["--repair-interval=1s", GRACE]).await;
+    let (mut rpc, id) = s.served_group(&provider).await;
+    let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
+    let fail = |message: String| -> ! { s.fail(message, &provider, None) };
 
     let mut rounds = Vec::new();
     let mut unmarked = BTreeSet::new();
     for round in 0..ROUNDS {
-        let current = poll_until(
-            &format!("round {round}: 3 Machines with Nodes, none marked"),
-            MACHINES,
-            Duration::from_millis(100),
-            || async {
-                let all = match machines_of(&client, &ns, "grace").await {
-                    Ok(all) => all,
-                    Err(e) => return Check::Wait(e),
-                };
-                if all.len() != 3 || all.iter().any(|(_, marked)| *marked) {
-                    return Check::Wait(format!("Machines {all:?}"));
-                }
-                match (
-                    replicas(&client, &ns, "grace").await,
-                    machines_with_nodes(&client, &ns, "grace", 3).await,
-                ) {
-                    (Ok(3), Check::Done(names)) => Check::Done(names),
-                    (r, Check::Fatal(e)) => Check::Fatal(format!("replicas {r:?}: {e}")),
-                    (r, _) => Check::Wait(format!("replicas {r:?}, Machines {all:?}")),
-                }
-            },
-        )
-        .await
-        .unwrap_or_else(|e| fail(e));
-        let victim = current.last().expect("three Machines").clone();
-        let object = machine_api
-            .get(&victim)
+        let current = s
+            .wait_settled(
+                &format!("round {round}: 3 Machines with Nodes, none marked"),
+                "grace",
+                3,
+            )
             .await
-            .unwrap_or_else(|e| fail(format!("get Machine {victim}: {e}")));
-        let node = grpc_node(
-            object.data["spec"]["providerID"]
-                .as_str()
-                .unwrap_or_default(),
-            object.data["status"]["nodeRef"]["name"]
-                .as_str()
-                .unwrap_or_default(),
-        );
+            .unwrap_or_else(|e| fail(e));
+        let victim = current.last().expect("three Machines").clone();
+        let node = s.grpc_node(&victim).await;
         if let Err(e) = rpc.delete_nodes(&id, vec![node]).await {
             fail(format!("round {round}: DeleteNodes {victim}: {e}"));
         }
@@ -196,7 +129,7 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
         let mut deleted = None;
         let deadline = raised + MACHINES;
         let caught = loop {
-            match caught_up(&client, &ns, "grace", &victim, &mut deleted).await {
+            match caught_up(&s.client, &s.ns, "grace", &victim, &mut deleted).await {
                 Ok(true) => break raised.elapsed(),
                 Ok(false) | Err(_) if Instant::now() < deadline => {}
                 Ok(false) => fail(format!("round {round}: controllers never caught up")),
@@ -298,6 +231,6 @@ async fn grace_after_a_raise_measured_against_the_real_controllers() {
     );
     procs::announce(&format!(
         "e2e: measurement real-capi-grace-after-a-raise done in {:.1}s: {report}",
-        started.elapsed().as_secs_f64()
+        s.started.elapsed().as_secs_f64()
     ));
 }

@@ -10,15 +10,14 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::ListParams;
 use kube::{Api, Client};
 use serde_json::json;
-use support::capi::{Rpc, grpc_node};
-use support::capi_manager::capi_manager;
+use support::CAPI_GROUP;
 use support::procs::{self, Check, poll_until};
 use support::real_capi::{
-    DELETE_MACHINE, DEPLOYMENT_NAME, MACHINES, api, create, machine_deployment, machines_of,
-    machines_with_nodes, name_of, replicas,
+    DELETE_MACHINE, DEPLOYMENT_NAME, MACHINES, api, create, machines_of, machines_with_nodes,
+    name_of,
 };
-use support::standin::{self, StandIn};
-use support::{CAPI_GROUP, start_provider};
+use support::real_capi_namespace::RealCapiNamespace;
+use support::standin;
 
 /// What the Machine watcher of the race scenario saw: every Machine name, and for each Machine seen
 /// being deleted whether it carried delete-machine then.
@@ -72,98 +71,32 @@ fn watch_machines(
 #[tokio::test]
 async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_machine() {
     const ROUNDS: usize = 6;
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    standin::create_template(&client, &ns, "small", &[]).await;
-    let mut md = machine_deployment("race", "workload", "small", "1", "5");
-    md["spec"]["replicas"] = json!(3);
-    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/race: {e}"));
-    poll_until(
-        "three Machines of race with Nodes",
-        MACHINES,
-        Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "race", 3),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    let (seen, watcher) = watch_machines(client.clone(), ns.clone(), "race".into());
-    let provider = start_provider(
-        &[
-            "--node-group-auto-discovery",
-            &format!("clusterapi:namespace={ns}"),
-            "--repair-interval=1s",
-            "--mark-grace-period=3s",
-        ],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc
-        .ids_in(&ns)
-        .await
-        .into_iter()
-        .next()
-        .expect("the group is served");
-    let machine_api = api(&client, &ns, "v1beta2", "Machine");
-    let fail = |message: String| -> ! {
-        panic!(
-            "{message}\nstand-in errors: {:?}\n--- provider log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.errors(),
-            procs::log_tail(&provider.log, 6000),
-            manager.log_tail()
-        )
-    };
+    let s = RealCapiNamespace::new(&[]).await;
+    s.plain_group("race", ("1", "5", 3)).await;
+    s.machines("race", 3).await;
+    let (seen, watcher) = watch_machines(s.client.clone(), s.ns.clone(), "race".into());
+    let provider = s
+        .provider_with(&["--repair-interval=1s", "--mark-grace-period=3s"])
+        .await;
+    let (mut rpc, id) = s.served_group(&provider).await;
+    let fail = |message: String| -> ! { s.fail(message, &provider, None) };
 
     let mut victims = BTreeSet::new();
     let mut outcomes = Vec::new();
     let mut refused_before_created = 0;
     for round in 0..ROUNDS {
         let delete_first = round % 2 == 0;
-        let current = poll_until(
-            &format!("round {round}: race settled at 3 Machines with Nodes, none marked"),
-            MACHINES,
-            Duration::from_millis(100),
-            || async {
-                let all = match machines_of(&client, &ns, "race").await {
-                    Ok(all) => all,
-                    Err(e) => return Check::Wait(e),
-                };
-                if all.len() != 3 || all.iter().any(|(_, marked)| *marked) {
-                    return Check::Wait(format!("Machines {all:?}"));
-                }
-                match (
-                    replicas(&client, &ns, "race").await,
-                    machines_with_nodes(&client, &ns, "race", 3).await,
-                ) {
-                    (Ok(3), Check::Done(names)) => Check::Done(names),
-                    (r, Check::Fatal(e)) => Check::Fatal(format!("replicas {r:?}: {e}")),
-                    (r, _) => Check::Wait(format!("replicas {r:?}, Machines {all:?}")),
-                }
-            },
-        )
-        .await
-        .unwrap_or_else(|e| fail(e));
+        let current = s
+            .wait_settled(
+                &format!("round {round}: race settled at 3 Machines with Nodes, none marked"),
+                "race",
+                3,
+            )
+            .await
+            .unwrap_or_else(|e| fail(e));
         // Not the Machine CAPI's own order (Random: ties by name) would take without a mark.
         let victim = current.last().expect("three Machines").clone();
-        let object = machine_api
-            .get(&victim)
-            .await
-            .unwrap_or_else(|e| fail(format!("get Machine {victim}: {e}")));
-        let node = grpc_node(
-            object.data["spec"]["providerID"]
-                .as_str()
-                .unwrap_or_default(),
-            object.data["status"]["nodeRef"]["name"]
-                .as_str()
-                .unwrap_or_default(),
-        );
+        let node = s.grpc_node(&victim).await;
         victims.insert(victim.clone());
         let t = Instant::now();
         let (first, second) = if delete_first {
@@ -200,7 +133,7 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
             MACHINES,
             Duration::from_millis(100),
             || async {
-                let all = match machines_of(&client, &ns, "race").await {
+                let all = match machines_of(&s.client, &s.ns, "race").await {
                     Ok(all) => all,
                     Err(e) => return Check::Wait(e),
                 };
@@ -239,7 +172,7 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
             "Machines deleted without their mark: {unmarked:?}; outcomes {outcomes:?}"
         ));
     }
-    let remaining: BTreeSet<String> = machines_of(&client, &ns, "race")
+    let remaining: BTreeSet<String> = machines_of(&s.client, &s.ns, "race")
         .await
         .unwrap_or_else(|e| fail(e))
         .into_iter()
@@ -252,13 +185,13 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
             gone.difference(&victims).collect::<Vec<_>>()
         ));
     }
-    let errors = standin.errors();
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-absorbed-mark-race passed in {:.1}s: {ROUNDS} rounds, none cost an \
          unmarked Machine ({} deleted, all marked): {outcomes:?}; DeleteNodes refused \
          {refused_before_created} times before the raise's Machine existed",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         seen.deleting.len(),
     ));
 }
@@ -269,19 +202,8 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
 /// touched, no Machine goes unmarked but the remediated one, and nothing is left marked.
 #[tokio::test]
 async fn a_machine_health_check_remediation_beside_delete_nodes_costs_nothing_extra() {
-    let manager = capi_manager();
-    let cp = manager.cp;
-    let client = cp.admin_client().await;
-    let ns = cp.fresh_namespace().await;
-    let started = Instant::now();
-    standin::workload_cluster(&client, cp, &ns, "workload").await;
-    let standin = StandIn::start(client.clone(), &ns);
-    standin::create_template(&client, &ns, "small", &[]).await;
-    let mut md = machine_deployment("heal", "workload", "small", "1", "5");
-    md["spec"]["replicas"] = json!(3);
-    create(&api(&client, &ns, "v1beta2", "MachineDeployment"), &md)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {ns}/heal: {e}"));
+    let s = RealCapiNamespace::new(&[]).await;
+    s.plain_group("heal", ("1", "5", 3)).await;
     let mhc = json!({
         "apiVersion": format!("{CAPI_GROUP}/v1beta2"),
         "kind": "MachineHealthCheck",
@@ -294,64 +216,26 @@ async fn a_machine_health_check_remediation_beside_delete_nodes_costs_nothing_ex
             ]},
         },
     });
-    create(&api(&client, &ns, "v1beta2", "MachineHealthCheck"), &mhc)
-        .await
-        .unwrap_or_else(|e| panic!("create MachineHealthCheck {ns}/heal: {e}"));
-    let machines: Vec<String> = poll_until(
-        "three Machines of heal with Nodes",
-        MACHINES,
-        Duration::from_millis(200),
-        || machines_with_nodes(&client, &ns, "heal", 3),
+    create(
+        &api(&s.client, &s.ns, "v1beta2", "MachineHealthCheck"),
+        &mhc,
     )
     .await
-    .unwrap_or_else(|e| panic!("{e}"))
-    .into_iter()
-    .collect();
+    .unwrap_or_else(|e| panic!("create MachineHealthCheck {}/heal: {e}", s.ns));
+    let machines = s.machines("heal", 3).await;
     let (sick, untouched, removed) = (
         machines[0].clone(),
         machines[1].clone(),
         machines[2].clone(),
     );
-    let (seen, watcher) = watch_machines(client.clone(), ns.clone(), "heal".into());
-    let provider = start_provider(
-        &[
-            "--node-group-auto-discovery",
-            &format!("clusterapi:namespace={ns}"),
-        ],
-        cp.admin_kubeconfig(),
-    )
-    .await;
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc
-        .ids_in(&ns)
-        .await
-        .into_iter()
-        .next()
-        .expect("the group is served");
-    let machine_api = api(&client, &ns, "v1beta2", "Machine");
-    let object = machine_api
-        .get(&removed)
-        .await
-        .unwrap_or_else(|e| panic!("get Machine {removed}: {e}"));
-    let node = grpc_node(
-        object.data["spec"]["providerID"]
-            .as_str()
-            .unwrap_or_default(),
-        object.data["status"]["nodeRef"]["name"]
-            .as_str()
-            .unwrap_or_default(),
-    );
-    let fail = |message: String| -> ! {
-        panic!(
-            "{message}\nstand-in actions: {:?}\n--- provider log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            standin.actions(),
-            procs::log_tail(&provider.log, 6000),
-            manager.log_tail()
-        )
-    };
+    let (seen, watcher) = watch_machines(s.client.clone(), s.ns.clone(), "heal".into());
+    let provider = s.provider().await;
+    let (mut rpc, id) = s.served_group(&provider).await;
+    let node = s.grpc_node(&removed).await;
+    let fail = |message: String| -> ! { s.fail(message, &provider, None) };
 
     let t = Instant::now();
-    standin::set_node_ready(&client, &sick, false).await;
+    standin::set_node_ready(&s.client, &sick, false).await;
     rpc.delete_nodes(&id, vec![node])
         .await
         .unwrap_or_else(|e| fail(format!("DeleteNodes {removed}: {e}")));
@@ -360,7 +244,7 @@ async fn a_machine_health_check_remediation_beside_delete_nodes_costs_nothing_ex
         Duration::from_secs(90),
         Duration::from_millis(200),
         || async {
-            let all = match machines_of(&client, &ns, "heal").await {
+            let all = match machines_of(&s.client, &s.ns, "heal").await {
                 Ok(all) => all,
                 Err(e) => return Check::Wait(e),
             };
@@ -375,7 +259,7 @@ async fn a_machine_health_check_remediation_beside_delete_nodes_costs_nothing_ex
             if !settled {
                 return Check::Wait(format!("Machines {all:?}"));
             }
-            match machines_with_nodes(&client, &ns, "heal", 2).await {
+            match machines_with_nodes(&s.client, &s.ns, "heal", 2).await {
                 Check::Done(names) => Check::Done(names),
                 Check::Wait(why) => Check::Wait(why),
                 Check::Fatal(e) => Check::Fatal(e),
@@ -387,7 +271,7 @@ async fn a_machine_health_check_remediation_beside_delete_nodes_costs_nothing_ex
     let took = t.elapsed();
     watcher.abort();
     assert_eq!(
-        replicas(&client, &ns, "heal").await,
+        s.replicas("heal").await,
         Ok(2),
         "replicas dropped by exactly one"
     );
@@ -409,19 +293,19 @@ async fn a_machine_health_check_remediation_beside_delete_nodes_costs_nothing_ex
             seen.deleting
         ));
     }
-    let nodes: Api<Node> = Api::all(client.clone());
+    let nodes: Api<Node> = Api::all(s.client.clone());
     for gone in [&sick, &removed] {
         if !matches!(nodes.get_opt(gone).await, Ok(None)) {
             fail(format!("Node {gone} is still there"));
         }
     }
-    let errors = standin.errors();
+    let errors = s.standin.errors();
     assert!(errors.is_empty(), "stand-in errors: {errors:?}");
     procs::announce(&format!(
         "e2e: scenario real-capi-health-check passed in {:.1}s: Node {sick} NotReady + DeleteNodes \
          {removed} -> remediated and replaced, removed, {untouched} kept, replicas 3 -> 2, in {:.1}s \
          (left: {left:?})",
-        started.elapsed().as_secs_f64(),
+        s.started.elapsed().as_secs_f64(),
         took.as_secs_f64(),
     ));
 }

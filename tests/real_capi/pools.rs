@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use kube::api::{DynamicObject, ListParams, PostParams};
+use kube::api::ListParams;
 use serde_json::{Value, json};
 use support::capi::{Kind, Rpc, grpc_node};
 use support::procs::{Check, poll_until};
-use support::real_capi_scenario::{CLUSTER, RealCapiScenario};
+use support::real_capi_scenario::RealCapiScenario;
 use support::standin;
 use support::workload::{self, PodSpec};
 
@@ -26,31 +26,9 @@ const SETTLE: Duration = Duration::from_secs(90);
 /// `name` on it with `replicas`, bounds 1..4 and 2-CPU capacity annotations. (Nodes are named after
 /// the instances, `<name>-<n>`, and are cluster-wide: each scenario's pool has its own name.)
 async fn pool(s: &RealCapiScenario, name: &str, replicas: i64, machines: bool) {
-    let ar = standin::resource(standin::MACHINE_POOL_KIND);
-    let pools = Api::<DynamicObject>::namespaced_with(s.client.clone(), &s.ns, &ar);
-    let infra = DynamicObject::new(name, &ar)
-        .data(json!({"spec": {standin::POOL_MACHINES_FIELD: machines}}));
-    if let Err(e) = pools.create(&PostParams::default(), &infra).await {
-        s.fail(&format!(
-            "create {} {name}: {e}",
-            standin::MACHINE_POOL_KIND
-        ));
-    }
-    let mut mp = RealCapiScenario::capacity(s.md(name, "unused", 1, 4, replicas), "2", "4Gi");
-    mp["kind"] = json!("MachinePool");
-    mp["spec"] = json!({
-        "clusterName": CLUSTER,
-        "replicas": replicas,
-        "template": {"spec": {
-            "clusterName": CLUSTER,
-            "version": standin::KUBERNETES_VERSION,
-            "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
-            "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, name),
-        }},
-    });
-    if let Err(e) = support::real_capi::create(&s.capi.api(Kind::MachinePool), &mp).await {
-        s.fail(&format!("create MachinePool {name}: {e}"));
-    }
+    let mp = RealCapiScenario::capacity(s.mp(name, 1, 4, replicas), "2", "4Gi");
+    s.create_pool(&mp, json!({standin::POOL_MACHINES_FIELD: machines}))
+        .await;
 }
 
 /// What the pool is made of right now.

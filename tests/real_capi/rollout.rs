@@ -14,11 +14,11 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};
 use support::capi::{Kind, Rpc, expect_code, grpc_node};
 use support::procs::{Check, poll_until};
-use support::real_capi::{DEPLOYMENT_NAME, REVISION, machines_of, machines_with_nodes, name_of};
+use support::real_capi::{REVISION, machines_of, machines_with_nodes, name_of, of_deployment};
 use support::real_capi_scenario::RealCapiScenario;
 use support::standin;
 use tonic::Code;
@@ -88,14 +88,8 @@ async fn machine_sets(
     s: &RealCapiScenario,
     md: &str,
 ) -> Result<Vec<(String, String, i64)>, String> {
-    let list = s
-        .capi
-        .api(Kind::MachineSet)
-        .list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={md}")))
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(list
-        .items
+    let sets = of_deployment(&s.capi.api(Kind::MachineSet), md).await?;
+    Ok(sets
         .iter()
         .map(|ms| {
             let revision = ms

@@ -6,284 +6,21 @@
 
 use crate::support;
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kube::Client;
-use kube::api::{ListParams, Patch, PatchParams};
-use serde_json::{Value, json};
-use support::autoscaler::{self, Autoscaler, AutoscalerProcess};
+use kube::api::{Patch, PatchParams};
+use serde_json::json;
+use support::ProviderProcess;
+use support::autoscaler::{self, AutoscalerProcess};
 use support::capi::{Rpc, grpc_node};
-use support::capi_manager::{CapiManager, capi_manager};
 use support::procs::{self, Check, poll_until};
 use support::real_capi::{
-    CAPACITY, DELETE_MACHINE, DEPLOYMENT_NAME, MACHINES, MAX_SIZE, api, create, machine_deployment,
-    machines_with_nodes, name_of, replicas,
+    CAPACITY, DELETE_MACHINE, MACHINES, MAX_SIZE, api, create, machine_deployment,
+    machines_with_nodes,
 };
-use support::standin::{self, StandIn};
+use support::real_capi_namespace::{RealCapiNamespace, SIZE};
+use support::standin;
 use support::workload::{self, PodSpec, scenario_labels};
-use support::{ProviderProcess, start_provider};
-
-const SIZE: [(&str, &str); 3] = [("cpu", "2"), ("memory", "4Gi"), ("pods", "110")];
-
-/// A namespace with a workload Cluster, the stand-in cloud and the `small` template.
-struct Scenario {
-    manager: &'static CapiManager,
-    client: Client,
-    ns: String,
-    standin: StandIn,
-    started: Instant,
-}
-
-/// Every Machine of the namespace seen being deleted (or gone after being seen), until dropped.
-struct Deleted {
-    seen: Arc<Mutex<(BTreeSet<String>, BTreeSet<String>)>>,
-    task: tokio::task::AbortHandle,
-}
-
-impl Drop for Deleted {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Deleted {
-    fn names(&self) -> BTreeSet<String> {
-        self.seen
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .1
-            .clone()
-    }
-}
-
-/// The values a Machine's delete mark took (`None`: unmarked), until dropped.
-struct MarkValues {
-    seen: Arc<Mutex<BTreeSet<Option<String>>>>,
-    task: tokio::task::AbortHandle,
-}
-
-impl Drop for MarkValues {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl MarkValues {
-    fn values(&self) -> BTreeSet<Option<String>> {
-        self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-}
-
-impl Scenario {
-    async fn new() -> Scenario {
-        let manager = capi_manager();
-        let cp = manager.cp;
-        let client = cp.admin_client().await;
-        let ns = cp.fresh_namespace().await;
-        let started = Instant::now();
-        standin::workload_cluster(&client, cp, &ns, "workload").await;
-        let standin = StandIn::start(client.clone(), &ns);
-        standin::create_template(&client, &ns, "small", &SIZE).await;
-        Scenario {
-            manager,
-            client,
-            ns,
-            standin,
-            started,
-        }
-    }
-
-    /// MachineDeployment `name` with `replicas`, sized for CA; `edit` adjusts it before creation.
-    async fn group(
-        &self,
-        name: &str,
-        (min, max, replicas): (&str, &str, i64),
-        edit: impl FnOnce(&mut Value),
-    ) {
-        let mut md = machine_deployment(name, "workload", "small", min, max);
-        md["metadata"]["annotations"][format!("{CAPACITY}/labels")] =
-            json!(scenario_labels(&self.ns, &[]));
-        md["spec"]["replicas"] = json!(replicas);
-        edit(&mut md);
-        create(
-            &api(&self.client, &self.ns, "v1beta2", "MachineDeployment"),
-            &md,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("create MachineDeployment {}/{name}: {e}", self.ns));
-    }
-
-    /// The Machines of `md` once exactly `want` have Nodes.
-    async fn machines(&self, md: &str, want: usize) -> Vec<String> {
-        poll_until(
-            &format!("{want} Machines of {md} with Nodes"),
-            MACHINES,
-            Duration::from_millis(200),
-            || machines_with_nodes(&self.client, &self.ns, md, want),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .collect()
-    }
-
-    /// With the cloud holding new machines back, raises `md` from its two Machines (`names`) to 3 and
-    /// returns the third Machine, which gets no Node until the hold ends.
-    async fn held_third_machine(&self, md: &str, names: &[String]) -> String {
-        self.standin.hold("small");
-        self.patch("MachineDeployment", md, json!({"spec": {"replicas": 3}}))
-            .await;
-        let machine_api = api(&self.client, &self.ns, "v1beta2", "Machine");
-        let selector = ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={md}"));
-        poll_until(
-            "the third Machine, held by the cloud",
-            MACHINES,
-            Duration::from_millis(200),
-            || async {
-                match machine_api.list(&selector).await {
-                    Ok(l) => match l.items.iter().map(name_of).find(|n| !names.contains(n)) {
-                        Some(n) => Check::Done(n),
-                        None => Check::Wait("2 Machines".into()),
-                    },
-                    Err(e) => Check::Wait(e.to_string()),
-                }
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn watch_deletions(&self) -> Deleted {
-        let seen = Arc::new(Mutex::new((BTreeSet::new(), BTreeSet::new())));
-        let record = seen.clone();
-        let machines = api(&self.client, &self.ns, "v1beta2", "Machine");
-        let task = tokio::spawn(async move {
-            loop {
-                if let Ok(list) = machines.list(&ListParams::default()).await {
-                    let mut seen = record.lock().unwrap_or_else(|e| e.into_inner());
-                    let now: BTreeSet<String> = list.items.iter().map(name_of).collect();
-                    let (all, deleted) = &mut *seen;
-                    for gone in all.difference(&now) {
-                        deleted.insert(gone.clone());
-                    }
-                    for m in &list.items {
-                        all.insert(name_of(m));
-                        if m.metadata.deletion_timestamp.is_some() {
-                            deleted.insert(name_of(m));
-                        }
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-        .abort_handle();
-        Deleted { seen, task }
-    }
-
-    /// Every value of Machine `name`'s delete mark seen (polled every 100 ms), until dropped.
-    fn watch_mark(&self, name: &str) -> MarkValues {
-        let seen = Arc::new(Mutex::new(BTreeSet::new()));
-        let record = seen.clone();
-        let machines = api(&self.client, &self.ns, "v1beta2", "Machine");
-        let name = name.to_string();
-        let task = tokio::spawn(async move {
-            loop {
-                if let Ok(Some(m)) = machines.get_opt(&name).await {
-                    let value = m
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(DELETE_MACHINE))
-                        .cloned();
-                    record
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(value);
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-        .abort_handle();
-        MarkValues { seen, task }
-    }
-
-    /// The group object's annotation `key` (kind `kind`), empty when absent.
-    async fn annotation(&self, kind: &str, name: &str, key: &str) -> String {
-        api(&self.client, &self.ns, "v1beta2", kind)
-            .get(name)
-            .await
-            .ok()
-            .and_then(|o| o.metadata.annotations.and_then(|a| a.get(key).cloned()))
-            .unwrap_or_default()
-    }
-
-    async fn provider(&self) -> ProviderProcess {
-        start_provider(
-            &[
-                "--node-group-auto-discovery",
-                &format!("clusterapi:namespace={}", self.ns),
-            ],
-            self.manager.cp.admin_kubeconfig(),
-        )
-        .await
-    }
-
-    async fn patch(&self, kind: &str, name: &str, patch: Value) {
-        api(&self.client, &self.ns, "v1beta2", kind)
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .unwrap_or_else(|e| panic!("patch {kind} {}/{name}: {e}", self.ns));
-    }
-
-    /// Marks Machine `name` for deletion as a person would.
-    async fn mark_by_hand(&self, name: &str) {
-        self.patch(
-            "Machine",
-            name,
-            json!({"metadata": {"annotations": {DELETE_MACHINE: "marked by hand"}}}),
-        )
-        .await;
-    }
-
-    async fn replicas(&self, md: &str) -> Result<i64, String> {
-        replicas(&self.client, &self.ns, md).await
-    }
-
-    fn fail(
-        &self,
-        message: String,
-        provider: &ProviderProcess,
-        ca: Option<&AutoscalerProcess>,
-    ) -> ! {
-        panic!(
-            "{message}\nstand-in errors: {:?}\n--- provider log (tail) ---\n{}\n--- CA log (tail) ---\n{}\n--- CAPI manager log (tail) ---\n{}",
-            self.standin.errors(),
-            procs::log_tail(&provider.log, 6000),
-            ca.map(|c| c.log_tail()).unwrap_or_default(),
-            self.manager.log_tail()
-        )
-    }
-
-    /// Waits until `check` holds on the objects.
-    async fn until<T, F, Fut>(
-        &self,
-        what: &str,
-        timeout: Duration,
-        provider: &ProviderProcess,
-        ca: Option<&AutoscalerProcess>,
-        check: F,
-    ) -> T
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Check<T>>,
-    {
-        match poll_until(what, timeout, Duration::from_millis(200), check).await {
-            Ok(t) => t,
-            Err(e) => self.fail(e, provider, ca),
-        }
-    }
-}
 
 /// How many times the provider answered `method` with `code`.
 async fn answered(provider: &ProviderProcess, method: &str, code: &str) -> u64 {
@@ -331,7 +68,7 @@ fn refusals_in(ca: &AutoscalerProcess) -> String {
 
 /// Waits until the provider has answered `method` with FAILED_PRECONDITION `at_least` times.
 async fn refused(
-    s: &Scenario,
+    s: &RealCapiNamespace,
     provider: &ProviderProcess,
     ca: Option<&AutoscalerProcess>,
     method: &str,
@@ -361,7 +98,7 @@ async fn refused(
 /// exactly `a` and `c`.
 #[tokio::test]
 async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.group("fm", ("1", "5", 3), |_| {}).await;
     let names = s.machines("fm", 3).await;
     let (a, b, c) = (names[0].clone(), names[1].clone(), names[2].clone());
@@ -372,9 +109,7 @@ async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
     s.mark_by_hand(&a).await;
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     refused(&s, &provider, Some(&ca), "NodeGroupDeleteNodes", 2).await;
     assert!(deleted.names().is_empty(), "deleted {:?}", deleted.names());
     assert_eq!(s.replicas("fm").await, Ok(3), "nothing written");
@@ -385,26 +120,16 @@ async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
         .await;
     let t = Instant::now();
     let want: BTreeSet<String> = [a.clone(), c.clone()].into();
+    let kept = [&b];
     s.until(
         "CAPI deleted a (the person's) and c (CA's), b kept",
         Duration::from_secs(45),
         &provider,
         Some(&ca),
-        || async {
-            let gone = deleted.names();
-            if gone.contains(&b) {
-                return Check::Fatal(format!("b {b} deleted: {gone:?}"));
-            }
-            match s.replicas("fm").await {
-                Ok(1) if gone == want => Check::Done(()),
-                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
-            }
-        },
+        || s.deleted_exactly(&deleted, "fm", 1, &want, &kept),
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-foreign-mark passed in {:.1}s: DeleteNodes({c}) refused while {a} \
          carried a mark by hand, nothing deleted; replicas lowered by hand -> CAPI deleted \
@@ -422,7 +147,7 @@ async fn a_foreign_mark_refuses_a_scale_down_until_replicas_remove_it() {
 /// With the mark gone, CA's next attempt removes the pending Machine only.
 #[tokio::test]
 async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_node() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.group("pend", ("1", "5", 2), |_| {}).await;
     let names = s.machines("pend", 2).await;
     for (i, node) in names.iter().enumerate() {
@@ -434,7 +159,8 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
     s.mark_by_hand(&marked).await;
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
+    let mut ca = s
+        .autoscaler(&provider)
         .flag("--max-node-provision-time=8s")
         .start(s.manager.cp)
         .await;
@@ -442,8 +168,7 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
     // registered plus unregistered nodes, so it sees no size to fix): refused.
     refused(&s, &provider, Some(&ca), "NodeGroupDeleteNodes", 2).await;
     // DecreaseTargetSize (what CA sends when the target exceeds the nodes it knows of), the same.
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let (mut rpc, id) = s.served_group(&provider).await;
     let decrease = rpc.decrease(&id, -1).await;
     match &decrease {
         Err(e) if e.code() == tonic::Code::FailedPrecondition && e.message().contains(&marked) => {}
@@ -465,26 +190,17 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
     )
     .await;
     let t = Instant::now();
+    let want = BTreeSet::from([pending.clone()]);
+    let registered: Vec<&String> = names.iter().collect();
     s.until(
         "CA removed the pending Machine only",
         Duration::from_secs(45),
         &provider,
         Some(&ca),
-        || async {
-            let gone = deleted.names();
-            if gone.iter().any(|g| names.contains(g)) {
-                return Check::Fatal(format!("a registered Machine deleted: {gone:?}"));
-            }
-            match s.replicas("pend").await {
-                Ok(2) if gone == BTreeSet::from([pending.clone()]) => Check::Done(()),
-                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
-            }
-        },
+        || s.deleted_exactly(&deleted, "pend", 2, &want, &registered),
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-decrease-beside-mark passed in {:.1}s: with {marked} marked by hand, \
          CA's DeleteNodes of the unregistered node refused {deletes_refused} times and \
@@ -502,7 +218,7 @@ async fn decrease_target_size_beside_a_marked_machine_never_costs_a_registered_n
 /// rollout meanwhile deletes at most what maxUnavailable allows it.
 #[tokio::test]
 async fn decrease_target_size_during_a_rollout_is_refused() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     standin::create_template(&s.client, &s.ns, "small-v2", &SIZE).await;
     s.group("roll", ("1", "5", 2), |md| {
         md["spec"]["rollout"] =
@@ -521,8 +237,7 @@ async fn decrease_target_size_during_a_rollout_is_refused() {
     )
     .await;
     let provider = s.provider().await;
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let (mut rpc, id) = s.served_group(&provider).await;
     s.until(
         "the provider serves the rollout (min raised to the target, 3)",
         Duration::from_secs(30),
@@ -566,26 +281,14 @@ async fn decrease_target_size_during_a_rollout_is_refused() {
 /// for the person's count when the call came.
 #[tokio::test]
 async fn replicas_lowered_by_hand_just_before_delete_nodes_cost_one_machine_each() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.group("hand", ("1", "5", 3), |_| {}).await;
     let names = s.machines("hand", 3).await;
     let c = names[2].clone();
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
-    let machine = api(&s.client, &s.ns, "v1beta2", "Machine")
-        .get(&c)
-        .await
-        .unwrap_or_else(|e| panic!("get Machine {c}: {e}"));
-    let node = grpc_node(
-        machine.data["spec"]["providerID"]
-            .as_str()
-            .unwrap_or_default(),
-        machine.data["status"]["nodeRef"]["name"]
-            .as_str()
-            .unwrap_or_default(),
-    );
+    let (mut rpc, id) = s.served_group(&provider).await;
+    let node = s.grpc_node(&c).await;
     s.patch(
         "MachineDeployment",
         "hand",
@@ -636,7 +339,7 @@ async fn replicas_lowered_by_hand_just_before_delete_nodes_cost_one_machine_each
 /// that fits no Node makes CA raise it from 1 to 2, and CAPI creates the Machine.
 #[tokio::test]
 async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.group("rp", ("1", "3", 1), |_| {}).await;
     let first = s.machines("rp", 1).await;
     workload::create_bound_pod(
@@ -649,9 +352,7 @@ async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
     s.patch("MachineDeployment", "rp", json!({"spec": {"paused": true}}))
         .await;
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
     let t = Instant::now();
     let machines = s
@@ -673,9 +374,7 @@ async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
         .await
         .map(|md| md.data["spec"]["paused"].clone());
     assert_eq!(paused.ok(), Some(json!(true)), "still rollout-paused");
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-rollout-paused passed in {:.1}s: pod -> replicas 2, Machines \
          {machines:?} with Nodes in {:.1}s",
@@ -688,15 +387,13 @@ async fn a_rollout_paused_machine_deployment_is_scaled_by_cluster_autoscaler() {
 /// for a pending pod over 6 loops; unpaused, CA raises it and CAPI creates the Machine.
 #[tokio::test]
 async fn the_groups_of_a_paused_cluster_are_not_served_until_it_resumes() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.patch("Cluster", "workload", json!({"spec": {"paused": true}}))
         .await;
     s.group("pc", ("0", "3", 0), |_| {}).await;
     let provider = s.provider().await;
     let mut rpc = Rpc::connect(&provider).await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("web", "1500m", "1Gi")).await;
     ca.wait_loops(6, Duration::from_secs(40)).await;
     assert!(rpc.ids_in(&s.ns).await.is_empty(), "no group served");
@@ -721,9 +418,7 @@ async fn the_groups_of_a_paused_cluster_are_not_served_until_it_resumes() {
         },
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-paused-cluster passed in {:.1}s: 6 CA loops with the Cluster paused, \
          nothing served or scaled; resumed -> Machine with its Node in {:.1}s",
@@ -737,7 +432,7 @@ async fn the_groups_of_a_paused_cluster_are_not_served_until_it_resumes() {
 /// Machines, the busy one stays, replicas 1.
 #[tokio::test]
 async fn max_lowered_below_replicas_lets_cluster_autoscaler_bring_the_group_back() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.group("over", ("1", "5", 3), |_| {}).await;
     let names = s.machines("over", 3).await;
     let busy = names[1].clone();
@@ -756,31 +451,19 @@ async fn max_lowered_below_replicas_lets_cluster_autoscaler_bring_the_group_back
     .await;
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     let t = Instant::now();
     let want: BTreeSet<String> = names.iter().filter(|n| **n != busy).cloned().collect();
+    let kept = [&busy];
     s.until(
         "CA removed the two empty Nodes, replicas 1",
         Duration::from_secs(60),
         &provider,
         Some(&ca),
-        || async {
-            let gone = deleted.names();
-            if gone.contains(&busy) {
-                return Check::Fatal(format!("the busy Machine {busy} deleted"));
-            }
-            match s.replicas("over").await {
-                Ok(1) if gone == want => Check::Done(()),
-                r => Check::Wait(format!("replicas {r:?}, deleted {gone:?}")),
-            }
-        },
+        || s.deleted_exactly(&deleted, "over", 1, &want, &kept),
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-above-max passed in {:.1}s: CAPI deleted {:?} in {:.1}s, {busy} kept",
         s.started.elapsed().as_secs_f64(),
@@ -796,7 +479,7 @@ async fn max_lowered_below_replicas_lets_cluster_autoscaler_bring_the_group_back
 /// repair takes anything back.
 #[tokio::test]
 async fn a_foreign_mark_on_the_machine_cluster_autoscaler_removes_is_kept_and_paid_once() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.group("fk", ("1", "5", 3), |_| {}).await;
     let names = s.machines("fk", 3).await;
     let (a, b, c) = (names[0].clone(), names[1].clone(), names[2].clone());
@@ -808,9 +491,7 @@ async fn a_foreign_mark_on_the_machine_cluster_autoscaler_removes_is_kept_and_pa
     let marks = s.watch_mark(&a);
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     let t = Instant::now();
     let ledger = s
         .until(
@@ -859,9 +540,7 @@ async fn a_foreign_mark_on_the_machine_cluster_autoscaler_removes_is_kept_and_pa
         left.iter().all(|(_, marked)| !marked),
         "nothing left marked: {left:?}"
     );
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-foreign-mark-named passed in {:.1}s: DeleteNodes({a}) with a's mark \
          by hand kept; ledger {ledger:?}; CAPI deleted {:?} in {:.1}s; mark values seen {:?}",
@@ -879,7 +558,7 @@ async fn a_foreign_mark_on_the_machine_cluster_autoscaler_removes_is_kept_and_pa
 /// instance (the newest) and CAPI deletes its Node.
 #[tokio::test]
 async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     let pool = format!("{}-pool", s.ns);
     let pools: kube::Api<kube::api::DynamicObject> = kube::Api::namespaced_with(
         s.client.clone(),
@@ -966,9 +645,7 @@ async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
     let empty = instance(3);
     s.standin.hold(&pool);
     let provider = s.provider().await;
-    let mut ca = Autoscaler::new(&s.ns, &provider.address)
-        .start(s.manager.cp)
-        .await;
+    let mut ca = s.start_ca(&provider).await;
     let t = Instant::now();
     let pool_replicas = || async {
         api(&s.client, &s.ns, "v1beta2", "MachinePool")
@@ -1004,8 +681,7 @@ async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
         .await;
     assert!(listed().await.contains(&empty), "held: still listed");
     // The retry, while the instance is still listed.
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let (mut rpc, id) = s.served_group(&provider).await;
     let node = grpc_node(&standin::provider_id(&s.ns, &empty), &empty);
     if let Err(e) = rpc.delete_nodes(&id, vec![node]).await {
         s.fail(
@@ -1036,9 +712,7 @@ async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
         },
     )
     .await;
-    if let Err(e) = ca.check_alive() {
-        s.fail(e, &provider, Some(&ca));
-    }
+    s.check_ca_alive(&mut ca, &provider);
     procs::announce(&format!(
         "e2e: scenario rules-pool-instance passed in {:.1}s: CA's DeleteNodes({empty}) -> replicas \
          2 in {:.1}s, ledger {ledger:?} ({entry}); a DeleteNodes sent again while listed wrote \
@@ -1059,7 +733,7 @@ async fn a_machine_pool_instance_without_a_machine_is_paid_once() {
 /// random: which branch runs is printed.)
 #[tokio::test]
 async fn decrease_target_size_follows_the_unhealthy_rank_cluster_api_deletes_by() {
-    let s = Scenario::new().await;
+    let s = RealCapiNamespace::new(&SIZE).await;
     s.group("sick", ("1", "5", 2), |_| {}).await;
     let names = s.machines("sick", 2).await;
     let pending = s.held_third_machine("sick", &names).await;
@@ -1108,8 +782,7 @@ async fn decrease_target_size_follows_the_unhealthy_rank_cluster_api_deletes_by(
     .unwrap_or_else(|e| panic!("{e}"));
     let deleted = s.watch_deletions();
     let provider = s.provider().await;
-    let mut rpc = Rpc::connect(&provider).await;
-    let id = rpc.ids_in(&s.ns).await.into_iter().next().expect("served");
+    let (mut rpc, id) = s.served_group(&provider).await;
     // The provider decides from the Machines it lists: wait until it serves all three.
     s.until(
         "the provider serves the group's 3 instances",

@@ -386,11 +386,7 @@ async fn wait_metrics(child: &mut Child, address: &str) -> Result<(), String> {
         Duration::from_secs(60),
         Duration::from_millis(100),
         || {
-            let gone = match child.try_wait() {
-                Ok(Some(status)) => Some(format!("exited with {status}")),
-                Ok(None) => None,
-                Err(e) => Some(format!("wait: {e}")),
-            };
+            let gone = procs::gone(child);
             async move {
                 if let Some(gone) = gone {
                     return Check::Fatal(gone);

@@ -568,6 +568,24 @@ impl Capi {
             .unwrap_or_else(|e| panic!("patch {} {name}: {e}", kind.as_str()))
     }
 
+    /// Waits (reading every 20 ms, up to `timeout`) until some Machine carries the delete mark;
+    /// returns the marked ones.
+    pub async fn wait_marked(
+        &self,
+        what: &str,
+        timeout: Duration,
+    ) -> Result<BTreeSet<String>, String> {
+        poll_until(what, timeout, Duration::from_millis(20), || async {
+            let marked = self.marked_machines().await;
+            if marked.is_empty() {
+                Check::Wait("no mark yet".into())
+            } else {
+                Check::Done(marked)
+            }
+        })
+        .await
+    }
+
     /// The Machines in the namespace that carry the delete annotation.
     pub async fn marked_machines(&self) -> BTreeSet<String> {
         let key = self.delete_key();
@@ -620,16 +638,7 @@ impl Rpc {
     /// Connects once the CloudProvider service reports SERVING (every watch has listed).
     pub async fn connect(provider: &impl HasEndpoint) -> Rpc {
         wait_serving(&provider.endpoint(), CLOUD_PROVIDER_SERVICE).await;
-        let channel = tonic::transport::Endpoint::from_shared(provider.endpoint())
-            .expect("provider endpoint URI")
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(10))
-            .connect()
-            .await
-            .unwrap_or_else(|e| panic!("connect to the provider at {}: {e}", provider.endpoint()));
-        Rpc {
-            client: CloudProviderClient::new(channel),
-        }
+        Rpc::connect_unready(provider).await
     }
 
     /// Connects at once, without waiting for SERVING: for a provider that is not ready on purpose
@@ -1201,6 +1210,58 @@ pub async fn start_provider_with_env(
         }
     }
     unreachable!("three attempts either return or panic")
+}
+
+/// A MachineDeployment of Cluster `e2e` on E2EMachineTemplate `name`, with the autoscaler bounds
+/// `min`/`max`, `replicas` and `infrastructure_ref` (its shape differs between v1beta1 and
+/// v1beta2): every field either schema requires.
+pub fn e2e_machine_deployment(
+    name: &str,
+    (min, max): (&str, &str),
+    replicas: i64,
+    infrastructure_ref: Value,
+) -> Value {
+    let labels = json!({
+        "cluster.x-k8s.io/cluster-name": "e2e",
+        "cluster.x-k8s.io/deployment-name": name,
+    });
+    json!({
+        "metadata": {
+            "name": name,
+            "annotations": {
+                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size": min,
+                "cluster.x-k8s.io/cluster-api-autoscaler-node-group-max-size": max,
+            },
+        },
+        "spec": {
+            "clusterName": "e2e",
+            "replicas": replicas,
+            "selector": { "matchLabels": labels },
+            "template": {
+                "metadata": { "labels": labels },
+                "spec": {
+                    "clusterName": "e2e",
+                    "bootstrap": { "dataSecretName": format!("{name}-bootstrap") },
+                    "infrastructureRef": infrastructure_ref,
+                },
+            },
+        },
+    })
+}
+
+/// A test's environment: the shared control plane and a fresh namespace of it, with builders for
+/// `cluster.x-k8s.io` at one version.
+pub struct Env {
+    pub cp: &'static super::ControlPlane,
+    pub capi: Capi,
+}
+
+impl Env {
+    /// [`fresh_capi`] as an [`Env`].
+    pub async fn fresh(setup: super::Setup, version: &str) -> Env {
+        let (cp, capi) = fresh_capi(setup, version).await;
+        Env { cp, capi }
+    }
 }
 
 /// A fresh namespace on the shared control plane of `setup`, with builders for `cluster.x-k8s.io` at

@@ -22,7 +22,7 @@
 //! the apiserver reaches it on 127.0.0.1 only.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -244,11 +244,7 @@ async fn spawn_healthy(
         Duration::from_secs(60),
         Duration::from_millis(100),
         || {
-            let gone = match child.try_wait() {
-                Ok(Some(status)) => Some(format!("exited with {status}")),
-                Ok(None) => None,
-                Err(e) => Some(format!("wait: {e}")),
-            };
+            let gone = procs::gone(&mut child);
             async move {
                 if let Some(gone) = gone {
                     return Check::Fatal(gone);
@@ -284,26 +280,8 @@ pub fn capi_dir() -> Result<PathBuf, String> {
 /// [`capi_dir`] of pinned release `pin` (see [`pinned_releases`]).
 pub fn capi_dir_of(pin: Option<&str>) -> Result<PathBuf, String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/capi/build.sh");
-    let out = Command::new("nice")
-        .arg("bash")
-        .arg(&script)
-        .args(pin)
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("run {}: {e}", script.display()))?;
-    if !out.status.success() {
-        return Err(format!("{} failed: {}", script.display(), out.status));
-    }
-    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    if !dir.join("ready").is_file() {
-        return Err(format!(
-            "{} printed {}, which is not a finished cache dir",
-            script.display(),
-            dir.display()
-        ));
-    }
-    Ok(dir)
+    let args: Vec<&str> = pin.into_iter().collect();
+    procs::finished_cache_dir(&script, &args, true)
 }
 
 async fn start(

@@ -4,7 +4,7 @@
 use std::io::Write as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -317,25 +317,7 @@ async fn wait_for_binding(admin: &Client, user: &str, cluster_role: &str) {
 /// Runs tests/upstream/build.sh (builds on first use, else answers at once) and returns its cache dir.
 pub fn upstream_dir() -> Result<PathBuf, String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/build.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("run {}: {e}", script.display()))?;
-    if !out.status.success() {
-        return Err(format!("{} failed: {}", script.display(), out.status));
-    }
-    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let dir = PathBuf::from(dir);
-    if !dir.join("ready").is_file() {
-        return Err(format!(
-            "{} printed {}, which is not a finished cache dir",
-            script.display(),
-            dir.display()
-        ));
-    }
-    Ok(dir)
+    procs::finished_cache_dir(&script, &[], false)
 }
 
 async fn start(setup: Setup, dir: PathBuf) -> Result<ControlPlane, String> {

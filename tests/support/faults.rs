@@ -19,8 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
-use kube::api::{DynamicObject, ListParams, WatchEvent, WatchParams};
+use kube::api::{DynamicObject, ListParams};
 use kube::{Api, Client};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -30,6 +29,7 @@ use tokio::task::JoinHandle;
 
 use super::capi::{Capi, Kind};
 use super::procs::{self, Check, poll_until};
+use super::resuming_watch::{Watched, watch_resuming};
 use super::{ControlPlane, client_from_kubeconfig};
 
 /// The suffix of the delete marks the provider writes (`unix <seconds> by capi-autoscaler-provider`).
@@ -1000,72 +1000,23 @@ impl History {
         let api = capi.api(kind);
         let (min_key, max_key) = (capi.min_key(), capi.max_key());
         let shared = Arc::new(Mutex::new(HistoryShared::default()));
-        let list = api
-            .list(&ListParams::default())
-            .await
-            .expect("list the objects to watch");
-        let mut rv = list.metadata.resource_version.clone().unwrap_or_default();
-        {
-            let mut s = lock(&shared);
-            for o in &list.items {
-                s.versions.push(version_of(o, &min_key, &max_key));
-            }
-        }
-        let task = tokio::spawn({
-            let shared = Arc::clone(&shared);
-            async move {
-                loop {
-                    let params = WatchParams::default().timeout(290);
-                    let stream = match api.watch(&params, &rv).await {
-                        Ok(s) => s,
-                        Err(_) => {
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                            continue;
-                        }
-                    };
-                    let mut stream = std::pin::pin!(stream);
-                    let mut expired = false;
-                    while let Some(event) = stream.next().await {
-                        match event {
-                            Ok(WatchEvent::Added(o)) | Ok(WatchEvent::Modified(o)) => {
-                                rv = o.metadata.resource_version.clone().unwrap_or_default();
-                                lock(&shared)
-                                    .versions
-                                    .push(version_of(&o, &min_key, &max_key));
-                            }
-                            Ok(WatchEvent::Deleted(o)) => {
-                                rv = o.metadata.resource_version.clone().unwrap_or_default();
-                            }
-                            Ok(WatchEvent::Bookmark(b)) => {
-                                rv = b.metadata.resource_version;
-                            }
-                            Ok(WatchEvent::Error(status)) => {
-                                expired = status.code == 410;
-                                break;
-                            }
-                            Err(_) => break,
-                        }
-                    }
-                    if expired {
-                        // Too old to resume: re-list. Versions in between are lost; counted.
-                        match api.list(&ListParams::default()).await {
-                            Ok(list) => {
-                                let mut s = lock(&shared);
-                                s.gaps += 1;
-                                for o in &list.items {
-                                    s.versions.push(version_of(o, &min_key, &max_key));
-                                }
-                                rv = list.metadata.resource_version.unwrap_or_default();
-                            }
-                            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-                        }
-                    } else {
-                        lock(&shared).resumed += 1;
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+        let record = Arc::clone(&shared);
+        let task = watch_resuming(api, move |seen| match seen {
+            Watched::Listed { objects, relisted } => {
+                let mut s = lock(&record);
+                // After a 410 the versions in between are lost; counted.
+                s.gaps += usize::from(relisted);
+                for o in objects {
+                    s.versions.push(version_of(o, &min_key, &max_key));
                 }
             }
-        });
+            Watched::Changed(o) => lock(&record)
+                .versions
+                .push(version_of(o, &min_key, &max_key)),
+            Watched::Deleted(_) => {}
+            Watched::Resumed => lock(&record).resumed += 1,
+        })
+        .await;
         History {
             shared,
             task,

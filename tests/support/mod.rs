@@ -32,8 +32,10 @@ pub mod pki;
 pub mod procs;
 pub mod provider;
 pub mod real_capi;
+pub mod real_capi_namespace;
 pub mod real_capi_scenario;
 pub mod render;
+pub mod resuming_watch;
 pub mod standin;
 pub mod workload;
 pub mod workload_cluster;
@@ -53,6 +55,18 @@ pub fn capi_resource(group: &str, version: &str, kind: &str, plural: &str) -> Ap
         kind: kind.to_string(),
         plural: plural.to_string(),
     }
+}
+
+/// The MachineDeployments of `group`/`version` in namespace `ns` through `client`, and their
+/// `ApiResource`.
+pub fn machine_deployments(
+    client: kube::Client,
+    ns: &str,
+    group: &str,
+    version: &str,
+) -> (kube::Api<kube::api::DynamicObject>, ApiResource) {
+    let ar = capi_resource(group, version, "MachineDeployment", "machinedeployments");
+    (kube::Api::namespaced_with(client, ns, &ar), ar)
 }
 
 /// The Cluster API group.

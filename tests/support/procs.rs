@@ -343,3 +343,44 @@ pub async fn http_get(address: &str, path: &str) -> Result<(u16, String), String
         .await
         .map_err(|_| format!("GET {address}{path}: timed out"))?
 }
+
+/// Runs `script` (an upstream build script under tests/upstream: it builds on first use, else
+/// answers at once) with `args`, niced when `nice`, and returns the cache dir it prints once that
+/// holds a finished build (its `ready` file).
+pub fn finished_cache_dir(script: &Path, args: &[&str], nice: bool) -> Result<PathBuf, String> {
+    let mut command = if nice {
+        let mut c = Command::new("nice");
+        c.arg("bash");
+        c
+    } else {
+        Command::new("bash")
+    };
+    let out = command
+        .arg(script)
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} failed: {}", script.display(), out.status));
+    }
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if !dir.join("ready").is_file() {
+        return Err(format!(
+            "{} printed {}, which is not a finished cache dir",
+            script.display(),
+            dir.display()
+        ));
+    }
+    Ok(dir)
+}
+
+/// Why `child` is gone (it exited, or cannot be waited for), `None` while it runs.
+pub fn gone(child: &mut Child) -> Option<String> {
+    match child.try_wait() {
+        Ok(Some(status)) => Some(format!("exited with {status}")),
+        Ok(None) => None,
+        Err(e) => Some(format!("wait: {e}")),
+    }
+}

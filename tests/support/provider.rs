@@ -244,11 +244,7 @@ async fn wait_serving(
         Duration::from_secs(60),
         Duration::from_millis(50),
         || {
-            let gone = match child.try_wait() {
-                Ok(Some(status)) => Some(format!("the provider exited with {status}")),
-                Ok(None) => None,
-                Err(e) => Some(format!("wait for the provider: {e}")),
-            };
+            let gone = procs::gone(child).map(|why| format!("the provider: {why}"));
             let endpoint = endpoint.clone();
             async move {
                 if let Some(gone) = gone {

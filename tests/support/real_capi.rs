@@ -150,20 +150,23 @@ pub async fn machines_of(
     ns: &str,
     md: &str,
 ) -> Result<Vec<(String, bool)>, String> {
-    let list = api(client, ns, "v1beta2", "Machine")
-        .list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={md}")))
+    let machines = of_deployment(&api(client, ns, "v1beta2", "Machine"), md).await?;
+    let marked = |m: &DynamicObject| {
+        m.metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(DELETE_MACHINE))
+    };
+    Ok(machines.iter().map(|m| (name_of(m), marked(m))).collect())
+}
+
+/// The objects of `api` that belong to MachineDeployment `md` (by CAPI's deployment-name label).
+pub async fn of_deployment(
+    api: &Api<DynamicObject>,
+    md: &str,
+) -> Result<Vec<DynamicObject>, String> {
+    api.list(&ListParams::default().labels(&format!("{DEPLOYMENT_NAME}={md}")))
         .await
-        .map_err(|e| e.to_string())?;
-    Ok(list
-        .items
-        .iter()
-        .map(|m| {
-            let marked = m
-                .metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key(DELETE_MACHINE));
-            (name_of(m), marked)
-        })
-        .collect())
+        .map(|list| list.items)
+        .map_err(|e| e.to_string())
 }

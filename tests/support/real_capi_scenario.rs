@@ -10,9 +10,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{DynamicObject, ListParams, WatchEvent, WatchParams};
+use kube::api::{DynamicObject, ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use tokio::task::AbortHandle;
@@ -21,8 +20,10 @@ use super::autoscaler::{Autoscaler, AutoscalerProcess};
 use super::capi::{Capi, Kind};
 use super::capi_manager::{CapiManager, capi_manager};
 use super::control_plane::ControlPlane;
+use super::faults::{bound_violations, etcd_versions};
 use super::procs::{self, Check, poll_until};
 use super::real_capi::{self, CAPACITY, DELETE_MACHINE, MAX_SIZE, MIN_SIZE, api, create};
+use super::resuming_watch::{Watched, watch_resuming};
 use super::standin::{self, StandIn};
 use super::workload::{self, scenario_labels};
 use super::{CAPI_GROUP, ProviderProcess, start_provider};
@@ -158,6 +159,59 @@ impl RealCapiScenario {
                 self.ns, md["metadata"]["name"]
             ));
         }
+    }
+
+    /// A v1beta2 MachinePool `name` of [`CLUSTER`] on the stand-in machine pool of the same name,
+    /// with autoscaler bounds, `replicas` and the scenario label (as [`RealCapiScenario::md`]).
+    pub fn mp(&self, name: &str, min: i64, max: i64, replicas: i64) -> Value {
+        let mut mp = self.md(name, "unused", min, max, replicas);
+        mp["kind"] = json!("MachinePool");
+        mp["spec"] = json!({
+            "clusterName": CLUSTER,
+            "replicas": replicas,
+            "template": {"spec": {
+                "clusterName": CLUSTER,
+                "version": standin::KUBERNETES_VERSION,
+                "bootstrap": {"dataSecretName": "stand-in-bootstrap"},
+                "infrastructureRef": standin::reference(standin::MACHINE_POOL_KIND, name),
+            }},
+        });
+        mp
+    }
+
+    /// Creates the stand-in machine pool MachinePool `mp` refers to (named the same, with spec
+    /// `infra_spec`), then `mp` (through CAPI's webhooks).
+    pub async fn create_pool(&self, mp: &Value, infra_spec: Value) {
+        let name = mp["metadata"]["name"].as_str().unwrap_or_default();
+        let ar = standin::resource(standin::MACHINE_POOL_KIND);
+        let infra = DynamicObject::new(name, &ar).data(json!({ "spec": infra_spec }));
+        if let Err(e) = Api::<DynamicObject>::namespaced_with(self.client.clone(), &self.ns, &ar)
+            .create(&PostParams::default(), &infra)
+            .await
+        {
+            self.fail(&format!(
+                "create {} {name}: {e}",
+                standin::MACHINE_POOL_KIND
+            ));
+        }
+        if let Err(e) = create(&self.capi.api(Kind::MachinePool), mp).await {
+            self.fail(&format!("create MachinePool {name}: {e}"));
+        }
+    }
+
+    /// How many versions of group `name` (`plural` of its kind) etcd at `etcd` holds, and those
+    /// whose replicas lie outside the bounds of the version written over (invariant 2).
+    pub async fn stored_bound_violations(
+        &self,
+        etcd: &str,
+        plural: &str,
+        name: &str,
+    ) -> (usize, Vec<String>) {
+        let (min_key, max_key) = (self.capi.min_key(), self.capi.max_key());
+        let versions = etcd_versions(etcd, CAPI_GROUP, plural, &self.ns, name, &min_key, &max_key)
+            .await
+            .unwrap_or_else(|e| self.fail(&format!("{name}'s versions from etcd: {e}")));
+        (versions.len(), bound_violations(&versions))
     }
 
     /// Starts the provider limited to this namespace (plus `args`) with the admin identity.
@@ -547,60 +601,22 @@ impl MachineDeletions {
     pub async fn start(capi: &Capi) -> MachineDeletions {
         let api = capi.api(Kind::Machine);
         let state = Arc::new(Mutex::new(Deletions::default()));
-        let list = api
-            .list(&ListParams::default())
-            .await
-            .expect("list the Machines to watch");
-        for m in &list.items {
-            record(&state, m, false);
-        }
-        let mut rv = list.metadata.resource_version.clone().unwrap_or_default();
         let shared = Arc::clone(&state);
-        let task = tokio::spawn(async move {
-            loop {
-                let params = WatchParams::default().timeout(290);
-                let stream = match api.watch(&params, &rv).await {
-                    Ok(s) => s,
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        continue;
-                    }
-                };
-                let mut stream = std::pin::pin!(stream);
-                let mut expired = false;
-                while let Some(event) = stream.next().await {
-                    match event {
-                        Ok(WatchEvent::Added(o)) | Ok(WatchEvent::Modified(o)) => {
-                            rv = o.metadata.resource_version.clone().unwrap_or_default();
-                            record(&shared, &o, false);
-                        }
-                        Ok(WatchEvent::Deleted(o)) => {
-                            rv = o.metadata.resource_version.clone().unwrap_or_default();
-                            record(&shared, &o, true);
-                        }
-                        Ok(WatchEvent::Bookmark(b)) => rv = b.metadata.resource_version,
-                        Ok(WatchEvent::Error(status)) => {
-                            expired = status.code == 410;
-                            break;
-                        }
-                        Err(_) => break,
-                    }
+        let task = watch_resuming(api, move |seen| match seen {
+            Watched::Listed { objects, relisted } => {
+                if relisted {
+                    lock(&shared).gaps += 1;
+                    record_vanished(&shared, objects);
                 }
-                if expired {
-                    match api.list(&ListParams::default()).await {
-                        Ok(list) => {
-                            lock(&shared).gaps += 1;
-                            record_vanished(&shared, &list.items);
-                            for m in &list.items {
-                                record(&shared, m, false);
-                            }
-                            rv = list.metadata.resource_version.unwrap_or_default();
-                        }
-                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-                    }
+                for m in objects {
+                    record(&shared, m, false);
                 }
             }
+            Watched::Changed(m) => record(&shared, m, false),
+            Watched::Deleted(m) => record(&shared, m, true),
+            Watched::Resumed => {}
         })
+        .await
         .abort_handle();
         MachineDeletions { state, task }
     }

@@ -118,24 +118,7 @@ pub fn helm_template_set(
     namespace: &str,
     set: &[(&str, &str)],
 ) -> Vec<Value> {
-    let chart = chart().display().to_string();
-    let values = repo(values).display().to_string();
-    let sets: Vec<String> = set.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let mut args = vec![
-        "template",
-        release,
-        &chart,
-        "--namespace",
-        namespace,
-        "--kube-version",
-        kube_version(),
-        "-f",
-        &values,
-    ];
-    for s in &sets {
-        args.extend(["--set", s.as_str()]);
-    }
-    parse_stream(&run(&helm(), &args))
+    helm_template_with(&[repo(values).as_path()], release, namespace, set)
 }
 
 /// The placeholder the shipped manifests carry where the operator names their Cluster.
@@ -161,6 +144,16 @@ pub fn name_cluster(objects: &mut [Value], cluster: &str) -> usize {
 /// `helm template RELEASE <chart> --namespace NAMESPACE -f FILE…` with values files anywhere (later
 /// files override earlier ones, as with helm).
 pub fn helm_template_files(values: &[&Path], release: &str, namespace: &str) -> Vec<Value> {
+    helm_template_with(values, release, namespace, &[])
+}
+
+/// `helm template RELEASE <chart> --namespace NAMESPACE -f FILE… --set KEY=VALUE…`.
+fn helm_template_with(
+    values: &[&Path],
+    release: &str,
+    namespace: &str,
+    set: &[(&str, &str)],
+) -> Vec<Value> {
     let chart = chart().display().to_string();
     let mut args: Vec<String> = [
         "template",
@@ -176,6 +169,9 @@ pub fn helm_template_files(values: &[&Path], release: &str, namespace: &str) -> 
     .collect();
     for file in values {
         args.extend(["-f".to_string(), file.display().to_string()]);
+    }
+    for (key, value) in set {
+        args.extend(["--set".to_string(), format!("{key}={value}")]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     parse_stream(&run(&helm(), &args))

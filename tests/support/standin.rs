@@ -676,13 +676,7 @@ impl Worker {
             || current["ready"] != json!(true)
             || current["infrastructureMachineKind"] != json!(MACHINE_KIND)
         {
-            api.patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({ "status": status })),
-            )
-            .await
-            .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))?;
+            write_pool_status(&api, &name, status).await?;
         }
         Ok(())
     }
@@ -729,16 +723,7 @@ impl Worker {
             if lock(&self.state).nodes_made.contains(node_name) {
                 continue;
             }
-            let node = ready_node(node_name, id, &self.ns, &Value::Null)?;
-            match Api::<Node>::all(self.client.clone())
-                .create(&PostParams::default(), &node)
-                .await
-            {
-                Ok(_) => self.act(format!("Node {node_name} Ready ({id})")),
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
-                Err(e) => return Err(format!("create Node {node_name}: {e}")),
-            }
-            lock(&self.state).nodes_made.insert(node_name.to_string());
+            self.make_node(node_name, id, &Value::Null).await?;
         }
         let status = json!({
             "replicas": ids.len(),
@@ -747,14 +732,24 @@ impl Worker {
         });
         let current = &pool.data["status"];
         if current["replicas"] != status["replicas"] || current["ready"] != json!(true) {
-            api.patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({ "status": status })),
-            )
-            .await
-            .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))?;
+            write_pool_status(&api, &name, status).await?;
         }
+        Ok(())
+    }
+
+    /// Creates Ready Node `name` with providerID `id` and `capacity` (unless it exists), and
+    /// records it as made.
+    async fn make_node(&self, name: &str, id: &str, capacity: &Value) -> Result<(), String> {
+        let node = ready_node(name, id, &self.ns, capacity)?;
+        match Api::<Node>::all(self.client.clone())
+            .create(&PostParams::default(), &node)
+            .await
+        {
+            Ok(_) => self.act(format!("Node {name} Ready ({id})")),
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(format!("create Node {name}: {e}")),
+        }
+        lock(&self.state).nodes_made.insert(name.to_string());
         Ok(())
     }
 
@@ -801,16 +796,7 @@ impl Worker {
                 Some(t) => self.template_status(&t).await?,
                 None => Value::Null,
             };
-            let node = ready_node(&name, &id, &self.ns, &capacity)?;
-            match Api::<Node>::all(self.client.clone())
-                .create(&PostParams::default(), &node)
-                .await
-            {
-                Ok(_) => self.act(format!("Node {name} Ready ({id})")),
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
-                Err(e) => return Err(format!("create Node {name}: {e}")),
-            }
-            lock(&self.state).nodes_made.insert(name.clone());
+            self.make_node(&name, &id, &capacity).await?;
         }
         if machine.data["status"]["initialization"]["provisioned"] != json!(true) {
             let status = json!({"status": {"initialization": {"provisioned": true}}});
@@ -1044,4 +1030,20 @@ fn ready_node(name: &str, provider_id: &str, ns: &str, status: &Value) -> Result
         },
     });
     serde_json::from_value(node).map_err(|e| format!("Node {name} object: {e}"))
+}
+
+/// Writes `status` as the status of stand-in machine pool `name`.
+async fn write_pool_status(
+    api: &Api<DynamicObject>,
+    name: &str,
+    status: Value,
+) -> Result<(), String> {
+    api.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(&json!({ "status": status })),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| format!("write the status of {MACHINE_POOL_KIND} {name}: {e}"))
 }

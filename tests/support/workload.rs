@@ -102,6 +102,25 @@ async fn owner_uid(client: &Client, ns: &str) -> String {
     }
 }
 
+/// The spec of a pod of `cpu` and 512Mi on the scenario's Nodes (on Node `node` when given) with
+/// a 30 s grace period, so that an eviction leaves it Terminating until a kubelet (the stand-in)
+/// ends it.
+pub fn graceful_spec(ns: &str, cpu: &str, node: Option<&str>) -> serde_json::Value {
+    let mut spec = json!({
+        "terminationGracePeriodSeconds": 30,
+        "nodeSelector": {SCENARIO_LABEL: ns},
+        "containers": [{
+            "name": "app",
+            "image": "registry.k8s.io/pause:3.10",
+            "resources": {"requests": {"cpu": cpu, "memory": "512Mi"}},
+        }],
+    });
+    if let Some(node) = node {
+        spec["nodeName"] = json!(node);
+    }
+    spec
+}
+
 /// Creates pod `spec` in `ns`, owned by the namespace's workload ReplicaSet and pinned to the
 /// scenario's Nodes. The real kube-scheduler binds it, or marks it unschedulable for CA.
 pub async fn create_pod(client: &Client, ns: &str, spec: &PodSpec) -> Pod {
