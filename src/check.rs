@@ -195,80 +195,13 @@ fn options_text(o: &GroupOptions) -> String {
     }
 }
 
-/// The human-readable report.
+/// The human-readable report: the groups as a table, then each group's details, prices, what is not
+/// served and the problems.
 pub fn render_table(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "CLUSTER {}\n", report.cluster);
-    let rows: Vec<[String; 6]> = report
-        .groups
-        .iter()
-        .map(|g| {
-            let i = &g.instances;
-            [
-                g.id.clone(),
-                format!("{}/{}/{}", g.min, g.max, g.target),
-                format!(
-                    "{} running, {} creating, {} deleting, {} failed{}",
-                    i.running,
-                    i.creating,
-                    i.deleting,
-                    i.failed,
-                    if g.rollout.is_some() {
-                        " (rolling out)"
-                    } else {
-                        ""
-                    }
-                ),
-                match &g.template {
-                    Some(t) => {
-                        let gpu = t
-                            .gpu
-                            .as_ref()
-                            .map(|(ty, n)| format!(", {n}x {ty}"))
-                            .unwrap_or_default();
-                        format!(
-                            "{} cpu, {} mem{gpu}, {} pods, {}/{}",
-                            t.cpu, t.memory, t.pods, t.os, t.arch
-                        )
-                    }
-                    None => "none: cannot scale from zero".into(),
-                },
-                g.template
-                    .as_ref()
-                    .map(|t| t.capacity_source.to_string())
-                    .unwrap_or_else(|| "-".into()),
-                g.hourly_price
-                    .map(|p| format!("{p}"))
-                    .unwrap_or_else(|| "-".into()),
-            ]
-        })
-        .collect();
-    let header = [
-        "NODE GROUP",
-        "MIN/MAX/TARGET",
-        "INSTANCES",
-        "TEMPLATE",
-        "TEMPLATE SOURCE",
-        "PRICE/H",
-    ];
-    let mut widths = header.map(str::len);
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let line = |cells: &[String], out: &mut String| {
-        let text: Vec<String> = cells
-            .iter()
-            .zip(widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        let _ = writeln!(out, "{}", text.join("  ").trim_end());
-    };
-    line(&header.map(String::from), &mut out);
-    for row in &rows {
-        line(row, &mut out);
-    }
+    let rows: Vec<[String; 6]> = report.groups.iter().map(group_row).collect();
+    write_columns(&mut out, &rows);
     if report.groups.is_empty() {
         let _ = writeln!(
             out,
@@ -276,51 +209,7 @@ pub fn render_table(report: &Report) -> String {
         );
     }
     for g in &report.groups {
-        let details: Vec<String> = [
-            g.rollout.as_ref().map(|r| r.message.clone()),
-            g.preflight.as_ref().map(|p| {
-                format!(
-                    "scale-up held by Cluster API's preflight checks ({}): {} instance(s) reported \
-                     to CA as failed to create; {}",
-                    p.checks.join(", "),
-                    p.held,
-                    p.message
-                )
-            }),
-            (!g.foreign_marks.is_empty()).then(|| {
-                format!(
-                    "delete marks not written by this provider (Cluster API deletes them first; \
-                     scale-down of other nodes refused until replicas remove them): {}",
-                    g.foreign_marks.join(", ")
-                )
-            }),
-            g.template
-                .as_ref()
-                .and_then(|t| t.zone.as_ref())
-                .map(|z| format!("zone: {}", z.describe())),
-            g.template
-                .as_ref()
-                .filter(|t| !t.labels.is_empty())
-                .map(|t| {
-                    let labels: Vec<String> =
-                        t.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                    format!("labels: {}", labels.join(","))
-                }),
-            g.template
-                .as_ref()
-                .filter(|t| !t.taints.is_empty())
-                .map(|t| {
-                    let taints: Vec<String> = t.taints.iter().map(taint_string).collect();
-                    format!("taints: {}", taints.join(","))
-                }),
-            g.options
-                .as_ref()
-                .map(|o| format!("options: {}", options_text(o))),
-        ]
-        .into_iter()
-        .flatten()
-        .chain(g.notes.iter().map(|n| format!("note: {n}")))
-        .collect();
+        let details = group_details(g);
         if !details.is_empty() {
             let _ = writeln!(out, "\n{}", g.id);
             for d in details {
@@ -329,19 +218,7 @@ pub fn render_table(report: &Report) -> String {
         }
     }
     if report.groups.iter().any(|g| g.hourly_price.is_some()) {
-        let source = |s: &PriceSource| match s {
-            PriceSource::Flag => "flag".to_string(),
-            PriceSource::Derived(n) => format!("derived from {n} priced group(s)"),
-            PriceSource::Fallback => "fallback list price".to_string(),
-        };
-        let _ = writeln!(
-            out,
-            "\npod prices: {} per CPU-hour ({}), {} per GiB-hour ({})",
-            report.reference_prices.cpu_hour,
-            source(&report.reference_sources[0]),
-            report.reference_prices.gib_hour,
-            source(&report.reference_sources[1]),
-        );
+        let _ = writeln!(out, "\n{}", pod_prices(report));
     }
     if !report.skipped.is_empty() {
         let _ = writeln!(out, "\nNOT SERVED");
@@ -358,6 +235,136 @@ pub fn render_table(report: &Report) -> String {
         }
     }
     out
+}
+
+const COLUMNS: [&str; 6] = [
+    "NODE GROUP",
+    "MIN/MAX/TARGET",
+    "INSTANCES",
+    "TEMPLATE",
+    "TEMPLATE SOURCE",
+    "PRICE/H",
+];
+
+/// One group's row of the table, in the order of [`COLUMNS`].
+fn group_row(g: &GroupReport) -> [String; 6] {
+    let i = &g.instances;
+    let rolling = if g.rollout.is_some() {
+        " (rolling out)"
+    } else {
+        ""
+    };
+    let template = match &g.template {
+        Some(t) => {
+            let gpu = t
+                .gpu
+                .as_ref()
+                .map(|(ty, n)| format!(", {n}x {ty}"))
+                .unwrap_or_default();
+            format!(
+                "{} cpu, {} mem{gpu}, {} pods, {}/{}",
+                t.cpu, t.memory, t.pods, t.os, t.arch
+            )
+        }
+        None => "none: cannot scale from zero".into(),
+    };
+    [
+        g.id.clone(),
+        format!("{}/{}/{}", g.min, g.max, g.target),
+        format!(
+            "{} running, {} creating, {} deleting, {} failed{rolling}",
+            i.running, i.creating, i.deleting, i.failed
+        ),
+        template,
+        g.template
+            .as_ref()
+            .map(|t| t.capacity_source.to_string())
+            .unwrap_or_else(|| "-".into()),
+        g.hourly_price
+            .map(|p| format!("{p}"))
+            .unwrap_or_else(|| "-".into()),
+    ]
+}
+
+/// The header and the rows, each column as wide as its widest cell.
+fn write_columns(out: &mut String, rows: &[[String; 6]]) {
+    let mut widths = COLUMNS.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut line = |cells: &[String]| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        let _ = writeln!(out, "{}", text.join("  ").trim_end());
+    };
+    line(&COLUMNS.map(String::from));
+    for row in rows {
+        line(row);
+    }
+}
+
+/// What the table has no room for: rollout, preflight hold, foreign marks, zone, labels, taints,
+/// options, notes.
+fn group_details(g: &GroupReport) -> Vec<String> {
+    let template = g.template.as_ref();
+    [
+        g.rollout.as_ref().map(|r| r.message.clone()),
+        g.preflight.as_ref().map(|p| {
+            format!(
+                "scale-up held by Cluster API's preflight checks ({}): {} instance(s) reported \
+                 to CA as failed to create; {}",
+                p.checks.join(", "),
+                p.held,
+                p.message
+            )
+        }),
+        (!g.foreign_marks.is_empty()).then(|| {
+            format!(
+                "delete marks not written by this provider (Cluster API deletes them first; \
+                 scale-down of other nodes refused until replicas remove them): {}",
+                g.foreign_marks.join(", ")
+            )
+        }),
+        template
+            .and_then(|t| t.zone.as_ref())
+            .map(|z| format!("zone: {}", z.describe())),
+        template.filter(|t| !t.labels.is_empty()).map(|t| {
+            let labels: Vec<String> = t.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("labels: {}", labels.join(","))
+        }),
+        template.filter(|t| !t.taints.is_empty()).map(|t| {
+            let taints: Vec<String> = t.taints.iter().map(taint_string).collect();
+            format!("taints: {}", taints.join(","))
+        }),
+        g.options
+            .as_ref()
+            .map(|o| format!("options: {}", options_text(o))),
+    ]
+    .into_iter()
+    .flatten()
+    .chain(g.notes.iter().map(|n| format!("note: {n}")))
+    .collect()
+}
+
+/// The reference prices pods are priced by, and where each comes from.
+fn pod_prices(report: &Report) -> String {
+    let source = |s: &PriceSource| match s {
+        PriceSource::Flag => "flag".to_string(),
+        PriceSource::Derived(n) => format!("derived from {n} priced group(s)"),
+        PriceSource::Fallback => "fallback list price".to_string(),
+    };
+    format!(
+        "pod prices: {} per CPU-hour ({}), {} per GiB-hour ({})",
+        report.reference_prices.cpu_hour,
+        source(&report.reference_sources[0]),
+        report.reference_prices.gib_hour,
+        source(&report.reference_sources[1]),
+    )
 }
 
 /// Prints the report; exit code 1 when there are problems.
