@@ -92,7 +92,7 @@ fn preflight_report(group: &NodeGroup) -> Option<PreflightReport> {
         held: group
             .instances
             .iter()
-            .filter(|i| crate::preflight::is_held_id(&i.id))
+            .filter(|i| crate::capi::preflight::is_held_id(&i.id))
             .count(),
     })
 }

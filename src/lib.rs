@@ -18,7 +18,6 @@ pub mod logging;
 pub mod metrics;
 mod object;
 pub mod options;
-pub mod preflight;
 pub mod pricing;
 pub mod print_template;
 pub mod problem;

@@ -8,6 +8,7 @@ mod bounds;
 pub mod names;
 pub mod owners;
 mod parse;
+pub mod preflight;
 pub mod providerid;
 pub mod quantity;
 pub mod rollout;
@@ -208,7 +209,7 @@ pub struct ScalableResource {
     /// MachineDeployments: the v1beta2 condition `RollingOut` is `True` (see `rollout`).
     pub rolling_out: bool,
     /// MachineSets: preflight checks holding the scale-up, as its conditions say (see `preflight`).
-    pub preflight: Option<crate::preflight::PreflightHold>,
+    pub preflight: Option<crate::capi::preflight::PreflightHold>,
     /// The `cluster.x-k8s.io/paused` annotation: Cluster API does not act on the object. (A
     /// MachineDeployment's `spec.paused` pauses its rollouts only, not its scaling.)
     pub paused: bool,

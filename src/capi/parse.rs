@@ -171,11 +171,13 @@ fn condition_has_status(obj: &Value, type_: &str, status: &str) -> Result<bool, 
     Ok(false)
 }
 
-/// The preflight hold a MachineSet's conditions report (see `crate::preflight`): v1beta2 conditions
+/// The preflight hold a MachineSet's conditions report (see `crate::capi::preflight`): v1beta2 conditions
 /// in `status.conditions` (v1beta2) or `status.v1beta2.conditions` (v1beta1), the deprecated v1beta1
 /// ones in `status.deprecated.v1beta1.conditions` (v1beta2) or `status.conditions` (v1beta1). Entries
 /// that are not objects, or whose fields are not strings, are skipped.
-fn preflight_hold(obj: &Value) -> Result<Option<crate::preflight::PreflightHold>, ParseError> {
+fn preflight_hold(
+    obj: &Value,
+) -> Result<Option<crate::capi::preflight::PreflightHold>, ParseError> {
     let mut conditions = Vec::new();
     for path in [
         &["status", "conditions"][..],
@@ -187,7 +189,7 @@ fn preflight_hold(obj: &Value) -> Result<Option<crate::preflight::PreflightHold>
         };
         for c in list.iter().filter_map(Value::as_object) {
             let text = |key: &str| c.get(key).and_then(Value::as_str).unwrap_or_default();
-            conditions.push(crate::preflight::Condition {
+            conditions.push(crate::capi::preflight::Condition {
                 type_: text("type"),
                 status: text("status"),
                 reason: text("reason"),
@@ -195,7 +197,7 @@ fn preflight_hold(obj: &Value) -> Result<Option<crate::preflight::PreflightHold>
             });
         }
     }
-    Ok(crate::preflight::hold_of(&conditions))
+    Ok(crate::capi::preflight::hold_of(&conditions))
 }
 
 /// `spec.template.spec.infrastructureRef`: `None` when absent; `Some(Err)` when present but unusable.

@@ -10,8 +10,8 @@ use super::state::GroupState;
 use super::write::Change;
 use super::{Actuator, MAX_ATTEMPTS, now_unix};
 use crate::backend::{ActuatorError, NodeToDelete};
+use crate::capi::preflight;
 use crate::capi::{ObjectKey, ScalableKind};
-use crate::preflight;
 use crate::removal::{
     self, Cancellation, Counts, Deletion, LEDGER_ANNOTATION, Ledger, TAKING_BACK_ANNOTATION,
     pool_node_entry,

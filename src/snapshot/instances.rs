@@ -153,16 +153,16 @@ pub(super) fn held_instances(
         .filter(|i| i.machine.is_some() && i.state != InstanceState::Deleting)
         .count()
         + unlisted;
-    let count = crate::preflight::held_count(group.target, machines);
+    let count = crate::capi::preflight::held_count(group.target, machines);
     // Class "other": CA backs the group off the same for either class, and nothing is out of
     // resources.
     let error = InstanceError {
-        code: crate::preflight::error_code(hold),
-        message: crate::preflight::error_message(&group.id, hold),
+        code: crate::capi::preflight::error_code(hold),
+        message: crate::capi::preflight::error_message(&group.id, hold),
         class: OTHER_ERROR_CLASS,
     };
     let key = &group.resource.key;
-    crate::preflight::held_ids(group.kind().as_str(), &key.namespace, &key.name, count)
+    crate::capi::preflight::held_ids(group.kind().as_str(), &key.namespace, &key.name, count)
         .into_iter()
         .map(|id| Instance {
             id,

@@ -90,8 +90,8 @@ pub struct NodeGroup {
     pub rollout: Option<Rollout>,
     /// Set while Cluster API's preflight checks hold back the group's scale-up (its MachineSet's, or
     /// one of its MachineDeployment's): the replicas beyond its Machines are reported as instances
-    /// being created with an error (`crate::preflight`).
-    pub preflight: Option<crate::preflight::PreflightHold>,
+    /// being created with an error (`crate::capi::preflight`).
+    pub preflight: Option<crate::capi::preflight::PreflightHold>,
 }
 
 impl NodeGroup {

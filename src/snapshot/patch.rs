@@ -136,7 +136,8 @@ impl<'a> Builder<'a> {
     /// changed or the held-back ones differ: other ids than before need a new lookup.
     fn same_instances_again(&self, old: &NodeGroup, group: &mut NodeGroup) -> Option<()> {
         let index = self.index;
-        let is_held = |i: &Instance| i.machine.is_none() && crate::preflight::is_held_id(&i.id);
+        let is_held =
+            |i: &Instance| i.machine.is_none() && crate::capi::preflight::is_held_id(&i.id);
         let mut list = Vec::with_capacity(old.instances.len());
         for instance in old.instances.iter().filter(|i| !is_held(i)) {
             match &instance.machine {

@@ -1582,7 +1582,7 @@ fn a_machine_with_an_empty_pool_label_stays_with_its_machine_set() {
 fn a_preflight_hold_reports_the_replicas_beyond_the_machines_as_instances_created_with_an_error() {
     let mut index = Index::default();
     let mut ms = resource(ScalableKind::MachineSet, "ms", Some("0"), Some("5"), 3);
-    ms.preflight = Some(crate::preflight::PreflightHold {
+    ms.preflight = Some(crate::capi::preflight::PreflightHold {
         checks: vec!["ControlPlaneIsStable".into()],
         message: "upgrading".into(),
     });

@@ -89,7 +89,7 @@ fn held_scale_ups(snapshot: &Snapshot) -> Vec<(String, String)> {
             let held = g
                 .instances
                 .iter()
-                .filter(|i| crate::preflight::is_held_id(&i.id))
+                .filter(|i| crate::capi::preflight::is_held_id(&i.id))
                 .count();
             (held > 0).then(|| {
                 (

@@ -13,7 +13,7 @@
 //! failed)`; recomputed on every reconcile, so it never outlives the hold. The deprecated v1beta1
 //! condition `MachinesCreated` is `False` with reason `PreflightCheckFailed` and the messages joined
 //! by `; `; it is only rewritten when Machines are created, so it is believed only while the group
-//! still lacks Machines. Pure: the snapshot and the actuator feed it; it imports neither.
+//! still lacks Machines. Pure: the snapshot and the writer feed it; it imports neither.
 
 /// Made-up instance ids of capacity a preflight check holds back: `preflight-held-<kind>-<ns>_<name>-<n>`.
 pub const HELD_PREFIX: &str = "preflight-held-";
