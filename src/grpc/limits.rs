@@ -51,20 +51,8 @@ pub(super) fn pod_bytes_within_limits(bytes: &[u8]) -> Result<(), Status> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_pb::api::core::v1::{Container, Pod, PodSpec};
-    use prost::Message;
+    use crate::grpc::wire::tests::pod_with_containers;
     use tonic::Code;
-
-    fn pod_with_containers(n: usize) -> Vec<u8> {
-        Pod {
-            spec: Some(PodSpec {
-                containers: vec![Container::default(); n],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-        .encode_to_vec()
-    }
 
     #[test]
     fn a_long_status_message_is_cut_keeps_its_code_and_says_how_long_it_was() {

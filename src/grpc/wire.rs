@@ -169,11 +169,12 @@ fn varint(buf: &[u8]) -> Option<(u64, &[u8])> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use prost::Message;
 
-    fn pod_with_containers(n: usize) -> Vec<u8> {
+    /// A pod of `n` empty containers, encoded.
+    pub(in crate::grpc) fn pod_with_containers(n: usize) -> Vec<u8> {
         use k8s_pb::api::core::v1::{Container, Pod, PodSpec};
         Pod {
             spec: Some(PodSpec {

@@ -4,9 +4,9 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kube::api::{Api, ListParams, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 
 use super::Actuator;
 use super::state::GroupState;
@@ -130,6 +130,28 @@ pub(super) fn members<'a>(
 }
 
 impl Actuator {
+    /// A guarded merge patch of `name`, its outcome (`ok`, `conflict`, `error`) and latency counted
+    /// under `operation`.
+    pub(super) async fn patch_counted(
+        &self,
+        api: &Api<ApiObject>,
+        name: &str,
+        patch: &serde_json::Value,
+        what: &str,
+        operation: &'static str,
+    ) -> Result<ApiObject, ApiFailure> {
+        let started = Instant::now();
+        let result = call(what, api.patch(name, &write_params(), &Patch::Merge(patch))).await;
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(ApiFailure::Conflict) => "conflict",
+            Err(ApiFailure::Other(_)) => "error",
+        };
+        self.metrics
+            .api_write(operation, outcome, started.elapsed());
+        result
+    }
+
     pub(super) fn group_api(
         &self,
         kind: ScalableKind,

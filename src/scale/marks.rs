@@ -30,29 +30,16 @@ impl Actuator {
         if let Some(machine) = self.store.cached_machine(key) {
             patch["metadata"]["resourceVersion"] = json!(machine.resource_version);
         }
-        let started = Instant::now();
-        match call(
-            &what,
-            api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
-        )
-        .await
+        match self
+            .patch_counted(&api, &key.name, &patch, &what, "mark-machine")
+            .await
         {
             Ok(marked) => {
-                self.metrics
-                    .api_write("mark-machine", "ok", started.elapsed());
                 self.store.record(None, marked);
                 Ok(true)
             }
-            Err(ApiFailure::Conflict) => {
-                self.metrics
-                    .api_write("mark-machine", "conflict", started.elapsed());
-                Ok(false)
-            }
-            Err(ApiFailure::Other(e)) => {
-                self.metrics
-                    .api_write("mark-machine", "error", started.elapsed());
-                Err(e)
-            }
+            Err(ApiFailure::Conflict) => Ok(false),
+            Err(ApiFailure::Other(e)) => Err(e),
         }
     }
 

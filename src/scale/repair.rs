@@ -2,12 +2,11 @@
 //! between its two writes, or a raise that absorbed its decrement), confirmed from the API first.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kube::api::Patch;
 use serde_json::json;
 
-use super::api::{ApiFailure, call, members, write_params};
+use super::api::{ApiFailure, members};
 use super::state::GroupState;
 use super::{Actuator, now_unix};
 use crate::backend::ActuatorError;
@@ -111,31 +110,18 @@ impl Actuator {
             "resourceVersion": live.resource_version,
             "annotations": {TAKING_BACK_ANNOTATION: record.render()},
         }});
-        let started = Instant::now();
-        match call(
-            &what,
-            api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
-        )
-        .await
+        match self
+            .patch_counted(&api, &key.name, &patch, &what, "repair-record")
+            .await
         {
             Ok(object) => {
-                self.metrics
-                    .api_write("repair-record", "ok", started.elapsed());
                 self.store.record(Some(group.kind()), object);
                 Ok(())
             }
-            Err(ApiFailure::Conflict) => {
-                self.metrics
-                    .api_write("repair-record", "conflict", started.elapsed());
-                Err(ActuatorError::Conflict(format!(
-                    "{what}: the group changed since the repair read it"
-                )))
-            }
-            Err(ApiFailure::Other(e)) => {
-                self.metrics
-                    .api_write("repair-record", "error", started.elapsed());
-                Err(e)
-            }
+            Err(ApiFailure::Conflict) => Err(ActuatorError::Conflict(format!(
+                "{what}: the group changed since the repair read it"
+            ))),
+            Err(ApiFailure::Other(e)) => Err(e),
         }
     }
 

@@ -4,10 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use kube::api::Patch;
 use serde_json::json;
 
-use super::api::{ApiFailure, call, write_params};
+use super::api::ApiFailure;
 use super::state::GroupState;
 use super::{Actuator, MAX_ATTEMPTS, now_unix, now_unix_ceil};
 use crate::backend::ActuatorError;
@@ -161,26 +160,18 @@ impl Actuator {
                 }
             };
             let started = Instant::now();
-            match call(
-                &what,
-                api.patch(&key.name, &write_params(), &Patch::Merge(&patch)),
-            )
-            .await
+            match self
+                .patch_counted(&api, &key.name, &patch, &what, operation)
+                .await
             {
                 Ok(object) => {
-                    self.metrics.api_write(operation, "ok", started.elapsed());
                     self.store.record(Some(group.kind()), object);
                     tracing::info!(group = %group.id, from = state.replicas, to = wanted.replicas, elapsed = ?started.elapsed(), "{operation}");
                     self.size_changed(group, operation, state.replicas, &wanted);
                     return Ok(wanted.replicas);
                 }
-                Err(ApiFailure::Conflict) => {
-                    self.metrics
-                        .api_write(operation, "conflict", started.elapsed());
-                }
+                Err(ApiFailure::Conflict) => {}
                 Err(ApiFailure::Other(e)) => {
-                    self.metrics
-                        .api_write(operation, "error", started.elapsed());
                     if !e.is_unreachable() {
                         return Err(e);
                     }
