@@ -44,7 +44,7 @@ use tonic::{Code, Status};
 /// One fault test at a time: they stall, kill and stop processes of this binary's control plane.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The provider's per-call bound on API requests (`CALL_TIMEOUT` in src/actuator.rs): stalls longer
+/// The provider's per-call bound on API requests (`CALL_TIMEOUT` in src/scale/api.rs): stalls longer
 /// than this make the provider give up on a request the network may still deliver.
 const PROVIDER_CALL_TIMEOUT: Duration = Duration::from_secs(4);
 /// Attempts at a replica write before the provider answers ABORTED (`MAX_ATTEMPTS`).
