@@ -823,6 +823,28 @@ async fn explain_says_why_ca_did_or_did_not_scale_up_for_a_pod() {
             support::infra::run_cli(&args, Duration::from_secs(60)).await
         }
     };
+    // CA's verdict on a pod may change from loop to loop (a first NotTriggerScaleUp can name only the
+    // Nodes it did not match, before the groups' templates, or while md-a's new Node comes up): ask
+    // until it names `reason`.
+    let settled = async |pod: &str, reason: &str| {
+        let result = poll_until(
+            &format!("CA's verdict on {pod} names {reason:?}"),
+            UP,
+            Duration::from_millis(500),
+            || async {
+                let verdict = explain(pod, true).await.json()["verdict"].clone();
+                if verdict["reasons"].to_string().contains(reason) {
+                    Check::Done(())
+                } else {
+                    Check::Wait(format!("{verdict:#}"))
+                }
+            },
+        )
+        .await;
+        if let Err(e) = result {
+            s.fail(&e);
+        }
+    };
     let mut screens = Vec::new();
     let mut explained = std::collections::BTreeMap::new();
     let mut explain_now = async |pod: &'static str| {
@@ -836,6 +858,7 @@ async fn explain_says_why_ca_did_or_did_not_scale_up_for_a_pod() {
 
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("too-big", "8", "1Gi")).await;
     wait_pod_event(&s, "too-big", "NotTriggerScaleUp").await;
+    settled("too-big", "Insufficient cpu").await;
     explain_now("too-big").await;
 
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("fits", "1500m", "1Gi")).await;
@@ -845,28 +868,7 @@ async fn explain_says_why_ca_did_or_did_not_scale_up_for_a_pod() {
 
     workload::create_pod(&s.client, &s.ns, &PodSpec::new("over-max", "1500m", "1Gi")).await;
     wait_pod_event(&s, "over-max", "NotTriggerScaleUp").await;
-    // CA's verdict on a pod may change from loop to loop while md-a's new Node comes up (a first
-    // NotTriggerScaleUp can name only the Node it did not match); ask until it names md-a's max.
-    let settled = poll_until(
-        "CA's verdict on over-max names the max node group size",
-        UP,
-        Duration::from_millis(500),
-        || async {
-            let verdict = explain("over-max", true).await.json()["verdict"].clone();
-            if verdict["reasons"]
-                .to_string()
-                .contains("max node group size reached")
-            {
-                Check::Done(())
-            } else {
-                Check::Wait(format!("{verdict:#}"))
-            }
-        },
-    )
-    .await;
-    if let Err(e) = settled {
-        s.fail(&e);
-    }
+    settled("over-max", "max node group size reached").await;
     explain_now("over-max").await;
     eprintln!("e2e: explain screens:\n{}", screens.join("\n"));
 
