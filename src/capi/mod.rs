@@ -295,3 +295,32 @@ pub struct ClusterTopology {
     /// `spec.paused` or the paused annotation: Cluster API acts on none of its groups.
     pub paused: bool,
 }
+
+/// Test fixtures of the Cluster API views, for the unit tests of every module.
+#[cfg(test)]
+pub(crate) mod test_fixtures {
+    use super::{MachineTemplate, ObjectKey, ScalableKind, ScalableResource};
+    use std::collections::BTreeMap;
+
+    /// A resource `ns/name` of Cluster `c1` at zero replicas, with no labels, annotations or owners.
+    pub(crate) fn resource(kind: ScalableKind, name: &str) -> ScalableResource {
+        ScalableResource {
+            kind,
+            key: ObjectKey::new("ns", name),
+            uid: String::new(),
+            resource_version: "1".into(),
+            labels: BTreeMap::new(),
+            annotations: BTreeMap::new(),
+            cluster_name: "c1".into(),
+            replicas: Some(0),
+            status_replicas: None,
+            rolling_out: false,
+            preflight: None,
+            paused: false,
+            owners: Vec::new(),
+            template: MachineTemplate::default(),
+            provider_id_list: Vec::new(),
+            topology: None,
+        }
+    }
+}

@@ -74,7 +74,8 @@ fn named<'a>(labels: &'a std::collections::BTreeMap<String, String>, key: &str) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capi::{MachineTemplate, ObjectKey, OwnerRef};
+    use crate::capi::test_fixtures::resource;
+    use crate::capi::{ObjectKey, OwnerRef};
     use std::collections::BTreeMap;
 
     fn owner(kind: &str, name: &str) -> OwnerRef {
@@ -86,24 +87,8 @@ mod tests {
 
     fn machine_set(owners: Vec<OwnerRef>, label: Option<&str>) -> ScalableResource {
         let keys = Keys::default();
-        let mut ms = ScalableResource {
-            kind: ScalableKind::MachineSet,
-            key: ObjectKey::new("ns", "ms"),
-            uid: String::new(),
-            resource_version: "1".into(),
-            labels: BTreeMap::new(),
-            annotations: BTreeMap::new(),
-            cluster_name: "c1".into(),
-            replicas: Some(0),
-            status_replicas: None,
-            rolling_out: false,
-            preflight: None,
-            paused: false,
-            owners,
-            template: MachineTemplate::default(),
-            provider_id_list: Vec::new(),
-            topology: None,
-        };
+        let mut ms = resource(ScalableKind::MachineSet, "ms");
+        ms.owners = owners;
         if let Some(label) = label {
             ms.labels
                 .insert(keys.deployment_name_label.clone(), label.into());

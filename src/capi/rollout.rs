@@ -126,29 +126,8 @@ pub fn rollout(deployment: &ScalableResource, sets: &[&ScalableResource]) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capi::{MachineTemplate, ScalableKind};
-    use std::collections::BTreeMap;
-
-    fn object(kind: ScalableKind, name: &str) -> ScalableResource {
-        ScalableResource {
-            kind,
-            key: ObjectKey::new("ns", name),
-            uid: String::new(),
-            resource_version: "1".into(),
-            labels: BTreeMap::new(),
-            annotations: BTreeMap::new(),
-            cluster_name: "c1".into(),
-            replicas: Some(0),
-            status_replicas: None,
-            rolling_out: false,
-            preflight: None,
-            paused: false,
-            owners: Vec::new(),
-            template: MachineTemplate::default(),
-            provider_id_list: Vec::new(),
-            topology: None,
-        }
-    }
+    use crate::capi::ScalableKind;
+    use crate::capi::test_fixtures::resource as object;
 
     fn md() -> ScalableResource {
         object(ScalableKind::MachineDeployment, "md")
