@@ -11,7 +11,7 @@ use crate::object::{ApiObject, NodeObject};
 const MD: Watched = Watched::Scalable(ScalableKind::MachineDeployment);
 const E2E_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 
-fn object(value: Value) -> ApiObject {
+pub(super) fn object(value: Value) -> ApiObject {
     ApiObject::from_json(value).expect("an object")
 }
 
@@ -38,7 +38,7 @@ fn md(name: &str, rv: &str, replicas: i64, labels: Value, infra: Option<&str>) -
     }))
 }
 
-fn machine(name: &str, rv: &str, provider_id: &str, mark: Option<&str>) -> ApiObject {
+pub(super) fn machine(name: &str, rv: &str, provider_id: &str, mark: Option<&str>) -> ApiObject {
     let annotations = match mark {
         Some(mark) => json!({"cluster.x-k8s.io/delete-machine": mark}),
         None => json!({}),

@@ -248,16 +248,13 @@ pub(crate) fn object_key(obj: &impl ResourceExt) -> ObjectKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::tests::{machine as machine_with_provider_id, object};
     use crate::object::NodeObject;
     use crate::snapshot::Settings;
     use serde_json::json;
 
     fn keys() -> Keys {
         Keys::default()
-    }
-
-    fn object(value: serde_json::Value) -> ApiObject {
-        ApiObject::from_json(value).unwrap()
     }
 
     fn md(name: &str, rv: &str, replicas: i64, max: &str) -> ApiObject {
@@ -277,20 +274,7 @@ mod tests {
     }
 
     fn machine(name: &str, rv: &str, mark: Option<&str>) -> ApiObject {
-        let mut annotations = serde_json::Map::new();
-        if let Some(mark) = mark {
-            annotations.insert("cluster.x-k8s.io/delete-machine".into(), json!(mark));
-        }
-        object(json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2",
-            "kind": "Machine",
-            "metadata": {
-                "name": name, "namespace": "ns", "uid": format!("uid-{name}"), "resourceVersion": rv,
-                "annotations": annotations,
-                "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineSet", "name": "ms", "uid": "u"}],
-            },
-            "spec": {"clusterName": "c1", "providerID": format!("e2e:///{name}")},
-        }))
+        machine_with_provider_id(name, rv, &format!("e2e:///{name}"), mark)
     }
 
     fn node(name: &str, labels: serde_json::Value) -> NodeObject {
