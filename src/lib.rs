@@ -22,7 +22,7 @@ pub mod pricing;
 pub mod print_template;
 pub mod problem;
 pub mod proto;
-mod removal;
+pub mod protocol;
 mod scale;
 pub mod scope;
 pub mod server;

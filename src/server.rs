@@ -108,7 +108,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Arc::clone(&metrics),
     );
     let actuator = Arc::new(
-        Actuator::new(store, Arc::clone(&metrics)).with_mark_grace(args.mark_grace_period),
+        Actuator::new(store, Arc::clone(&metrics)).with_wait(args.request_timeout * 3 / 4),
     );
     actuator.spawn_repair(args.repair_interval, args.mark_grace_period);
     let service = Service::new(actuator, metrics);

@@ -368,6 +368,8 @@ pub(crate) fn same_but_counts(
         cluster_name,
         replicas,
         status_replicas: _,
+        generation: _,
+        observed_generation: _,
         rolling_out: _,
         preflight: _,
         paused,

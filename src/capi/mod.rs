@@ -206,6 +206,10 @@ pub struct ScalableResource {
     pub replicas: Option<i32>,
     /// `status.replicas`: the Machines there are, which lags `spec.replicas` while they come and go.
     pub status_replicas: Option<i32>,
+    /// `metadata.generation`: bumped by every change of the spec.
+    pub generation: Option<i64>,
+    /// `status.observedGeneration`: the generation Cluster API's controller last acted on.
+    pub observed_generation: Option<i64>,
     /// MachineDeployments: the v1beta2 condition `RollingOut` is `True` (see `rollout`).
     pub rolling_out: bool,
     /// MachineSets: preflight checks holding the scale-up, as its conditions say (see `preflight`).
@@ -220,6 +224,19 @@ pub struct ScalableResource {
     /// Managed by a ClusterClass topology (label `topology.cluster.x-k8s.io/owned`): the name of its
     /// entry in the Cluster's `spec.topology.workers` (label `…/deployment-name` or `…/pool-name`).
     pub topology: Option<String>,
+}
+
+impl ScalableResource {
+    /// Whether Cluster API's controller has acted on this object's current spec (its
+    /// observedGeneration has reached its generation). An object without a generation (not from
+    /// an API server) counts as observed.
+    pub fn observed(&self) -> bool {
+        match (self.generation, self.observed_generation) {
+            (Some(generation), Some(observed)) => observed >= generation,
+            (Some(_), None) => false,
+            (None, _) => true,
+        }
+    }
 }
 
 /// Why a Machine counts as failed, from v1beta1 fields or v1beta2 conditions.
@@ -314,6 +331,8 @@ pub(crate) mod test_fixtures {
             cluster_name: "c1".into(),
             replicas: Some(0),
             status_replicas: None,
+            generation: None,
+            observed_generation: None,
             rolling_out: false,
             preflight: None,
             paused: false,

@@ -100,6 +100,8 @@ impl ScalableResource {
         let cluster_name = cluster_name(obj, keys, &meta.labels)?;
         let replicas = opt_i32(obj, &["spec", "replicas"])?;
         let status_replicas = opt_i32(obj, &["status", "replicas"])?;
+        let generation = opt_i64(obj, &["metadata", "generation"])?;
+        let observed_generation = opt_i64(obj, &["status", "observedGeneration"])?;
         let rolling_out = kind == ScalableKind::MachineDeployment
             && condition_has_status(obj, ROLLING_OUT_CONDITION, "True")?;
         let preflight = match kind {
@@ -138,6 +140,8 @@ impl ScalableResource {
             cluster_name,
             replicas,
             status_replicas,
+            generation,
+            observed_generation,
             rolling_out,
             preflight,
             paused,
@@ -711,6 +715,17 @@ fn opt_i32(obj: &Value, path: &[&str]) -> Result<Option<i32>, ParseError> {
             None if n.is_u64() => Err(ParseError::wrong_type(dotted(path), "a 32-bit integer", v)),
             None => Err(ParseError::wrong_type(dotted(path), "an integer", v)),
         },
+        Some(other) => Err(ParseError::wrong_type(dotted(path), "an integer", other)),
+    }
+}
+
+fn opt_i64(obj: &Value, path: &[&str]) -> Result<Option<i64>, ParseError> {
+    match lookup(obj, path)? {
+        None => Ok(None),
+        Some(v @ Value::Number(n)) => n
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| ParseError::wrong_type(dotted(path), "an integer", v)),
         Some(other) => Err(ParseError::wrong_type(dotted(path), "an integer", other)),
     }
 }

@@ -1,30 +1,27 @@
-//! The repair: takes back our delete marks the replicas do not pay for (a removal interrupted
-//! between its two writes, or a raise that absorbed its decrement), confirmed from the API first.
+//! The repair loop: every interval, a round of the protocol's repair (`crate::protocol::Repair`) on
+//! each group whose cached objects show something to settle, take back or clean; confirmed from
+//! the API by the round's own fresh read. Records of a removal (a claim, an unrecorded mark, a
+//! taking-back entry on a Machine without its mark) are left alone until this provider has seen
+//! them waiting for `--mark-grace-period`: longer than any operation lives, so a removal in
+//! flight on another provider is never taken back under it. Safety does not rest on that timing
+//! (the protocol's records do it); only how soon a stopped removal is cleaned up.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use serde_json::json;
+use super::Actuator;
+use super::execute::Caller;
+use crate::lock;
+use crate::protocol::{Next, Operation, Repair, RepairAction, Ripe};
 
-use super::api::{ApiFailure, members};
-use super::state::GroupState;
-use super::{Actuator, now_unix};
-use crate::backend::ActuatorError;
-use crate::capi::{Machine, ObjectKey};
-use crate::removal::{self, Counts, Ledger, MachineState, TAKING_BACK_ANNOTATION, mark_entry};
-use crate::snapshot::NodeGroup;
+/// When each waiting record was first seen, by group and entry.
+pub(super) type Waiting = HashMap<(String, String), Instant>;
 
 impl Actuator {
-    /// Takes back the marks of ours that replicas do not pay for and that are older than `grace` (as
-    /// the cache shows it, confirmed from the API), in groups no provider raised within `grace`
-    /// (the group's [`RAISED_ANNOTATION`]): what a crash, a lost answer or a dropped call left
-    /// between the two writes of a removal, or a raise absorbed (see [`removal::orphans`]). The node
-    /// stays; CA asks again if it still wants it gone, a fresh removal. Each repair is logged,
-    /// counted (`api_writes_total{operation="repair-unmark"}`) and recorded as an Event on the
-    /// Machine.
+    /// One round over every group; the number of marks taken back and removals settled.
     pub async fn repair(&self, grace: Duration) -> usize {
         let snapshot = self.store.snapshot();
-        let delete_key = self.store.settings().keys.delete_machine.clone();
         let mut repaired = 0;
         for (id, _) in snapshot.groups.iter() {
             let group_lock = self.group_lock(&snapshot, id);
@@ -32,112 +29,97 @@ impl Actuator {
             // Fresh after taking the lock: an operation that just finished has recorded its writes.
             self.store.refresh();
             let current = self.store.snapshot();
-            let Some(group) = current.group(id) else {
+            let Some(group) = current.group(id).cloned() else {
                 continue;
             };
-            let Ok(cached) = self.cached(group) else {
+            let ripe = self.ripe(id, grace);
+            // The cache first: no API call for a group with nothing to do.
+            let Ok(cached) = self.cached_read(id, &group) else {
                 continue;
             };
-            // Taking back a mark whose decrement did land would let CAPI remove an unmarked Machine,
-            // and the caches lag the API (for seconds after an outage, while Machines come and go;
-            // another provider's raise or payment). So what the cache shows unpaid is confirmed
-            // from the group and its Machines as the API has them before anything is taken back.
-            if self.unpaid_marks(group, &cached, grace).is_empty() {
+            let mut look = Repair::new(Ripe::Only(ripe.clone()));
+            let would_write = matches!(look.read(&cached), Next::Write(_));
+            self.saw(id, look.seen());
+            if !would_write {
                 continue;
             }
-            // The group read, then its Machines listed: a Machine created or deleted after the
-            // read only makes fewer marks look unpaid. Another provider's removal between the two
-            // is marked before its decrement, so it looks paid, or owed and too young to take.
-            let live = match self.live(group).await {
-                Ok(live) => live,
-                Err(e) => {
-                    tracing::debug!(group = %group.id, "repair postponed: {e}");
-                    continue;
-                }
-            };
-            if let Err(e) = self.sync_machines(&group.resource.key.namespace).await {
-                tracing::debug!(group = %group.id, "repair postponed: {e}");
-                continue;
+            let mut op = Operation::Repair(Repair::new(Ripe::Only(ripe)));
+            if let Err(e) = self
+                .execute(id, &group, Caller::Repair, &mut op, Instant::now())
+                .await
+            {
+                tracing::debug!(group = %id, "repair postponed: {e}");
             }
-            let Ok((_, group)) = self.group(id) else {
+            let Operation::Repair(done) = &op else {
                 continue;
             };
-            let confirmed = self.unpaid_marks(&group, &live, grace);
-            if confirmed.is_empty() {
-                continue;
-            }
-            // Recorded on the group first, guarded by the version decided from: a decrement in
-            // flight from another provider then either landed before (this conflicts; the mark is
-            // paid and stays) or meets a conflict after, reads the record, and pays nothing.
-            if let Err(e) = self.record_taking_back(&group, &live, &confirmed).await {
-                tracing::debug!(group = %group.id, "repair postponed: {e}");
-                continue;
-            }
-            for (key, version) in confirmed {
-                if self.unmark(&key, &delete_key, None, Some(&version)).await {
-                    repaired += 1;
-                    self.metrics.mark_repaired();
-                    let note = format!(
-                        "{}: delete mark taken back: the replicas of {} do not pay for it (a removal interrupted part-way, or a raise absorbed its decrement); the node stays",
-                        group.id, group.resource.key
-                    );
-                    tracing::warn!(group = %group.id, machine = %key, "{note}");
-                    self.store.machine_event(&key, "DeleteMarkRepaired", note);
-                }
-            }
+            self.saw(id, done.seen());
+            repaired += self.report(&group, done.actions());
         }
         repaired
     }
 
-    /// Writes the marks about to be taken back into the group's [`TAKING_BACK_ANNOTATION`]
-    /// (dropping entries whose Machine no longer carries that mark), guarded by `live`'s version.
-    async fn record_taking_back(
-        &self,
-        group: &NodeGroup,
-        live: &GroupState,
-        confirmed: &[(ObjectKey, String)],
-    ) -> Result<(), ActuatorError> {
-        let record = taking_back_record(&live.taking_back, confirmed, |name| {
-            self.cached_mark_time(group, name)
-        });
-        let key = &group.resource.key;
-        let api = self.group_api(group.kind(), &key.namespace)?;
-        let what = format!(
-            "recording the marks a repair takes back on {} {key}",
-            group.kind()
-        );
-        let patch = json!({"metadata": {
-            "resourceVersion": live.resource_version,
-            "annotations": {TAKING_BACK_ANNOTATION: record.render()},
-        }});
-        match self
-            .patch_counted(&api, &key.name, &patch, &what, "repair-record")
-            .await
-        {
-            Ok(object) => {
-                self.store.record(Some(group.kind()), object);
-                Ok(())
-            }
-            Err(ApiFailure::Conflict) => Err(ActuatorError::Conflict(format!(
-                "{what}: the group changed since the repair read it"
-            ))),
-            Err(ApiFailure::Other(e)) => Err(e),
+    /// Records of `id` seen waiting since at least `grace`.
+    fn ripe(&self, id: &str, grace: Duration) -> BTreeSet<String> {
+        let waiting = lock(&self.waiting);
+        waiting
+            .iter()
+            .filter(|((group, _), since)| group == id && since.elapsed() >= grace)
+            .map(|((_, entry), _)| entry.clone())
+            .collect()
+    }
+
+    /// Starts the clock of records seen waiting for the first time; stops it for those no longer.
+    fn saw(&self, id: &str, seen: &BTreeSet<String>) {
+        let mut waiting = lock(&self.waiting);
+        waiting.retain(|(group, entry), _| group != id || seen.contains(entry));
+        for entry in seen {
+            waiting
+                .entry((id.to_string(), entry.clone()))
+                .or_insert_with(Instant::now);
         }
     }
 
-    /// Our marks on `group`'s Machines that `state` (replicas, ledger, last raise) does not pay for
-    /// and that are older than `grace`, as the index shows them (see [`removal::orphans`]), with
-    /// the version of each Machine (for a guarded unmark).
-    fn unpaid_marks(
-        &self,
-        group: &NodeGroup,
-        state: &GroupState,
-        grace: Duration,
-    ) -> Vec<(ObjectKey, String)> {
-        let delete_key = &self.store.settings().keys.delete_machine;
-        let machines = self.machines(group);
-        let members = members(group, &machines, delete_key);
-        marks_to_take_back(&machines, &members, state, now_unix(), grace.as_secs())
+    /// Logs, counts and records as Events what a round did; how many marks it took back or
+    /// removals it settled.
+    fn report(&self, group: &crate::snapshot::NodeGroup, actions: &[RepairAction]) -> usize {
+        let mut count = 0;
+        for action in actions {
+            let note = match action {
+                RepairAction::Settled(entries) => {
+                    count += entries.len();
+                    format!(
+                        "{}: removals Cluster API already carried out settled: {}",
+                        group.id,
+                        entries.join(", ")
+                    )
+                }
+                RepairAction::Recorded(entries) => format!(
+                    "{}: delete marks being taken back (a removal that stopped part-way, or a raise absorbed its decrement): {}",
+                    group.id,
+                    entries.join(", ")
+                ),
+                RepairAction::Unmarked(machine) => {
+                    count += 1;
+                    self.metrics.mark_repaired();
+                    let key = super::read::machine_key(group, machine);
+                    let note = format!(
+                        "{}: delete mark taken back: the replicas of {} do not pay for it (a removal that stopped part-way, or a raise absorbed its decrement); the node stays",
+                        group.id, group.resource.key
+                    );
+                    self.store.machine_event(&key, "DeleteMarkRepaired", note.clone());
+                    note
+                }
+                RepairAction::DroppedStale(entries) => format!(
+                    "{}: claims of removals that stopped before marking dropped: {}",
+                    group.id,
+                    entries.join(", ")
+                ),
+                RepairAction::Cleaned => continue,
+            };
+            tracing::warn!(group = %group.id, "{note}");
+        }
+        count
     }
 
     /// Runs [`Actuator::repair`] now and then every `interval`.
@@ -151,187 +133,5 @@ impl Actuator {
                 tokio::time::sleep(interval).await;
             }
         });
-    }
-}
-
-/// What a repair takes back in a group (its decision, no I/O): of the group's `members` (the
-/// rules' terms of `machines`, as cached), our marks `state` (replicas, ledger, last raise) does not
-/// pay for and older than `grace_secs` at `now_unix` ([`removal::orphans`]), each with the version
-/// of its Machine, so the unmark is guarded by the version decided from.
-fn marks_to_take_back(
-    machines: &[(ObjectKey, Arc<Machine>)],
-    members: &[MachineState<'_>],
-    state: &GroupState,
-    now_unix: u64,
-    grace_secs: u64,
-) -> Vec<(ObjectKey, String)> {
-    let counts = Counts::of(state.replicas, &state.ledger, members.iter().copied());
-    removal::orphans(
-        members,
-        &state.ledger,
-        &counts,
-        state.raised,
-        now_unix,
-        grace_secs,
-    )
-    .into_iter()
-    .filter_map(|name| machines.iter().find(|(k, _)| k.name == name))
-    .map(|(k, m)| (k.clone(), m.resource_version.clone()))
-    .collect()
-}
-
-/// The record a repair writes on the group before taking marks back: of the record read
-/// (`taking_back`), the entries whose Machine still carries that very mark, and each mark about to
-/// be taken back (`confirmed`) as its Machine carries it (`mark_time_of`: the time of our mark on a
-/// Machine of the group, as cached; `None` when gone or unmarked, then not recorded).
-fn taking_back_record(
-    taking_back: &Ledger,
-    confirmed: &[(ObjectKey, String)],
-    mark_time_of: impl Fn(&str) -> Option<u64>,
-) -> Ledger {
-    let mut record = taking_back.still_marked(&mark_time_of);
-    for (key, _) in confirmed {
-        if let Some(t) = mark_time_of(&key.name) {
-            record.insert(mark_entry(&key.name, t));
-        }
-    }
-    record
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::BTreeSet;
-
-    use super::*;
-    use crate::removal::our_mark;
-
-    fn machine(name: &str, version: &str) -> (ObjectKey, Arc<Machine>) {
-        let key = ObjectKey::new("ns", name);
-        let machine = Machine {
-            key: key.clone(),
-            uid: format!("uid-{name}"),
-            resource_version: version.to_string(),
-            labels: Default::default(),
-            annotations: Default::default(),
-            cluster_name: "c".into(),
-            provider_id: None,
-            node_ref: Some(name.to_string()),
-            failure_domain: None,
-            deleting: false,
-            owners: Vec::new(),
-            phase: None,
-            failure: None,
-            conditions_unhealthy: false,
-        };
-        (key, Arc::new(machine))
-    }
-
-    fn member<'a>(name: &'a str, mark: Option<&'a str>) -> MachineState<'a> {
-        MachineState {
-            name,
-            deleting: false,
-            mark,
-            registered: true,
-            unhealthy: false,
-            machineless: false,
-        }
-    }
-
-    fn state(replicas: i32, ledger: &str, raised: Option<u64>) -> GroupState {
-        GroupState {
-            replicas,
-            min: 0,
-            max: 10,
-            ledger: Ledger::parse(Some(ledger)),
-            raised,
-            taking_back: Ledger::default(),
-            listed: BTreeSet::new(),
-            resource_version: "1".into(),
-        }
-    }
-
-    /// 3 Machines, replicas 3: our mark on m2 (at 100) makes Cluster API delete nothing, its
-    /// decrement never landed. Past the grace period it is taken back, guarded by m2's version.
-    #[test]
-    fn a_repair_takes_back_an_unpaid_mark_past_the_grace_with_its_machine_version() {
-        let machines = [
-            machine("m0", "10"),
-            machine("m1", "11"),
-            machine("m2", "12"),
-        ];
-        let mark = our_mark(100);
-        let members = [
-            member("m0", None),
-            member("m1", None),
-            member("m2", Some(&mark)),
-        ];
-        assert_eq!(
-            marks_to_take_back(&machines, &members, &state(3, "", None), 200, 60),
-            vec![(ObjectKey::new("ns", "m2"), "12".to_string())]
-        );
-        assert!(
-            marks_to_take_back(&machines, &members, &state(3, "", None), 150, 60).is_empty(),
-            "a mark younger than the grace period may still get its decrement"
-        );
-        assert!(
-            marks_to_take_back(&machines, &members, &state(3, "", Some(180)), 200, 60).is_empty(),
-            "nothing while a raise is within the grace period"
-        );
-        assert!(
-            marks_to_take_back(&machines, &members, &state(2, "m2@100", None), 200, 60).is_empty(),
-            "a paid mark the replicas remove stays"
-        );
-        assert!(
-            marks_to_take_back(&machines, &members, &state(2, "", None), 200, 60).is_empty(),
-            "replicas lowered for it by someone else: covered, it stays"
-        );
-        let foreign = [
-            member("m0", None),
-            member("m1", None),
-            member("m2", Some("yes")),
-        ];
-        assert!(
-            marks_to_take_back(&machines, &foreign, &state(3, "", None), 200, 60).is_empty(),
-            "someone else's mark is theirs to take back"
-        );
-    }
-
-    /// A paid mark a raise absorbed (replicas back to the Machines) is taken back too.
-    #[test]
-    fn a_repair_takes_back_a_paid_mark_a_raise_absorbed() {
-        let machines = [machine("m0", "10"), machine("m1", "11")];
-        let mark = our_mark(100);
-        let members = [member("m0", Some(&mark)), member("m1", None)];
-        assert_eq!(
-            marks_to_take_back(&machines, &members, &state(2, "m0@100", Some(120)), 200, 60),
-            vec![(ObjectKey::new("ns", "m0"), "10".to_string())]
-        );
-    }
-
-    /// The record keeps the entries whose Machine still carries that mark and adds the marks
-    /// about to be taken back as they are now; a Machine gone meanwhile is not recorded.
-    #[test]
-    fn the_taking_back_record_keeps_marks_still_there_and_adds_the_confirmed_ones() {
-        let read = Ledger::parse(Some("m0@100,m1@50"));
-        let marked = |name: &str| match name {
-            "m0" => Some(100),
-            "m1" => Some(60),
-            "m2" => Some(70),
-            _ => None,
-        };
-        let confirmed = [
-            (ObjectKey::new("ns", "m2"), "12".to_string()),
-            (ObjectKey::new("ns", "m3"), "13".to_string()),
-        ];
-        assert_eq!(
-            taking_back_record(&read, &confirmed, marked),
-            Ledger::parse(Some("m0@100,m2@70")),
-            "m1 was marked again since; m3 is gone"
-        );
-        assert_eq!(
-            taking_back_record(&Ledger::default(), &[], marked).render(),
-            None,
-            "nothing to record removes the annotation"
-        );
     }
 }

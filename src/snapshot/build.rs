@@ -454,6 +454,14 @@ impl<'a> Builder<'a> {
             self.skip(id.to_string(), NotServed::Paused, why);
             return None;
         }
+        // Served, every decrement would be undone by the topology controller and the marked
+        // Machine kept: a node CA was answered OK for would stay.
+        if let Some(problem) = self.topology_conflict(resource) {
+            let why = format!("{}: {}", problem.field, problem.message);
+            self.problems.push(problem);
+            self.skip(id.to_string(), NotServed::Topology, why);
+            return None;
+        }
         let Some(target) = resource.replicas else {
             let problem = Problem::new(
                 object,
@@ -485,9 +493,6 @@ impl<'a> Builder<'a> {
         let (min, max, target) = self.served_sizes(&id, &object, key, resource)?;
         let (group, problems) = self.collecting(|b| {
             let keys = &b.settings.keys;
-            if let Some(problem) = b.topology_conflict(resource) {
-                b.problems.push(problem);
-            }
             let (options, option_problems) = options::parse(keys, &object, &resource.annotations);
             b.problems.extend(option_problems);
             let price = match pricing::group_price(&object, &resource.annotations) {

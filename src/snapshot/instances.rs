@@ -38,7 +38,7 @@ impl MachineView<'_> {
                         !m.deleting
                             && m.annotations
                                 .get(delete_key)
-                                .is_some_and(|v| !crate::removal::is_our_mark(v))
+                                .is_some_and(|v| !crate::protocol::is_our_mark(v))
                     })
             })
             .map(|key| key.name.clone())
@@ -60,7 +60,7 @@ impl MachineView<'_> {
             .filter(|i| i.state != InstanceState::Deleting)
             .count()
             + unlisted;
-        let mut surplus = crate::removal::surplus(active, target);
+        let mut surplus = crate::protocol::surplus(active, target);
         for instance in list.iter_mut() {
             if surplus == 0 {
                 break;

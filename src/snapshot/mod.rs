@@ -79,7 +79,7 @@ pub struct NodeGroup {
     /// counts (and deletes) like any other.
     pub unlisted: Vec<ObjectKey>,
     /// Machines (not being deleted) carrying a delete mark this provider did not write: Cluster API
-    /// deletes them first all the same (see `removal::deletion`).
+    /// deletes them first all the same (see `crate::protocol`).
     pub foreign_marks: Vec<String>,
     /// Nodes that registered: running instances, and Machines with a Node but no known providerID.
     pub registered: i32,
@@ -184,6 +184,16 @@ pub struct Snapshot {
     pub machines: usize,
 }
 
+impl Snapshot {
+    /// The MachineSets of MachineDeployment `deployment` (by owner reference or label).
+    pub fn machine_sets_of(&self, deployment: &ObjectKey) -> &[ObjectKey] {
+        self.machine_sets
+            .get(deployment)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    }
+}
+
 /// Why a candidate resource is not served: a small fixed set, so it can label a metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum NotServed {
@@ -198,15 +208,19 @@ pub enum NotServed {
     Paused,
     /// `spec.replicas` is unset.
     ReplicasUnset,
+    /// Its Cluster's managed topology sets its replicas: the topology controller would undo
+    /// every scale.
+    Topology,
 }
 
 impl NotServed {
-    pub const ALL: [NotServed; 5] = [
+    pub const ALL: [NotServed; 6] = [
         NotServed::OtherCluster,
         NotServed::Bounds,
         NotServed::MaxZero,
         NotServed::Paused,
         NotServed::ReplicasUnset,
+        NotServed::Topology,
     ];
 
     pub fn label(self) -> &'static str {
@@ -216,6 +230,7 @@ impl NotServed {
             NotServed::MaxZero => "max-zero",
             NotServed::Paused => "paused",
             NotServed::ReplicasUnset => "replicas-unset",
+            NotServed::Topology => "topology",
         }
     }
 }

@@ -43,6 +43,8 @@ fn resource(
         cluster_name: "c1".into(),
         replicas: Some(replicas),
         status_replicas: None,
+        generation: None,
+        observed_generation: None,
         rolling_out: false,
         preflight: None,
         paused: false,
@@ -1379,7 +1381,7 @@ fn marks_the_provider_did_not_write_are_listed_and_unlisted_machines_kept() {
     add_machine(&mut index, marked("by-hand", "yes", false));
     add_machine(
         &mut index,
-        marked("ours", &crate::removal::our_mark(5), false),
+        marked("ours", &crate::protocol::our_mark(5), false),
     );
     add_machine(&mut index, marked("going", "yes", true));
     add_machine(&mut index, machine("no-id", "MachineSet", "ms", None, true));

@@ -21,6 +21,8 @@ fn resource(annotations: &[(&str, &str)], replicas: i32) -> ScalableResource {
         cluster_name: "c".to_string(),
         replicas: Some(replicas),
         status_replicas: None,
+        generation: None,
+        observed_generation: None,
         rolling_out: false,
         preflight: None,
         paused: false,

@@ -319,6 +319,18 @@ impl Store {
         }
     }
 
+    /// A Cluster as the writer just read it (its pause and topology decide whether a write may go).
+    pub fn record_cluster(self: &Arc<Self>, object: ApiObject) {
+        if index::apply(
+            &mut lock(&self.index),
+            &self.settings.keys,
+            &Watched::Cluster,
+            object,
+        ) {
+            self.wake_rebuild();
+        }
+    }
+
     /// The Machines of `namespace` as a LIST just returned them (see [`index::machines_listed`]);
     /// the snapshot is rebuilt at once, since the caller decides from it next.
     pub fn record_machines(

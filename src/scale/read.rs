@@ -1,0 +1,300 @@
+//! The read every decision of the protocol starts from: the group object, its MachineSets and its
+//! Cluster, then its namespace's Machines, each read from the API and recorded in the cache; the
+//! group's holds (paused, rolling out, topology), members and what Cluster API has observed then
+//! come from a snapshot built over exactly that, by the same rules the read path serves with.
+
+use std::sync::Arc;
+
+use kube::api::{Api, ListParams};
+
+use super::Actuator;
+use super::api::{call, other};
+use crate::backend::ActuatorError;
+use crate::capi::{Keys, Machine, ObjectKey, ScalableKind, ScalableResource, scaling_bounds};
+use crate::protocol::ledger::{
+    CLAIMS_ANNOTATION, LEDGER_ANNOTATION, RESIZES_ANNOTATION, TAKING_BACK_ANNOTATION,
+};
+use crate::protocol::{GroupRead, Hold, Ledger, Member, Read, Resizes, pool_node_entry};
+use crate::snapshot::{NodeGroup, NotServed, Snapshot};
+
+impl Actuator {
+    /// The group and its members as the API has them now (and the group as the snapshot built over
+    /// that read serves it). The group object is read first and its Machines listed last: a
+    /// Machine created or deleted between the two only makes the members newer than the group,
+    /// which every rule allows for.
+    pub(super) async fn read(&self, id: &str, group: &NodeGroup) -> Result<Read, ActuatorError> {
+        let kind = group.kind();
+        let key = group.resource.key.clone();
+        let object = self.get(self.group_api(kind, &key.namespace)?, &key.name, kind.as_str()).await?;
+        self.store.record(Some(kind), object);
+        if kind == ScalableKind::MachineDeployment {
+            let sets = self.list(self.set_api(&key.namespace)?, "MachineSets", &key.namespace).await?;
+            for set in sets.items {
+                self.store.record(Some(ScalableKind::MachineSet), set);
+            }
+        }
+        if let (Some(api), false) = (self.cluster_api(&key.namespace), group.resource.cluster_name.is_empty())
+            && let Ok(cluster) = self.get(api, &group.resource.cluster_name, "Cluster").await
+        {
+            self.store.record_cluster(cluster);
+        }
+        let machines = self.list(self.machine_api(&key.namespace), "Machines", &key.namespace).await?;
+        self.store.record_machines(
+            &key.namespace,
+            machines.metadata.resource_version.as_deref(),
+            machines.items,
+        );
+        self.cached_read(id, group)
+    }
+
+    /// The same read as the cache holds it now, with no API call (the repair's first look).
+    pub(super) fn cached_read(&self, id: &str, group: &NodeGroup) -> Result<Read, ActuatorError> {
+        let snapshot = self.store.snapshot();
+        let keys = &self.store.settings().keys;
+        let kind = group.kind();
+        let resource = self
+            .store
+            .cached_resource(kind, &group.resource.key)
+            .ok_or_else(|| ActuatorError::GroupNotFound { id: id.to_string() })?;
+        let served = snapshot.group(id);
+        let hold = hold_of(&snapshot, id, served);
+        let sets: Vec<Arc<ScalableResource>> = if kind == ScalableKind::MachineDeployment {
+            snapshot
+                .machine_sets_of(&resource.key)
+                .iter()
+                .filter_map(|k| self.store.cached_resource(ScalableKind::MachineSet, k))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let machines: Vec<Arc<Machine>> = served
+            .map(|g| {
+                g.instances
+                    .iter()
+                    .filter_map(|i| i.machine.as_ref())
+                    .chain(g.unlisted.iter())
+                    .filter_map(|k| self.store.cached_machine(k))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let pool_instances: Vec<&str> = served
+            .map(|g| {
+                g.instances
+                    .iter()
+                    .filter(|i| i.machine.is_none())
+                    .map(|i| i.id.as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut group_read = group_read(keys, &resource, &sets, hold);
+        group_read.held = served.is_some_and(|g| g.preflight.is_some());
+        Ok(Read {
+            group: group_read,
+            members: members(keys, &machines, &pool_instances),
+        })
+    }
+
+    async fn get(
+        &self,
+        api: Api<crate::object::ApiObject>,
+        name: &str,
+        kind: &str,
+    ) -> Result<crate::object::ApiObject, ActuatorError> {
+        let what = format!("reading {kind} {}/{name}", api_namespace(&api));
+        call(&what, api.get(name)).await.map_err(|e| other(e, &what))
+    }
+
+    async fn list(
+        &self,
+        api: Api<crate::object::ApiObject>,
+        what: &str,
+        namespace: &str,
+    ) -> Result<kube::core::ObjectList<crate::object::ApiObject>, ActuatorError> {
+        let what = format!("listing the {what} of namespace {namespace}");
+        call(&what, api.list(&ListParams::default()))
+            .await
+            .map_err(|e| other(e, &what))
+    }
+}
+
+fn api_namespace(api: &Api<crate::object::ApiObject>) -> String {
+    api.resource_url()
+        .split("/namespaces/")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Why the protocol must not write to the group now, from the snapshot built over the fresh read:
+/// not served any more (paused, its Cluster paused, replicas the topology sets…), or rolling out.
+fn hold_of(snapshot: &Snapshot, id: &str, served: Option<&NodeGroup>) -> Option<Hold> {
+    match served {
+        Some(group) => group
+            .rollout
+            .as_ref()
+            .map(|r| Hold::RollingOut(format!("MachineDeployment {} ({})", group.resource.key, r.reason()))),
+        None => {
+            let why = snapshot
+                .skipped
+                .get(id)
+                .cloned()
+                .unwrap_or_else(|| "no longer served".to_string());
+            Some(match snapshot.not_served.get(id) {
+                Some(NotServed::Topology) => Hold::Topology(why),
+                _ => Hold::Paused(why),
+            })
+        }
+    }
+}
+
+/// The group object in the protocol's terms: replicas, bounds and records of this very version,
+/// and whether Cluster API has acted on it (the object's observedGeneration, and for a
+/// MachineDeployment each of its MachineSets', their replicas adding up to its own).
+pub(super) fn group_read(
+    keys: &Keys,
+    resource: &ScalableResource,
+    sets: &[Arc<ScalableResource>],
+    hold: Option<Hold>,
+) -> GroupRead {
+    let annotation = |key: &str| resource.annotations.get(key).map(String::as_str);
+    let bounds = match scaling_bounds(keys, &resource.annotations) {
+        Ok(Some(bounds)) => Ok(bounds),
+        Ok(None) => Err("no longer carries the min/max size annotations".to_string()),
+        Err(e) => Err(format!("{}: {}", e.field, e.message)),
+    };
+    let set_replicas: i64 = sets.iter().map(|s| i64::from(s.replicas.unwrap_or(0))).sum();
+    let observed = resource.observed()
+        && (resource.kind != ScalableKind::MachineDeployment
+            || (sets.iter().all(|s| s.observed())
+                && set_replicas == i64::from(resource.replicas.unwrap_or(0))));
+    GroupRead {
+        version: resource.resource_version.clone(),
+        replicas: resource.replicas.unwrap_or(0),
+        bounds: match resource.replicas {
+            Some(_) => bounds,
+            None => Err("spec.replicas is not set".to_string()),
+        },
+        ledger: Ledger::parse(annotation(LEDGER_ANNOTATION)),
+        claims: Ledger::parse(annotation(CLAIMS_ANNOTATION)),
+        taking_back: Ledger::parse(annotation(TAKING_BACK_ANNOTATION)),
+        resizes: Resizes::parse(annotation(RESIZES_ANNOTATION)),
+        observed,
+        held: false,
+        hold,
+    }
+}
+
+/// The group's members: its Machines, and the instances of a MachinePool's providerIDList without
+/// a Machine (named by their pool entry).
+pub(super) fn members(keys: &Keys, machines: &[Arc<Machine>], pool_instances: &[&str]) -> Vec<Member> {
+    machines
+        .iter()
+        .map(|m| {
+            let registered = m.node_ref.is_some();
+            Member {
+                name: m.key.name.clone(),
+                version: m.resource_version.clone(),
+                mark: m.annotations.get(&keys.delete_machine).cloned(),
+                deleting: m.deleting,
+                registered,
+                unhealthy: registered && (m.conditions_unhealthy || m.failure.is_some()),
+                machineless: false,
+            }
+        })
+        .chain(pool_instances.iter().map(|id| Member {
+            name: pool_node_entry(id),
+            version: String::new(),
+            mark: None,
+            deleting: false,
+            registered: true,
+            unhealthy: false,
+            machineless: true,
+        }))
+        .collect()
+}
+
+/// The key of Machine `name` in the group's namespace.
+pub(super) fn machine_key(group: &NodeGroup, name: &str) -> ObjectKey {
+    ObjectKey::new(group.resource.key.namespace.as_str(), name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capi::test_fixtures::resource;
+    use crate::protocol::our_mark;
+
+    fn md(replicas: i32, generation: i64, observed: i64) -> ScalableResource {
+        let keys = Keys::default();
+        let mut r = resource(ScalableKind::MachineDeployment, "md");
+        r.replicas = Some(replicas);
+        r.generation = Some(generation);
+        r.observed_generation = Some(observed);
+        r.annotations.insert(keys.min_size.clone(), "1".into());
+        r.annotations.insert(keys.max_size.clone(), "5".into());
+        r
+    }
+
+    fn ms(replicas: i32, generation: i64, observed: i64) -> Arc<ScalableResource> {
+        let mut r = resource(ScalableKind::MachineSet, "md-1");
+        r.replicas = Some(replicas);
+        r.generation = Some(generation);
+        r.observed_generation = Some(observed);
+        Arc::new(r)
+    }
+
+    #[test]
+    fn cluster_api_has_observed_a_deployment_once_it_and_its_machine_sets_caught_up() {
+        let keys = Keys::default();
+        let read = |d: &ScalableResource, sets: &[Arc<ScalableResource>]| {
+            group_read(&keys, d, sets, None).observed
+        };
+        assert!(read(&md(3, 4, 4), &[ms(3, 2, 2)]));
+        assert!(!read(&md(3, 5, 4), &[ms(3, 2, 2)]), "its own generation not observed");
+        assert!(!read(&md(3, 4, 4), &[ms(2, 2, 2)]), "replicas not copied to its MachineSet yet");
+        assert!(!read(&md(3, 4, 4), &[ms(3, 3, 2)]), "its MachineSet has not acted on its replicas");
+    }
+
+    #[test]
+    fn the_group_read_carries_its_records_and_bounds_of_that_version() {
+        let keys = Keys::default();
+        let mut d = md(3, 1, 1);
+        d.annotations.insert(LEDGER_ANNOTATION.into(), "m0@5".into());
+        d.annotations.insert(CLAIMS_ANNOTATION.into(), "m1@6".into());
+        let read = group_read(&keys, &d, &[ms(3, 1, 1)], None);
+        assert_eq!(read.bounds, Ok((1, 5)));
+        assert!(read.ledger.contains("m0@5") && read.claims.contains("m1@6"));
+        d.replicas = None;
+        assert!(group_read(&keys, &d, &[], None).bounds.is_err(), "no target size, no write");
+    }
+
+    #[test]
+    fn members_carry_their_mark_version_and_node_and_pool_instances_have_entries() {
+        let keys = Keys::default();
+        let mut machine = Machine {
+            key: ObjectKey::new("ns", "m0"),
+            uid: String::new(),
+            resource_version: "7".into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            cluster_name: "c1".into(),
+            provider_id: None,
+            node_ref: None,
+            failure_domain: None,
+            deleting: false,
+            owners: Vec::new(),
+            phase: None,
+            failure: None,
+            conditions_unhealthy: false,
+        };
+        machine
+            .annotations
+            .insert(keys.delete_machine.clone(), our_mark(9));
+        let members = members(&keys, &[Arc::new(machine)], &["aws:///i-1"]);
+        assert_eq!(members[0].mark.as_deref(), Some(our_mark(9).as_str()));
+        assert_eq!(members[0].version, "7");
+        assert!(!members[0].registered && members[0].ranks_unhealthy());
+        assert!(members[1].machineless && members[1].name == pool_node_entry("aws:///i-1"));
+    }
+}
