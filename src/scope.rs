@@ -151,11 +151,13 @@ fn list<'a>(clusters: impl Iterator<Item = &'a ObjectKey>) -> String {
 }
 
 /// Decides which Cluster is served (see the module documentation).
-/// `observed`: the Clusters the workload cluster's Nodes name; `groups`: those of the candidate groups.
+/// `observed`: the Clusters the workload cluster's Nodes name; `groups`: those of the candidate
+/// groups; `known`: the Cluster objects of the management cluster (empty when not watched).
 pub fn decide(
     configured: Option<&ClusterRef>,
     observed: &BTreeSet<ObjectKey>,
     groups: &BTreeSet<ObjectKey>,
+    known: &BTreeSet<ObjectKey>,
 ) -> Scope {
     let serve = |cluster: ClusterRef, how: String| Scope::Cluster { cluster, how };
     match configured {
@@ -185,7 +187,13 @@ pub fn decide(
             if wanted.namespace.is_some() {
                 return serve(wanted.clone(), how);
             }
-            let named: BTreeSet<&ObjectKey> = groups.iter().filter(|c| wanted.matches(c)).collect();
+            // Every Cluster of that name counts, with groups or not: a same-named Cluster in
+            // another namespace whose groups happen to be the only ones found is no proof.
+            let named: BTreeSet<&ObjectKey> = groups
+                .iter()
+                .chain(known.iter())
+                .filter(|c| wanted.matches(c))
+                .collect();
             match single(&named) {
                 Some(cluster) => serve(ClusterRef::exact(cluster), how),
                 None if named.is_empty() => serve(wanted.clone(), how),

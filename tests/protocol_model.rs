@@ -144,7 +144,10 @@ fn provider_steps(w: &World, p: usize, out: &mut Vec<World>) {
                 .chain(w.taking_back.iter())
                 .map(str::to_string)
                 .chain(w.machines.iter().filter_map(|(name, m)| {
-                    let stamp = m.mark.as_deref().and_then(capi_autoscaler_provider::protocol::our_mark_stamp)?;
+                    let stamp = m
+                        .mark
+                        .as_deref()
+                        .and_then(capi_autoscaler_provider::protocol::our_mark_stamp)?;
                     Some(format!("{name}@{stamp}"))
                 }))
                 .filter(|e| !held.contains(e))
@@ -440,7 +443,15 @@ fn scenarios() -> Vec<Scenario> {
             // Finding 1: CA's goroutines send one DeleteNodes per empty node back to back; the
             // MachineSet may take the later-marked Machine for the earlier decrement.
             name: "two removals from one provider, Cluster API acting between them",
-            world: World::new(3, 0, 4, 1, vec![(0, delete(&["m1"])), (0, delete(&["m0"]))], budget(0, 0, 0), vec![]),
+            world: World::new(
+                3,
+                0,
+                4,
+                1,
+                vec![(0, delete(&["m1"])), (0, delete(&["m0"]))],
+                budget(0, 0, 0),
+                vec![],
+            ),
         },
         Scenario {
             name: "two removals and a raise through two providers, one answer lost",
@@ -449,31 +460,75 @@ fn scenarios() -> Vec<Scenario> {
                 0,
                 4,
                 2,
-                vec![(0, delete(&["m1"])), (1, delete(&["m0"])), (1, Call::Increase(1))],
+                vec![
+                    (0, delete(&["m1"])),
+                    (1, delete(&["m0"])),
+                    (1, Call::Increase(1)),
+                ],
                 budget(1, 0, 0),
                 vec![],
             ),
         },
         Scenario {
             name: "a removal retried through the other provider, one crashes",
-            world: World::new(3, 0, 4, 2, vec![(0, delete(&["m1"])), (1, delete(&["m1"]))], budget(0, 1, 0), vec![]),
+            world: World::new(
+                3,
+                0,
+                4,
+                2,
+                vec![(0, delete(&["m1"])), (1, delete(&["m1"]))],
+                budget(0, 1, 0),
+                vec![],
+            ),
         },
         Scenario {
             // Finding 3: a user's annotate-and-scale-down in flight beside a removal.
             name: "a removal beside a user's mark and scale-down",
-            world: World::new(3, 0, 4, 1, vec![(0, delete(&["m1"]))], budget(0, 0, 1), vec![UserAction::MarkAndScaleDown]),
+            world: World::new(
+                3,
+                0,
+                4,
+                1,
+                vec![(0, delete(&["m1"]))],
+                budget(0, 0, 1),
+                vec![UserAction::MarkAndScaleDown],
+            ),
         },
         Scenario {
             name: "a removal beside a user's scale-down",
-            world: World::new(3, 0, 4, 1, vec![(0, delete(&["m1"]))], budget(1, 0, 1), vec![UserAction::ScaleDown]),
+            world: World::new(
+                3,
+                0,
+                4,
+                1,
+                vec![(0, delete(&["m1"]))],
+                budget(1, 0, 1),
+                vec![UserAction::ScaleDown],
+            ),
         },
         Scenario {
             name: "a removal beside a user's scale-up",
-            world: World::new(3, 0, 4, 1, vec![(0, delete(&["m1"]))], budget(1, 0, 1), vec![UserAction::ScaleUp]),
+            world: World::new(
+                3,
+                0,
+                4,
+                1,
+                vec![(0, delete(&["m1"]))],
+                budget(1, 0, 1),
+                vec![UserAction::ScaleUp],
+            ),
         },
         Scenario {
             name: "a removal beside a user's preference mark",
-            world: World::new(3, 0, 4, 1, vec![(0, delete(&["m2"]))], budget(0, 0, 1), vec![UserAction::Mark]),
+            world: World::new(
+                3,
+                0,
+                4,
+                1,
+                vec![(0, delete(&["m2"]))],
+                budget(0, 0, 1),
+                vec![UserAction::Mark],
+            ),
         },
         Scenario {
             // A raise absorbing a settled removal, then the repair (clocks play no part).
@@ -483,7 +538,11 @@ fn scenarios() -> Vec<Scenario> {
                 0,
                 4,
                 2,
-                vec![(0, delete(&["m1"])), (1, Call::Increase(1)), (0, delete(&["m2"]))],
+                vec![
+                    (0, delete(&["m1"])),
+                    (1, Call::Increase(1)),
+                    (0, delete(&["m2"])),
+                ],
                 budget(0, 0, 0),
                 vec![],
             ),
@@ -495,14 +554,26 @@ fn scenarios() -> Vec<Scenario> {
                 0,
                 4,
                 2,
-                vec![(0, Call::Increase(2)), (0, Call::Decrease(1)), (1, delete(&["m0"]))],
+                vec![
+                    (0, Call::Increase(2)),
+                    (0, Call::Decrease(1)),
+                    (1, delete(&["m0"])),
+                ],
                 budget(1, 0, 0),
                 vec![],
             ),
         },
         Scenario {
             name: "one call removing two nodes, a crash",
-            world: World::new(3, 1, 4, 2, vec![(0, delete(&["m0", "m2"])), (1, delete(&["m1"]))], budget(0, 1, 0), vec![]),
+            world: World::new(
+                3,
+                1,
+                4,
+                2,
+                vec![(0, delete(&["m0", "m2"])), (1, delete(&["m1"]))],
+                budget(0, 1, 0),
+                vec![],
+            ),
         },
     ]
 }

@@ -221,6 +221,11 @@ impl Index {
         }
     }
 
+    /// The Clusters of the management cluster, as watched.
+    pub fn cluster_keys(&self) -> BTreeSet<ObjectKey> {
+        self.clusters.keys().cloned().collect()
+    }
+
     /// The Clusters the workload cluster's Nodes belong to.
     pub fn observed_clusters(&self) -> BTreeSet<ObjectKey> {
         self.node_clusters.keys().cloned().collect()

@@ -150,9 +150,9 @@ impl<'a> Entry<'a> {
             Entry::Ours { machine: m, stamp } => {
                 m == machine && our_mark_stamp(mark) == Some(stamp)
             }
-            Entry::Foreign { machine: m, hash, .. } => {
-                m == machine && !is_our_mark(mark) && mark_hash(mark) == hash
-            }
+            Entry::Foreign {
+                machine: m, hash, ..
+            } => m == machine && !is_our_mark(mark) && mark_hash(mark) == hash,
             Entry::PoolNode(_) => false,
         }
     }
@@ -215,11 +215,10 @@ impl Ledger {
             .flat_map(|s| s.iter())
             .filter_map(Entry::parse)
             .filter_map(|e| match e {
-                Entry::Ours { machine: m, stamp } | Entry::Foreign { machine: m, stamp, .. }
-                    if m == machine =>
-                {
-                    Some(stamp.saturating_add(1))
-                }
+                Entry::Ours { machine: m, stamp }
+                | Entry::Foreign {
+                    machine: m, stamp, ..
+                } if m == machine => Some(stamp.saturating_add(1)),
                 _ => None,
             })
             .fold(now, u64::max)

@@ -169,7 +169,11 @@ impl Read {
                     .machine()
                     .and_then(|machine| self.member(machine))
                     .is_some_and(|m| {
-                        !m.deleting && !m.mark.as_deref().is_some_and(|mark| entry.names(&m.name, mark))
+                        !m.deleting
+                            && !m
+                                .mark
+                                .as_deref()
+                                .is_some_and(|mark| entry.names(&m.name, mark))
                     }),
                 _ => false,
             })
@@ -187,7 +191,11 @@ impl Read {
             | Standing::Claimed(e)
             | Standing::TakingBack(e)
             | Standing::Unrecorded(e) => e,
-            Standing::Foreign => entry_for(&member.name, member.mark.as_deref().unwrap_or_default(), stamp),
+            Standing::Foreign => entry_for(
+                &member.name,
+                member.mark.as_deref().unwrap_or_default(),
+                stamp,
+            ),
             Standing::Unmarked => entry_for(&member.name, new_mark, stamp),
         }
     }

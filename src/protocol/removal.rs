@@ -156,7 +156,10 @@ impl Removal {
             }
             (Phase::RecordWritten(reason, machines), Outcome::Landed) => {
                 self.phase = Phase::TakingBack(reason.clone());
-                self.unmark_next(reason, machines.into_iter().map(|m| (m, String::new())).collect())
+                self.unmark_next(
+                    reason,
+                    machines.into_iter().map(|m| (m, String::new())).collect(),
+                )
             }
             (Phase::Unmarking(reason, mut queue), Outcome::Landed | Outcome::Gone) => {
                 queue.remove(0);
@@ -271,7 +274,11 @@ impl Removal {
                         self.claims.insert(name.clone(), e);
                     }
                     None => {
-                        let e = self.claims.get(&name).cloned().unwrap_or_else(|| name.clone());
+                        let e = self
+                            .claims
+                            .get(&name)
+                            .cloned()
+                            .unwrap_or_else(|| name.clone());
                         self.settled.insert(e.clone());
                         self.claims.insert(name.clone(), e);
                     }
@@ -438,9 +445,15 @@ impl Removal {
                 None | Some(super::Member { deleting: true, .. }) => {
                     self.settled.insert(entry);
                 }
-                Some(m) if claimed && (m.machineless || m.mark.as_deref().is_some_and(|mark| mark_matches(&entry, &m.name, mark))) => {
+                Some(m)
+                    if claimed
+                        && (m.machineless
+                            || m.mark
+                                .as_deref()
+                                .is_some_and(|mark| mark_matches(&entry, &m.name, mark))) =>
+                {
                     if self.unregistered.contains(&name) && m.registered {
-                            let refusal = refusal::registered(&self.group, &name);
+                        let refusal = refusal::registered(&self.group, &name);
                         return self.take_back(read, refusal);
                     }
                     pending.push(entry)
@@ -678,9 +691,14 @@ pub(super) fn pruned(read: &Read) -> Ledger {
         .iter()
         .filter(|e| match Entry::parse(e) {
             Some(Entry::PoolNode(_)) => read.members.iter().any(|m| m.name == *e),
-            Some(entry) => entry.machine().and_then(|m| read.member(m)).is_some_and(|m| {
-                m.mark.as_deref().is_some_and(|mark| entry.names(&m.name, mark))
-            }),
+            Some(entry) => entry
+                .machine()
+                .and_then(|m| read.member(m))
+                .is_some_and(|m| {
+                    m.mark
+                        .as_deref()
+                        .is_some_and(|mark| entry.names(&m.name, mark))
+                }),
             None => false,
         })
         .map(str::to_string)

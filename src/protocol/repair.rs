@@ -98,7 +98,11 @@ impl Repair {
                 self.done.push(RepairAction::Recorded(entries.clone()));
                 let queue = entries
                     .iter()
-                    .filter_map(|e| Entry::parse(e).and_then(|e| e.machine()).map(str::to_string))
+                    .filter_map(|e| {
+                        Entry::parse(e)
+                            .and_then(|e| e.machine())
+                            .map(str::to_string)
+                    })
                     .map(|m| (m, String::new()))
                     .collect();
                 self.phase = Phase::Unmarking(queue);
@@ -170,9 +174,16 @@ impl Repair {
         // 2. Claims whose Machine never got (or lost) the mark: a removal stopped before marking.
         //    Moved to the taking-back record, never just dropped: a mark of that removal still on
         //    its way is then one being taken back (unmarked, or settled if Cluster API took it).
-        let stale: Vec<String> = read.stale_claims().into_iter().map(str::to_string).collect();
+        let stale: Vec<String> = read
+            .stale_claims()
+            .into_iter()
+            .map(str::to_string)
+            .collect();
         self.seen.extend(stale.iter().cloned());
-        let ripe_stale: Vec<String> = stale.into_iter().filter(|e| self.ripe.contains(e)).collect();
+        let ripe_stale: Vec<String> = stale
+            .into_iter()
+            .filter(|e| self.ripe.contains(e))
+            .collect();
         if !ripe_stale.is_empty() {
             let mut claims = g.claims.clone();
             let mut taking_back = g.taking_back.clone();
@@ -197,7 +208,11 @@ impl Repair {
         //    deletes nothing more (every settled mark still there is then beyond replicas).
         let absorbed = g.observed && accounts.owed == 0 && accounts.surplus <= 0;
         let mut take: Vec<String> = Vec::new();
-        for m in read.members.iter().filter(|m| !m.deleting && !m.machineless) {
+        for m in read
+            .members
+            .iter()
+            .filter(|m| !m.deleting && !m.machineless)
+        {
             if !m.mark.as_deref().is_some_and(is_our_mark) {
                 continue;
             }
@@ -254,7 +269,10 @@ impl Repair {
                     .and_then(|(entry, m)| read.member(m).map(|member| (entry, member)))
                     .is_some_and(|(entry, member)| {
                         !member.deleting
-                            && !member.mark.as_deref().is_some_and(|mark| entry.names(&member.name, mark))
+                            && !member
+                                .mark
+                                .as_deref()
+                                .is_some_and(|mark| entry.names(&member.name, mark))
                     });
                 if unmarked {
                     self.seen.insert(e.to_string());

@@ -93,7 +93,9 @@ impl Raise {
 enum CancelPhase {
     Deciding,
     /// The decrement of capacity without a Machine is in flight; then `pin` more to pin.
-    Cancelling { pin: usize },
+    Cancelling {
+        pin: usize,
+    },
     Pinning(Box<Removal>),
 }
 
@@ -160,7 +162,10 @@ impl Cancel {
                 Outcome::Conflict | Outcome::Unknown => {
                     self.attempts += 1;
                     if self.attempts >= MAX_ATTEMPTS {
-                        return Next::Done(Err(refusal::gave_up(&self.group, "DecreaseTargetSize")));
+                        return Next::Done(Err(refusal::gave_up(
+                            &self.group,
+                            "DecreaseTargetSize",
+                        )));
                     }
                     // Read again: the token tells whether it landed; if not, decided afresh.
                     Next::Read
@@ -215,7 +220,14 @@ impl Cancel {
         }
         let plan = match cancellation::cancellation_plan(&read.members, g.replicas, self.by) {
             Ok(plan) => plan,
-            Err(why) => return Next::Done(Err(cancellation_refusal(&self.group, g.replicas, -by, &why))),
+            Err(why) => {
+                return Next::Done(Err(cancellation_refusal(
+                    &self.group,
+                    g.replicas,
+                    -by,
+                    &why,
+                )));
+            }
         };
         if self.held_only && !plan.pin.is_empty() {
             return Next::Done(Err(Refusal::Precondition(format!(

@@ -38,7 +38,7 @@ impl Caller {
             Caller::IncreaseSize => "increase-size",
             Caller::DecreaseTargetSize => "decrease-target-size",
             Caller::DeleteNodes => "delete-nodes",
-            Caller::Repair => "repair",
+            Caller::Repair => "repair-record",
         }
     }
 
@@ -119,7 +119,10 @@ impl Actuator {
                 json!({"metadata": {"resourceVersion": version, "annotations": {
                     self.store.settings().keys.delete_machine.as_str(): value,
                 }}}),
-                format!("marking Machine {} for deletion", machine_key(group, machine)),
+                format!(
+                    "marking Machine {} for deletion",
+                    machine_key(group, machine)
+                ),
                 "mark-machine",
             ),
             Write::Unmark { machine, version } => (
@@ -128,7 +131,10 @@ impl Actuator {
                 json!({"metadata": {"resourceVersion": version, "annotations": {
                     self.store.settings().keys.delete_machine.as_str(): Value::Null,
                 }}}),
-                format!("taking back the delete mark of Machine {}", machine_key(group, machine)),
+                format!(
+                    "taking back the delete mark of Machine {}",
+                    machine_key(group, machine)
+                ),
                 "unmark-machine",
             ),
         };

@@ -20,7 +20,6 @@ mod operations;
 mod read;
 mod repair;
 
-
 pub struct Actuator {
     store: Arc<Store>,
     metrics: Arc<Metrics>,
@@ -105,5 +104,5 @@ impl Actuator {
     }
 }
 
-// #[cfg(test)]
-// mod mock_api_tests;
+#[cfg(test)]
+mod mock_api_tests;

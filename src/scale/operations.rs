@@ -210,7 +210,9 @@ fn removal_plan(
         }
         // CA names a Machine that never got a Node by its made-up id: if it gets one before the
         // removal, it is a node CA never drained, and stays.
-        if node.provider_id.starts_with(crate::snapshot::PENDING_PREFIX)
+        if node
+            .provider_id
+            .starts_with(crate::snapshot::PENDING_PREFIX)
             || node.name.starts_with(crate::snapshot::PENDING_PREFIX)
         {
             plan.pending.push(member.clone());

@@ -25,20 +25,32 @@ impl Actuator {
     pub(super) async fn read(&self, id: &str, group: &NodeGroup) -> Result<Read, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
-        let object = self.get(self.group_api(kind, &key.namespace)?, &key.name, kind.as_str()).await?;
+        let object = self
+            .get(
+                self.group_api(kind, &key.namespace)?,
+                &key.name,
+                kind.as_str(),
+            )
+            .await?;
         self.store.record(Some(kind), object);
         if kind == ScalableKind::MachineDeployment {
-            let sets = self.list(self.set_api(&key.namespace)?, "MachineSets", &key.namespace).await?;
+            let sets = self
+                .list(self.set_api(&key.namespace)?, "MachineSets", &key.namespace)
+                .await?;
             for set in sets.items {
                 self.store.record(Some(ScalableKind::MachineSet), set);
             }
         }
-        if let (Some(api), false) = (self.cluster_api(&key.namespace), group.resource.cluster_name.is_empty())
-            && let Ok(cluster) = self.get(api, &group.resource.cluster_name, "Cluster").await
+        if let (Some(api), false) = (
+            self.cluster_api(&key.namespace),
+            group.resource.cluster_name.is_empty(),
+        ) && let Ok(cluster) = self.get(api, &group.resource.cluster_name, "Cluster").await
         {
             self.store.record_cluster(cluster);
         }
-        let machines = self.list(self.machine_api(&key.namespace), "Machines", &key.namespace).await?;
+        let machines = self
+            .list(self.machine_api(&key.namespace), "Machines", &key.namespace)
+            .await?;
         self.store.record_machines(
             &key.namespace,
             machines.metadata.resource_version.as_deref(),
@@ -101,7 +113,9 @@ impl Actuator {
         kind: &str,
     ) -> Result<crate::object::ApiObject, ActuatorError> {
         let what = format!("reading {kind} {}/{name}", api_namespace(&api));
-        call(&what, api.get(name)).await.map_err(|e| other(e, &what))
+        call(&what, api.get(name))
+            .await
+            .map_err(|e| other(e, &what))
     }
 
     async fn list(
@@ -130,10 +144,13 @@ fn api_namespace(api: &Api<crate::object::ApiObject>) -> String {
 /// not served any more (paused, its Cluster paused, replicas the topology sets…), or rolling out.
 fn hold_of(snapshot: &Snapshot, id: &str, served: Option<&NodeGroup>) -> Option<Hold> {
     match served {
-        Some(group) => group
-            .rollout
-            .as_ref()
-            .map(|r| Hold::RollingOut(format!("MachineDeployment {} ({})", group.resource.key, r.reason()))),
+        Some(group) => group.rollout.as_ref().map(|r| {
+            Hold::RollingOut(format!(
+                "MachineDeployment {} ({})",
+                group.resource.key,
+                r.reason()
+            ))
+        }),
         None => {
             let why = snapshot
                 .skipped
@@ -163,7 +180,10 @@ pub(super) fn group_read(
         Ok(None) => Err("no longer carries the min/max size annotations".to_string()),
         Err(e) => Err(format!("{}: {}", e.field, e.message)),
     };
-    let set_replicas: i64 = sets.iter().map(|s| i64::from(s.replicas.unwrap_or(0))).sum();
+    let set_replicas: i64 = sets
+        .iter()
+        .map(|s| i64::from(s.replicas.unwrap_or(0)))
+        .sum();
     let observed = resource.observed()
         && (resource.kind != ScalableKind::MachineDeployment
             || (sets.iter().all(|s| s.observed())
@@ -187,7 +207,11 @@ pub(super) fn group_read(
 
 /// The group's members: its Machines, and the instances of a MachinePool's providerIDList without
 /// a Machine (named by their pool entry).
-pub(super) fn members(keys: &Keys, machines: &[Arc<Machine>], pool_instances: &[&str]) -> Vec<Member> {
+pub(super) fn members(
+    keys: &Keys,
+    machines: &[Arc<Machine>],
+    pool_instances: &[&str],
+) -> Vec<Member> {
     machines
         .iter()
         .map(|m| {
@@ -251,22 +275,36 @@ mod tests {
             group_read(&keys, d, sets, None).observed
         };
         assert!(read(&md(3, 4, 4), &[ms(3, 2, 2)]));
-        assert!(!read(&md(3, 5, 4), &[ms(3, 2, 2)]), "its own generation not observed");
-        assert!(!read(&md(3, 4, 4), &[ms(2, 2, 2)]), "replicas not copied to its MachineSet yet");
-        assert!(!read(&md(3, 4, 4), &[ms(3, 3, 2)]), "its MachineSet has not acted on its replicas");
+        assert!(
+            !read(&md(3, 5, 4), &[ms(3, 2, 2)]),
+            "its own generation not observed"
+        );
+        assert!(
+            !read(&md(3, 4, 4), &[ms(2, 2, 2)]),
+            "replicas not copied to its MachineSet yet"
+        );
+        assert!(
+            !read(&md(3, 4, 4), &[ms(3, 3, 2)]),
+            "its MachineSet has not acted on its replicas"
+        );
     }
 
     #[test]
     fn the_group_read_carries_its_records_and_bounds_of_that_version() {
         let keys = Keys::default();
         let mut d = md(3, 1, 1);
-        d.annotations.insert(LEDGER_ANNOTATION.into(), "m0@5".into());
-        d.annotations.insert(CLAIMS_ANNOTATION.into(), "m1@6".into());
+        d.annotations
+            .insert(LEDGER_ANNOTATION.into(), "m0@5".into());
+        d.annotations
+            .insert(CLAIMS_ANNOTATION.into(), "m1@6".into());
         let read = group_read(&keys, &d, &[ms(3, 1, 1)], None);
         assert_eq!(read.bounds, Ok((1, 5)));
         assert!(read.ledger.contains("m0@5") && read.claims.contains("m1@6"));
         d.replicas = None;
-        assert!(group_read(&keys, &d, &[], None).bounds.is_err(), "no target size, no write");
+        assert!(
+            group_read(&keys, &d, &[], None).bounds.is_err(),
+            "no target size, no write"
+        );
     }
 
     #[test]

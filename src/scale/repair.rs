@@ -107,7 +107,8 @@ impl Actuator {
                         "{}: delete mark taken back: the replicas of {} do not pay for it (a removal that stopped part-way, or a raise absorbed its decrement); the node stays",
                         group.id, group.resource.key
                     );
-                    self.store.machine_event(&key, "DeleteMarkRepaired", note.clone());
+                    self.store
+                        .machine_event(&key, "DeleteMarkRepaired", note.clone());
                     note
                 }
                 RepairAction::DroppedStale(entries) => format!(

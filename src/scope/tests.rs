@@ -1,5 +1,29 @@
 use super::*;
 
+/// [`super::decide`] where the management cluster's Cluster objects are those of the groups.
+fn decide(
+    configured: Option<&ClusterRef>,
+    observed: &BTreeSet<ObjectKey>,
+    groups: &BTreeSet<ObjectKey>,
+) -> Scope {
+    super::decide(configured, observed, groups, groups)
+}
+
+/// Finding 8 of issue 28: `--cluster NAME` without a namespace, while no Node names a Cluster,
+/// served a same-named Cluster in another namespace because only its groups were found. Every
+/// Cluster of that name counts: ambiguous, nothing is served, and the message says what to set.
+#[test]
+fn a_cluster_name_without_namespace_is_ambiguous_when_clusters_of_that_name_are_in_two_namespaces()
+{
+    let groups = set(&[("team-b", "prod")]);
+    let known = set(&[("team-a", "prod"), ("team-b", "prod")]);
+    let scope = super::decide(Some(&cluster("prod")), &BTreeSet::new(), &groups, &known);
+    assert!(nothing(&scope).contains("NAMESPACE/NAME"), "{scope:?}");
+    let only = set(&[("team-b", "prod")]);
+    let scope = super::decide(Some(&cluster("prod")), &BTreeSet::new(), &groups, &only);
+    assert_eq!(served(&scope), "team-b/prod");
+}
+
 fn key(namespace: &str, name: &str) -> ObjectKey {
     ObjectKey::new(namespace, name)
 }

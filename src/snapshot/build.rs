@@ -596,6 +596,7 @@ impl<'a> Builder<'a> {
             self.settings.cluster.as_ref(),
             &self.index.observed_clusters(),
             &self.candidate_clusters(),
+            &self.index.cluster_keys(),
         );
         let (mut groups, mut group_problems) = self.candidate_groups(&sets_by_deployment);
         self.problems.extend(scope::discovery_problems(

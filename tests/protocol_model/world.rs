@@ -160,7 +160,15 @@ pub struct Ghost {
 }
 
 impl World {
-    pub fn new(machines: usize, min: i32, max: i32, providers: usize, calls: Vec<(usize, Call)>, budget: Budget, user_actions: Vec<UserAction>) -> World {
+    pub fn new(
+        machines: usize,
+        min: i32,
+        max: i32,
+        providers: usize,
+        calls: Vec<(usize, Call)>,
+        budget: Budget,
+        user_actions: Vec<UserAction>,
+    ) -> World {
         let mut world = World {
             replicas: machines as i32,
             generation: 1,
@@ -584,8 +592,12 @@ fn step_line(step: &Step) -> String {
                 g.claims.as_ref().map(|l| l.iter().collect::<Vec<_>>()),
                 g.taking_back.as_ref().map(|l| l.iter().collect::<Vec<_>>())
             ),
-            capi_autoscaler_provider::protocol::Write::Mark { machine, .. } => format!("mark {machine}"),
-            capi_autoscaler_provider::protocol::Write::Unmark { machine, .. } => format!("unmark {machine}"),
+            capi_autoscaler_provider::protocol::Write::Mark { machine, .. } => {
+                format!("mark {machine}")
+            }
+            capi_autoscaler_provider::protocol::Write::Unmark { machine, .. } => {
+                format!("unmark {machine}")
+            }
         },
     }
 }

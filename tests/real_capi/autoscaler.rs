@@ -589,3 +589,119 @@ async fn cluster_autoscaler_drains_a_node_and_real_capi_removes_it() {
         down.as_secs_f64(),
     ));
 }
+
+/// Finding 1 of the protocol's review (issue 28), with the real cluster-autoscaler and the real
+/// Cluster API manager: a group of 6 empty nodes (min 1). CA removes the 5 it may in one loop, one
+/// DeleteNodes per node, each from its own goroutine, back to back; the MachineSet, woken by each
+/// mark, may take a later-marked Machine for an earlier decrement (it ranks marked Machines
+/// equally and breaks ties by name). Every node CA was answered OK for is gone, the others stay,
+/// none keeps CA's ToBeDeleted taint, and no Machine went without its mark.
+#[tokio::test]
+async fn cluster_autoscaler_removes_empty_nodes_in_one_loop_each_answered_ok_gone_none_left_tainted()
+ {
+    let s = RealCapiNamespace::new(&SIZE).await;
+    s.group("six", ("1", "6", 6), |_| {}).await;
+    let before: BTreeSet<String> = s.machines("six", 6).await.into_iter().collect();
+    let capi = support::capi::Capi::new(s.client.clone(), &s.ns, "cluster.x-k8s.io", "v1beta2");
+    let deletions = support::real_capi_scenario::MachineDeletions::start(&capi).await;
+    let provider = s.provider().await;
+    let mut ca = s.start_ca(&provider).await;
+    let t = Instant::now();
+
+    // CA removes the empty nodes down to min (a node refused is retried in a later loop), Cluster
+    // API acts; then nothing is left in flight: one Machine, unmarked, replicas 1.
+    let settled = poll_until(
+        "six scaled down to 1, settled",
+        Duration::from_secs(180),
+        Duration::from_millis(200),
+        || async {
+            let replicas = s.replicas("six").await;
+            let machines = machines_of(&s.client, &s.ns, "six").await;
+            match (replicas, machines) {
+                (Ok(1), Ok(all)) if all.len() == 1 && all.iter().all(|(_, marked)| !marked) => {
+                    match machines_with_nodes(&s.client, &s.ns, "six", all.len()).await {
+                        Check::Done(names) => Check::Done(names),
+                        Check::Wait(why) | Check::Fatal(why) => {
+                            Check::Wait(format!("replicas 1: {why}"))
+                        }
+                    }
+                }
+                (r, m) => Check::Wait(format!("replicas {r:?}, Machines {m:?}")),
+            }
+        },
+    )
+    .await;
+    let remaining = match settled {
+        Ok(remaining) => remaining,
+        Err(e) => s.fail(e, &provider, Some(&ca)),
+    };
+    let text = support::autoscaler::http_get(&provider.metrics_address, "/metrics")
+        .await
+        .unwrap_or_default();
+    let answered_ok = support::autoscaler::metric_sum(
+        &text,
+        "capi_autoscaler_provider_grpc_requests_total",
+        &[("method", "NodeGroupDeleteNodes"), ("code", "OK")],
+    ) as usize;
+    let refused = support::autoscaler::metric_sum(
+        &text,
+        "capi_autoscaler_provider_grpc_requests_total",
+        &[("method", "NodeGroupDeleteNodes")],
+    ) as usize
+        - answered_ok;
+    let removed: BTreeSet<String> = before.difference(&remaining).cloned().collect();
+    assert_eq!(
+        removed.len(),
+        answered_ok,
+        "every node answered OK is gone, no other: removed {removed:?}, {answered_ok} DeleteNodes answered OK; provider log:\n{}",
+        provider.log_contents()
+    );
+    assert!(
+        deletions.unmarked().is_empty(),
+        "Machines deleted without a mark: {:?}",
+        deletions.unmarked()
+    );
+    let nodes: Api<Node> = Api::all(s.client.clone());
+    let untainted = poll_until(
+        "no remaining node keeps CA's ToBeDeleted taint",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            let mut tainted = Vec::new();
+            for machine in &remaining {
+                let (_, node) = s.provider_id_and_node(machine).await;
+                let taints = nodes
+                    .get_opt(&node)
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|n| n.spec)
+                    .and_then(|spec| spec.taints)
+                    .unwrap_or_default();
+                if taints
+                    .iter()
+                    .any(|t| t.key == "ToBeDeletedByClusterAutoscaler")
+                {
+                    tainted.push(node);
+                }
+            }
+            if tainted.is_empty() {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("tainted: {tainted:?}"))
+            }
+        },
+    )
+    .await;
+    if let Err(e) = untainted {
+        s.fail(e, &provider, Some(&ca));
+    }
+    s.check_ca_alive(&mut ca, &provider);
+    procs::announce(&format!(
+        "e2e: scenario real-capi-ca-empty-nodes-in-one-loop passed in {:.1}s: {} of 6 removed, {} DeleteNodes answered OK, {refused} refused (retried), {} left",
+        t.elapsed().as_secs_f64(),
+        removed.len(),
+        answered_ok,
+        remaining.len()
+    ));
+}

@@ -250,6 +250,8 @@ fn machinedeployment_v1beta2_fixture() {
             cluster_name: "prod".into(),
             replicas: Some(3),
             status_replicas: Some(3),
+            generation: Some(3),
+            observed_generation: Some(3),
             rolling_out: false,
             preflight: None,
             paused: false,
