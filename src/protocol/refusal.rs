@@ -43,7 +43,7 @@ impl Refusal {
     }
 }
 
-pub(super) fn held(group: &str, hold: &Hold, operation: &str) -> Refusal {
+pub fn held(group: &str, hold: &Hold, operation: &str) -> Refusal {
     Refusal::Precondition(match hold {
         Hold::RollingOut(why) => format!(
             "{group}: {why} is rolling out: {operation} is paused until the rollout finishes"

@@ -255,6 +255,9 @@ impl Removal {
                 || g.taking_back.contains(e)
                 || settled.contains(e)
         });
+        // What this decision claims, kept only once it writes (or settles): a removal that waits
+        // has nothing of its own on the group.
+        let mut claims = self.claims.clone();
         let mut new_claims: Vec<String> = Vec::new();
         let mut marks: Vec<(String, String, String)> = Vec::new();
         let mut settled_named: Vec<String> = Vec::new();
@@ -271,16 +274,12 @@ impl Removal {
                     .map(str::to_string);
                 match recorded {
                     Some(e) => {
-                        self.claims.insert(name.clone(), e);
+                        claims.insert(name.clone(), e);
                     }
                     None => {
-                        let e = self
-                            .claims
-                            .get(&name)
-                            .cloned()
-                            .unwrap_or_else(|| name.clone());
+                        let e = claims.get(&name).cloned().unwrap_or_else(|| name.clone());
                         self.settled.insert(e.clone());
-                        self.claims.insert(name.clone(), e);
+                        claims.insert(name.clone(), e);
                     }
                 }
                 continue;
@@ -290,7 +289,7 @@ impl Removal {
                     read.standing(member)
                 {
                     // Owed: settled with the rest (exactly once, whoever does it first).
-                    self.claims.insert(name.clone(), e);
+                    claims.insert(name.clone(), e);
                 }
                 continue;
             }
@@ -300,7 +299,7 @@ impl Removal {
             match read.standing(member) {
                 Standing::Settled(e) => {
                     self.settled.insert(e.clone());
-                    self.claims.insert(name.clone(), e);
+                    claims.insert(name.clone(), e);
                     settled_named.push(name.clone());
                 }
                 Standing::TakingBack(_) => {
@@ -308,17 +307,17 @@ impl Removal {
                     return self.pause(refusal);
                 }
                 Standing::Claimed(e) => {
-                    self.claims.insert(name.clone(), e);
+                    claims.insert(name.clone(), e);
                     to_settle += 1;
                 }
                 Standing::Unrecorded(e) => {
-                    self.claims.insert(name.clone(), e.clone());
+                    claims.insert(name.clone(), e.clone());
                     new_claims.push(e);
                     to_settle += 1;
                 }
                 Standing::Foreign => {
                     let e = read.entry_of(member, "", self.stamp);
-                    self.claims.insert(name.clone(), e.clone());
+                    claims.insert(name.clone(), e.clone());
                     new_claims.push(e);
                     to_settle += 1;
                 }
@@ -326,7 +325,7 @@ impl Removal {
                     // An entry settled or being taken back is never claimed again: a new
                     // mark is a new removal, with a stamp after every recorded one.
                     let live = |e: &String| !g.ledger.contains(e) && !g.taking_back.contains(e);
-                    let known = self.claims.get(&name).cloned().filter(live);
+                    let known = claims.get(&name).cloned().filter(live);
                     let e = match known.or_else(|| claimed_entry(read, &name)) {
                         Some(e) => e,
                         None if member.machineless => name.clone(),
@@ -347,7 +346,7 @@ impl Removal {
                     {
                         marks.push((name.clone(), member.version.clone(), our_mark(stamp)));
                     }
-                    self.claims.insert(name.clone(), e);
+                    claims.insert(name.clone(), e);
                     to_settle += 1;
                 }
             }
@@ -360,6 +359,7 @@ impl Removal {
         }
         if new_claims.is_empty() && marks.is_empty() {
             // Nothing to write before settling: every named node is settled, going, or claimed.
+            self.claims = claims;
             return self.settle(read);
         }
         if balance != 0 {
@@ -380,17 +380,18 @@ impl Removal {
             };
             return self.stop(refusal);
         }
+        self.claims = claims;
         if new_claims.is_empty() {
             return self.next_mark(marks);
         }
-        let mut claims = g.claims.clone();
+        let mut recorded = g.claims.clone();
         for e in &new_claims {
-            claims.insert(e.clone());
+            recorded.insert(e.clone());
         }
         self.phase = Phase::Claiming(new_claims);
         Next::Write(Write::Group(GroupWrite {
             version: g.version.clone(),
-            claims: Some(claims),
+            claims: Some(recorded),
             ..GroupWrite::default()
         }))
     }

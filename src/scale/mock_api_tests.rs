@@ -165,6 +165,9 @@ enum Fault {
     ArriveLate,
     /// Applies the request and never answers.
     Hang,
+    /// Cluster API acts ([`FakeApi::capi_acts`]) just before the request is served: where an
+    /// interleaving puts the MachineSet controller between two writes.
+    CapiFirst,
     /// Another writer changes the object just before the request is served (a new
     /// resourceVersion, an annotation of its own), so a request guarded by the version before
     /// conflicts.
@@ -311,6 +314,11 @@ impl FakeApi {
                 let _ = self.apply(&request, content_type);
                 Answer::Hang
             }
+            Some(Fault::CapiFirst) => {
+                self.capi_acts();
+                let (code, body) = self.apply(&request, content_type);
+                Answer::Respond(code, body)
+            }
             Some(Fault::OtherWriterFirst) => {
                 let version = self.next_version();
                 if let Some(object) = self.objects.get_mut(&request.path) {
@@ -321,6 +329,59 @@ impl FakeApi {
                 Answer::Respond(code, body)
             }
         }
+    }
+
+    /// Cluster API acts once, as its MachineDeployment and MachineSet controllers would on what the
+    /// fake holds: md's replicas copied to md-1, each generation observed, and Machines beyond the
+    /// replicas deleted in the MachineSet's order (being deleted, then marked, then without a
+    /// Node, ties by name). Returns the Machines it began deleting.
+    fn capi_acts(&mut self) -> Vec<String> {
+        let api = self;
+        let replicas = api.objects[MD]["spec"]["replicas"].clone();
+        for path in [MD, MS] {
+            let generation = api.objects[path]["metadata"]["generation"].clone();
+            let version = api.next_version();
+            let object = api.objects.get_mut(path).expect("md and md-1");
+            if path == MS {
+                object["spec"]["replicas"] = replicas.clone();
+            }
+            object["status"]["observedGeneration"] = generation;
+            object["metadata"]["resourceVersion"] = json!(version);
+        }
+        let delete_key = keys().delete_machine;
+        let mut order: Vec<(u8, String)> = api
+            .objects
+            .iter()
+            .filter(|(p, _)| p.starts_with("machines/"))
+            .map(|(p, m)| {
+                let rank = if !m["metadata"]["deletionTimestamp"].is_null() {
+                    0
+                } else if !m["metadata"]["annotations"][delete_key.as_str()].is_null() {
+                    1
+                } else if m["status"]["nodeRef"].is_null() {
+                    2
+                } else {
+                    3
+                };
+                (rank, p.clone())
+            })
+            .collect();
+        order.sort();
+        let surplus = order
+            .len()
+            .saturating_sub(replicas.as_u64().unwrap_or(0) as usize);
+        let mut deleted = Vec::new();
+        for (rank, path) in order.into_iter().take(surplus) {
+            if rank == 0 {
+                continue;
+            }
+            let version = api.next_version();
+            let machine = api.objects.get_mut(&path).expect("listed");
+            machine["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+            machine["metadata"]["resourceVersion"] = json!(version);
+            deleted.push(path.trim_start_matches("machines/").to_string());
+        }
+        deleted
     }
 
     /// Serves a request as the API server would.
@@ -541,57 +602,9 @@ async fn within<T>(operation: impl Future<Output = T>) -> T {
 }
 
 impl Fixture {
-    /// Cluster API acts once, as its MachineDeployment and MachineSet controllers would on what the
-    /// fake holds: md's replicas copied to md-1, each generation observed, and Machines beyond the
-    /// replicas deleted in the MachineSet's order (being deleted, then marked, then without a
-    /// Node, ties by name). Returns the Machines it began deleting.
+    /// Cluster API acts once (see [`FakeApi::capi_acts`]).
     fn capi_acts(&self) -> Vec<String> {
-        let mut api = lock(&self.api);
-        let replicas = api.objects[MD]["spec"]["replicas"].clone();
-        for path in [MD, MS] {
-            let generation = api.objects[path]["metadata"]["generation"].clone();
-            let version = api.next_version();
-            let object = api.objects.get_mut(path).expect("md and md-1");
-            if path == MS {
-                object["spec"]["replicas"] = replicas.clone();
-            }
-            object["status"]["observedGeneration"] = generation;
-            object["metadata"]["resourceVersion"] = json!(version);
-        }
-        let delete_key = keys().delete_machine;
-        let mut order: Vec<(u8, String)> = api
-            .objects
-            .iter()
-            .filter(|(p, _)| p.starts_with("machines/"))
-            .map(|(p, m)| {
-                let rank = if !m["metadata"]["deletionTimestamp"].is_null() {
-                    0
-                } else if !m["metadata"]["annotations"][delete_key.as_str()].is_null() {
-                    1
-                } else if m["status"]["nodeRef"].is_null() {
-                    2
-                } else {
-                    3
-                };
-                (rank, p.clone())
-            })
-            .collect();
-        order.sort();
-        let surplus = order
-            .len()
-            .saturating_sub(replicas.as_u64().unwrap_or(0) as usize);
-        let mut deleted = Vec::new();
-        for (rank, path) in order.into_iter().take(surplus) {
-            if rank == 0 {
-                continue;
-            }
-            let version = api.next_version();
-            let machine = api.objects.get_mut(&path).expect("listed");
-            machine["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
-            machine["metadata"]["resourceVersion"] = json!(version);
-            deleted.push(path.trim_start_matches("machines/").to_string());
-        }
-        deleted
+        lock(&self.api).capi_acts()
     }
 
     fn deleting(&self, name: &str) -> bool {
@@ -856,30 +869,29 @@ async fn delete_nodes_whose_settlement_answer_is_lost_reads_it_back_and_lowers_o
 #[tokio::test]
 async fn finding_1_a_mark_the_machine_set_takes_for_an_earlier_decrement_is_still_settled() {
     let fixture = Fixture::new(&three_running(3, &[]));
+    // The group's writes: c's claim (0) and settlement (1), b's claim (2) and settlement (3).
+    // Cluster API acts on c's decrement just before b's settlement is served, b marked by then.
+    fixture.fault_at(Method::PATCH, MD, 3, Fault::CapiFirst);
     within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
         .await
         .unwrap();
-    // Cluster API has not acted on c's decrement yet. The second call claims and marks b; the
-    // MachineSet acts between b's mark and its settlement (the fault below plays it), taking b.
-    let actuator = Arc::clone(&fixture.actuator);
-    let second = tokio::spawn(async move { actuator.delete_nodes(GROUP, &[node("b")]).await });
-    within(async {
-        while fixture.mark("b").is_none() {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
-    let deleted = fixture.capi_acts();
-    assert_eq!(
-        deleted,
-        ["b"],
-        "the MachineSet takes b (by name) for c's decrement"
-    );
-    within(second).await.unwrap().unwrap();
 
-    assert_eq!(fixture.replicas(), 1, "b settled with its own decrement");
+    within(fixture.actuator.delete_nodes(GROUP, &[node("b")]))
+        .await
+        .unwrap();
+
+    assert!(
+        fixture.deleting("b"),
+        "the MachineSet took b (by name) for c's decrement"
+    );
+    assert!(!fixture.deleting("c"), "c not yet");
+    assert_eq!(
+        fixture.replicas(),
+        1,
+        "b settled with its own decrement all the same"
+    );
     assert_eq!(fixture.capi_acts(), ["c"], "so c goes as well");
-    assert!(fixture.deleting("b") && fixture.deleting("c") && !fixture.deleting("a"));
+    assert!(!fixture.deleting("a"));
 }
 
 /// Finding 3: a user's "annotate + scale down" in flight beside a removal: their mark on a is
@@ -1182,6 +1194,11 @@ async fn finding_4_an_absorbed_mark_is_taken_back_once_cluster_api_observed_the_
         );
 
         fixture.capi_acts();
+        // The watch delivers the observed generation.
+        fixture.actuator.store.record(
+            Some(ScalableKind::MachineDeployment),
+            serde_json::from_value(fixture.object(MD)).expect("an object"),
+        );
         within(fixture.actuator.repair(Duration::ZERO)).await;
         assert_eq!(
             fixture.mark("c"),

@@ -12,7 +12,7 @@ use super::Actuator;
 use super::execute::Caller;
 use crate::backend::{ActuatorError, NodeToDelete};
 use crate::capi::{ObjectKey, ScalableKind, preflight};
-use crate::protocol::{Cancel, Operation, Purpose, Raise, Removal, pool_node_entry};
+use crate::protocol::{Cancel, Hold, Operation, Purpose, Raise, Removal, pool_node_entry, refusal};
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot};
 
 impl Actuator {
@@ -41,6 +41,7 @@ impl Actuator {
                 "size decrease must be negative, got delta {delta}"
             )));
         }
+        refuse_during_rollout(&self.store.snapshot(), id, "DecreaseTargetSize")?;
         let op = Operation::Cancel(Cancel::new(id, delta.unsigned_abs(), &token(), now_unix()));
         self.run(id, Caller::DecreaseTargetSize, vec![op]).await
     }
@@ -57,6 +58,7 @@ impl Actuator {
         let group = snapshot
             .group(id)
             .ok_or_else(|| ActuatorError::GroupNotFound { id: id.to_string() })?;
+        refuse_during_rollout(&snapshot, id, "scale-down")?;
         let plan = removal_plan(&snapshot, &self.store.settings().keys, group, nodes)?;
         let mut ops = Vec::new();
         if plan.held > 0 {
@@ -106,6 +108,29 @@ impl Actuator {
             result
         })
         .await
+    }
+}
+
+/// A rollout the snapshot already shows refuses at once, without an API call; the operation's own
+/// fresh read checks it again (one may have begun since).
+fn refuse_during_rollout(
+    snapshot: &Snapshot,
+    id: &str,
+    operation: &str,
+) -> Result<(), ActuatorError> {
+    let Some(group) = snapshot.group(id) else {
+        return Ok(());
+    };
+    match &group.rollout {
+        Some(rollout) => {
+            let hold = Hold::RollingOut(format!(
+                "MachineDeployment {} ({})",
+                group.resource.key,
+                rollout.reason()
+            ));
+            Err(refusal::held(id, &hold, operation).into())
+        }
+        None => Ok(()),
     }
 }
 

@@ -89,7 +89,10 @@ impl Actuator {
                     .collect()
             })
             .unwrap_or_default();
+        // A MachinePool's instances without a Machine are members; another group's instances
+        // without one are capacity a preflight check holds, not members.
         let pool_instances: Vec<&str> = served
+            .filter(|g| g.kind() == ScalableKind::MachinePool)
             .map(|g| {
                 g.instances
                     .iter()

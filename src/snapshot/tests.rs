@@ -587,10 +587,17 @@ fn a_cluster_topology_that_sets_an_autoscaled_groups_replicas_is_a_problem_on_th
             .message
             .contains("MachineDeployment ns/c1-md-0-x")
     );
-    // Still served: the conflict is the Cluster's to fix.
-    assert_eq!(s.groups.len(), 2);
+    // Not served (finding 7 of issue 28): the topology controller would undo every decrement and
+    // keep the marked Machine, so a node CA was answered OK for would stay. The other group is.
+    assert_eq!(s.groups.len(), 1);
+    assert_eq!(
+        s.not_served.get("MachineDeployment/ns/c1-md-0-x"),
+        Some(&NotServed::Topology)
+    );
     index.delete_cluster(&ObjectKey::new("ns", "c1"));
-    assert!(index.snapshot(&settings()).problems.is_empty());
+    let s = index.snapshot(&settings());
+    assert!(s.problems.is_empty());
+    assert_eq!(s.groups.len(), 2);
 }
 
 #[test]
