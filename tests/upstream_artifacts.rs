@@ -442,6 +442,13 @@ fn a_path_from_the_environment_comes_before_the_mirror_and_the_public_source() {
     );
 }
 
+/// A resolver run that must fail: its environment, its arguments and phrases its error must contain.
+struct Mistake<'a> {
+    env: Vec<(&'a str, &'a str)>,
+    args: Vec<&'a str>,
+    says: Vec<&'a str>,
+}
+
 #[test]
 fn what_a_user_can_get_wrong_is_named_in_the_error() {
     let empty = procs::work_dir().join("empty-mirror");
@@ -453,49 +460,49 @@ fn what_a_user_can_get_wrong_is_named_in_the_error() {
         .to_string();
     let not_executable = repo("Cargo.toml").display().to_string();
     let not_a_chart = procs::work_dir().display().to_string();
-    let cases: Vec<(Vec<(&str, &str)>, Vec<&str>, Vec<&str>)> = vec![
-        (
-            vec![("CLUSTER_AUTOSCALER", &not_executable)],
-            vec!["cluster-autoscaler"],
-            vec!["CLUSTER_AUTOSCALER=", "is not an executable file"],
-        ),
-        (
-            vec![("CLUSTER_AUTOSCALER_CHART", &not_a_chart)],
-            vec!["cluster-autoscaler-chart"],
-            vec!["CLUSTER_AUTOSCALER_CHART=", "is not a chart folder"],
-        ),
-        (
-            vec![("CAPI_SHARED_UPSTREAM", &not_a_folder)],
-            vec!["cluster-autoscaler"],
-            vec![
+    let cases = [
+        Mistake {
+            env: vec![("CLUSTER_AUTOSCALER", &not_executable)],
+            args: vec!["cluster-autoscaler"],
+            says: vec!["CLUSTER_AUTOSCALER=", "is not an executable file"],
+        },
+        Mistake {
+            env: vec![("CLUSTER_AUTOSCALER_CHART", &not_a_chart)],
+            args: vec!["cluster-autoscaler-chart"],
+            says: vec!["CLUSTER_AUTOSCALER_CHART=", "is not a chart folder"],
+        },
+        Mistake {
+            env: vec![("CAPI_SHARED_UPSTREAM", &not_a_folder)],
+            args: vec!["cluster-autoscaler"],
+            says: vec![
                 "CAPI_SHARED_UPSTREAM=",
                 "is not a folder",
                 "a local mirror of upstream artifacts",
             ],
-        ),
-        (
-            vec![("CAPI_SHARED_UPSTREAM", &empty)],
-            vec!["cluster-autoscaler", "1.2.3"],
-            vec![
+        },
+        Mistake {
+            env: vec![("CAPI_SHARED_UPSTREAM", &empty)],
+            args: vec!["cluster-autoscaler", "1.2.3"],
+            says: vec![
                 "version 1.2.3 is not pinned in",
                 "cluster-autoscaler.versions",
             ],
-        ),
-        (
-            vec![],
-            vec!["kube-apiserver"],
-            vec![
+        },
+        Mistake {
+            env: vec![],
+            args: vec!["kube-apiserver"],
+            says: vec![
                 "unknown artifact 'kube-apiserver'",
                 "artifact.sh cluster-autoscaler",
             ],
-        ),
+        },
     ];
-    for (pairs, args, expected) in cases {
-        let stderr = refused(&env_of(&pairs), &args);
-        for phrase in expected {
+    for Mistake { env, args, says } in cases {
+        let stderr = refused(&env_of(&env), &args);
+        for phrase in says {
             assert!(
                 stderr.contains(phrase),
-                "artifact.sh {args:?} with {pairs:?}: {phrase:?} not in:\n{stderr}"
+                "artifact.sh {args:?} with {env:?}: {phrase:?} not in:\n{stderr}"
             );
         }
     }
