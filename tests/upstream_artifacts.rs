@@ -430,6 +430,16 @@ fn a_path_from_the_environment_comes_before_the_mirror_and_the_public_source() {
         ("CAPI_UPSTREAM_REGISTRY", NO_REGISTRY),
     ]);
     assert_eq!(resolved(&env, &["cluster-autoscaler"]).0, explicit);
+    // Another pinned version has a variable of its own; CLUSTER_AUTOSCALER is the default version's only.
+    let other = autoscaler::versions()[1].clone();
+    let other_var = format!("CLUSTER_AUTOSCALER_{}", other.replace('.', "_"));
+    let env = env_of(&[
+        (other_var.as_str(), &explicit_arg),
+        ("CAPI_SHARED_UPSTREAM", &dir),
+        ("CAPI_UPSTREAM_REGISTRY", NO_REGISTRY),
+    ]);
+    assert_eq!(resolved(&env, &["cluster-autoscaler", &other]).0, explicit);
+    assert_eq!(resolved(&env, &["cluster-autoscaler"]).0, from_mirror);
 
     let env = env_of(&[
         ("CAPI_SHARED_UPSTREAM", &dir),
@@ -465,6 +475,11 @@ fn what_a_user_can_get_wrong_is_named_in_the_error() {
             env: vec![("CLUSTER_AUTOSCALER", &not_executable)],
             args: vec!["cluster-autoscaler"],
             says: vec!["CLUSTER_AUTOSCALER=", "is not an executable file"],
+        },
+        Mistake {
+            env: vec![("CAPI_GRPC_SERVER", &not_executable)],
+            args: vec!["capi-grpc-server"],
+            says: vec!["CAPI_GRPC_SERVER=", "is not an executable file"],
         },
         Mistake {
             env: vec![("CLUSTER_AUTOSCALER_CHART", &not_a_chart)],
