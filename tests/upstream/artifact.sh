@@ -42,9 +42,10 @@ fail() {
   exit 1
 }
 
+# The usage (the header's first lines), then exit with status $1.
 usage() {
   sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
-  exit 2
+  exit "$1"
 }
 
 # The lines of a pin file without comments: "VERSION DIGEST".
@@ -208,9 +209,9 @@ case $artifact in
     release=$(sed -n 's/^RELEASE=//p' "$HERE/w/build.sh")
     from_env CAPI_GRPC_SERVER file || from_mirror "capi-grpc-server-$release-patched" || bash "$HERE/w/build.sh"
     ;;
-  -h | --help) usage ;;
+  -h | --help) usage 0 ;;
   *)
     echo "artifact: unknown artifact '$artifact'" >&2
-    usage
+    usage 2
     ;;
 esac
