@@ -45,8 +45,8 @@ unit:
 	$(CARGO) test --lib --bins
 
 # Runs the real cluster-autoscaler (the default version of tests/upstream/cluster-autoscaler.versions,
-# found by tests/upstream/cluster-autoscaler.sh: env CLUSTER_AUTOSCALER, ../shared/upstream or the official
-# image) against this provider; the demo finds the provider binary in target/debug.
+# found by tests/upstream/artifact.sh: env CLUSTER_AUTOSCALER, a local mirror or the official image) against
+# this provider; the demo finds the provider binary in target/debug.
 demo: upstream
 	$(CARGO) build --bin capi-autoscaler-provider
 	$(CARGO) run --example demo
@@ -83,7 +83,8 @@ image:
 	echo "image: $(IMAGE_TAG) for linux/$$arch in $$(( $$(date +%s) - start ))s"
 
 # The fleet benchmark (benches/fleet): the control plane of the tests, this provider's release build,
-# upstream's example externalgrpc server (W) and CA with the in-tree provider (A) from ../shared/upstream.
+# upstream's example externalgrpc server (W) and CA with the in-tree provider (A), found by
+# tests/upstream/artifact.sh.
 # Prints the table and writes target/bench/fleet.{md,json}. BENCH_SIZES=1000/100 for one size; the other
 # BENCH_* knobs are listed in benches/fleet/main.rs.
 bench: upstream

@@ -13,7 +13,6 @@ use rand::{Rng as _, SeedableRng as _};
 
 use crate::apf::{self, Identity};
 use crate::fleet::{self, Fleet, GROUP_LABEL};
-use crate::servers;
 use crate::support::{self, autoscaler, procs, workload};
 
 /// CA's default scan interval, used as is.
@@ -100,7 +99,7 @@ pub fn start(
         }
         Flavor::InTree => (
             flavor.label(),
-            servers::upstream("cluster-autoscaler-clusterapi-1.36.1"),
+            autoscaler::binary(version, "clusterapi"),
             vec![
                 "--cloud-provider=clusterapi".to_string(),
                 format!("--cloud-config={}", identity.kubeconfig().display()),

@@ -199,7 +199,7 @@ pub fn spawn_w(
     workload: &Identity,
     in_cluster: &Path,
 ) -> (Target, Instant) {
-    let binary = upstream("capi-grpc-server-1.36.1-patched");
+    let binary = support::artifacts::resolved(&["capi-grpc-server"]);
     let address = format!("127.0.0.1:{}", procs::free_port());
     let log = procs::work_dir().join(format!("w-{}-{}.log", fleet.ns, procs::free_port()));
     let secrets = "/run/secrets/kubernetes.io/serviceaccount";
@@ -248,24 +248,6 @@ pub fn spawn_w(
         },
         spawned,
     )
-}
-
-/// The path of an artifact of the steering workspace's `upstream/` (unpacked on first use).
-pub fn upstream(name: &str) -> PathBuf {
-    let get = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/upstream/get");
-    let out = Command::new(&get)
-        .arg(name)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", get.display()));
-    assert!(
-        out.status.success(),
-        "{} {name}: {}\n{}",
-        get.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// The environment variable that turns this benchmark binary into the floor server: the path of its

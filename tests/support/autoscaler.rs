@@ -1,9 +1,9 @@
 //! The real cluster-autoscaler (CA) and the real kube-scheduler, run against the test control plane.
 //!
-//! CA binaries are found by `tests/upstream/cluster-autoscaler.sh` (pinned versions in
-//! `tests/upstream/cluster-autoscaler.versions`): `CLUSTER_AUTOSCALER`, else the steering workspace's
-//! `../shared/upstream`, else the official image. kube-scheduler is built with kube-apiserver by
-//! `tests/upstream/build.sh` and started once per control plane, on first use, so that pods land on
+//! CA binaries of the pinned versions (`tests/upstream/cluster-autoscaler.versions`) are resolved by
+//! `tests/upstream/artifact.sh` ([`super::artifacts`]): `CLUSTER_AUTOSCALER`, else a local mirror of upstream
+//! artifacts, else the official image pulled by its pinned digest. kube-scheduler is built with kube-apiserver
+//! by `tests/upstream/build.sh` and started once per control plane, on first use, so that pods land on
 //! the Nodes CA makes a group grow to: CA's scale-up is judged against a real scheduling decision.
 //!
 //! Each CA runs with short timings ([`Autoscaler::new`]), leader election off (unless
@@ -11,8 +11,7 @@
 //! the scenario's own namespace and its metrics and `/health-check` on a free loopback port.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::process::Child;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -25,12 +24,13 @@ use super::procs::{self, Check, poll_until};
 /// Name of the status ConfigMap every CA here writes (in its scenario's namespace).
 pub const STATUS_CONFIGMAP: &str = "cluster-autoscaler-status";
 
-/// The pinned CA versions, the default first.
+/// The pinned CA versions, the default first (each line of the pin file: the version, then its image digest).
 pub fn versions() -> Vec<String> {
     include_str!("../upstream/cluster-autoscaler.versions")
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .filter_map(|l| l.split_whitespace().next())
         .map(str::to_string)
         .collect()
 }
@@ -43,31 +43,15 @@ pub fn default_version() -> String {
         .expect("tests/upstream/cluster-autoscaler.versions names at least one version")
 }
 
-/// The CA binary of `version` (`flavor` "externalgrpc", or "clusterapi" for the in-tree provider
-/// build), found by `tests/upstream/cluster-autoscaler.sh`. Panics with its explanation otherwise.
+/// The CA binary of `version` (`flavor` "externalgrpc", or "clusterapi" for CA with the in-tree provider),
+/// resolved by `tests/upstream/artifact.sh`. Panics with its explanation otherwise.
 pub fn binary(version: &str, flavor: &str) -> PathBuf {
-    static FOUND: OnceLock<std::sync::Mutex<Vec<(String, PathBuf)>>> = OnceLock::new();
-    let key = format!("{flavor}/{version}");
-    let found = FOUND.get_or_init(Default::default);
-    if let Some((_, path)) = lock(found).iter().find(|(k, _)| *k == key) {
-        return path.clone();
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/cluster-autoscaler.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .args(["--flavor", flavor, version])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "no cluster-autoscaler {version} ({flavor}): {}\n{stderr}",
-        out.status
-    );
-    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    lock(found).push((key, path.clone()));
-    path
+    let artifact = match flavor {
+        "externalgrpc" => "cluster-autoscaler",
+        "clusterapi" => "cluster-autoscaler-clusterapi",
+        other => panic!("no cluster-autoscaler flavor {other:?}: externalgrpc or clusterapi"),
+    };
+    super::artifacts::resolved(&[artifact, version])
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -15,6 +15,7 @@
 //! Environment: `CAPI_E2E_KEEP=1` keeps the work directory (certificates, kubeconfigs, logs) even
 //! when every test passed; it is always kept when a test panicked, and its path is printed.
 
+pub mod artifacts;
 pub mod autoscaler;
 pub mod capi;
 pub mod capi_manager;

@@ -2,8 +2,10 @@
 //! official cluster-autoscaler Helm chart with this repository's values files with a real `helm template`
 //! (helm v3 built from the Go modules pinned in tests/upstream/helm/, by its build.sh).
 //!
-//! The chart comes from `CLUSTER_AUTOSCALER_CHART` (a chart folder) or else from the steering workspace's
-//! `../shared/upstream` (`get cluster-autoscaler-chart-<version>`), like the CA binaries.
+//! The chart (the version pinned in `tests/upstream/cluster-autoscaler-chart.version`) is resolved by
+//! `tests/upstream/artifact.sh` like the CA binaries: `CLUSTER_AUTOSCALER_CHART` (a chart folder), else a local
+//! mirror of upstream artifacts, else `helm pull` from the chart repository of kubernetes/autoscaler, checked
+//! against the pinned sha256.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -11,8 +13,16 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
-/// The official chart version the values files are written for and tested with.
-pub const CHART: &str = "cluster-autoscaler-chart-9.59.0";
+/// The official chart version the values files are written for and tested with (the first word of
+/// `tests/upstream/cluster-autoscaler-chart.version`; the second is its package's sha256).
+pub fn chart_version() -> &'static str {
+    include_str!("../upstream/cluster-autoscaler-chart.version")
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("a version in tests/upstream/cluster-autoscaler-chart.version")
+}
 
 /// A path in this repository.
 pub fn repo(path: &str) -> PathBuf {
@@ -72,28 +82,10 @@ pub fn built_by(script: &str) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
-/// The official cluster-autoscaler chart folder ([`CHART`]).
+/// The folder of the official cluster-autoscaler chart ([`chart_version`]), resolved by
+/// `tests/upstream/artifact.sh`.
 pub fn chart() -> PathBuf {
-    static CHART_DIR: OnceLock<PathBuf> = OnceLock::new();
-    CHART_DIR
-        .get_or_init(|| {
-            if let Some(dir) = std::env::var_os("CLUSTER_AUTOSCALER_CHART") {
-                return PathBuf::from(dir);
-            }
-            let shared = std::env::var_os("CAPI_SHARED_UPSTREAM")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| repo("../shared/upstream"));
-            let get = shared.join("get");
-            assert!(
-                get.is_file(),
-                "no cluster-autoscaler chart: set CLUSTER_AUTOSCALER_CHART to the folder of the official \
-                 chart {CHART} (e.g. `helm pull cluster-autoscaler --version {} --untar` from the chart \
-                 repository of kubernetes/autoscaler), or provide the steering workspace's shared/upstream",
-                CHART.trim_start_matches("cluster-autoscaler-chart-")
-            );
-            PathBuf::from(run(&get, &[CHART]).trim())
-        })
-        .clone()
+    super::artifacts::resolved(&["cluster-autoscaler-chart"])
 }
 
 /// The Kubernetes version the tests run (tests/upstream/build.sh's `K8S_VERSION`): `helm template` is told
