@@ -1,18 +1,22 @@
 {{/*
-The official chart's scope (its values as coalesced, its Chart, the Release): its own named templates
-take it, e.g. `include "cluster-autoscaler.fullname" (include ... )` is done through
-`index .Subcharts "cluster-autoscaler"` in each template.
-*/}}
-
-{{/*
 The name of this release's provider objects (cloud-config ConfigMap, metrics Service, NetworkPolicy):
-the official chart's fullname with `-capi-autoscaler-provider`, so that two releases in one namespace
-never share one, and the metrics Service's name (the job a ServiceMonitor gives its targets) names the
-provider for the alerts.
+the release's name with `-capi-autoscaler-provider`, so that two releases in one namespace never share
+one, and the metrics Service's name (the job a ServiceMonitor gives its targets) names the provider for
+the alerts.
 */}}
 {{- define "capi-autoscaler-provider.fullname" -}}
-{{- $ca := index .Subcharts "cluster-autoscaler" -}}
-{{- include "cluster-autoscaler.fullname" $ca | trunc 38 | trimSuffix "-" -}}-capi-autoscaler-provider
+{{- .Release.Name | trunc 38 | trimSuffix "-" -}}-capi-autoscaler-provider
+{{- end -}}
+
+{{/*
+Labels of this chart's own objects: the official chart's instance and name labels (its Service and
+ServiceMonitor select by them), and this chart's.
+*/}}
+{{- define "capi-autoscaler-provider.labels" -}}
+{{ include "cluster-autoscaler.instance-name" (index .Subcharts "cluster-autoscaler") }}
+app.kubernetes.io/component: capi-autoscaler-provider
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
 {{- end -}}
 
 {{/* The Cluster the provider serves: NAME or NAMESPACE/NAME. */}}
