@@ -1031,3 +1031,29 @@ fn fatal_start_up_errors_are_json_lines_with_log_format_json() {
         assert!(serde_json::from_str::<Value>(stderr.lines().last().unwrap_or("")).is_err());
     }
 }
+
+/// Every Role and ClusterRole a packaging ships is bound in it: none lies unused on the cluster (the
+/// workload cluster's Node reader lives in deploy/workload-cluster, with its binding, for that cluster).
+#[test]
+fn every_shipped_role_is_bound() {
+    let mut packagings = variants();
+    packagings.push(Rendered {
+        name: "workload cluster",
+        objects: render::kustomize("deploy/workload-cluster"),
+    });
+    for v in packagings {
+        for kind in ["ClusterRole", "Role"] {
+            for role in all(&v.objects, kind) {
+                let name = &role["metadata"]["name"];
+                let bound = ["ClusterRoleBinding", "RoleBinding"].iter().any(|b| {
+                    all(&v.objects, b).iter().any(|b| {
+                        b["roleRef"]["kind"] == kind
+                            && b["roleRef"]["name"] == *name
+                            && b["subjects"].as_array().is_some_and(|s| !s.is_empty())
+                    })
+                });
+                assert!(bound, "{}: {kind} {name} is bound to no one", v.name);
+            }
+        }
+    }
+}
