@@ -848,7 +848,9 @@ async fn run(mut variant: Variant) {
         "e2e: manifests {}: {}\n  CA's first main loop {:.1}s after its start; {} autoscaled node group(s); \
          pending pod → {group_ns}/{md_name} replicas 0 → 1 {:.1}s after CA's start (TriggeredScaleUp); \
          status ConfigMap {ca_ns}/{}; `check` in the provider container: {check_line}; \
-         ReplicasChanged Event \"replicas 0 → 1 for cluster-autoscaler IncreaseSize\"; provider \
+         ReplicasChanged Event \"replicas 0 → 1 for cluster-autoscaler IncreaseSize\" by {provider_pod}; \
+         `explain` in the provider container as the pod's ServiceAccount: {verdict}; pods admitted with \
+         priority system-cluster-critical; provider \
          metrics scraped on container port {provider_port} where the packaging's monitoring does; \
          variant done in {:.1}s",
         variant.name,

@@ -48,7 +48,12 @@ pub fn parse_stream(yaml: &str) -> Vec<Value> {
 
 /// `kubectl kustomize` of a folder of this repository (e.g. `deploy/overlays/sidecar`).
 pub fn kustomize(dir: &str) -> Vec<Value> {
-    let path = repo(dir).display().to_string();
+    kustomize_path(&repo(dir))
+}
+
+/// `kubectl kustomize` of a folder anywhere.
+pub fn kustomize_path(dir: &Path) -> Vec<Value> {
+    let path = dir.display().to_string();
     parse_stream(&run(Path::new("kubectl"), &["kustomize", &path]))
 }
 
