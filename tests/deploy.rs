@@ -1057,3 +1057,156 @@ fn every_shipped_role_is_bound() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// README: the commands of Install and Operate are what is shipped.
+
+/// The text of README's section `## title` (up to the next `## `).
+fn readme_section(readme: &str, title: &str) -> String {
+    let start = readme
+        .find(&format!("\n## {title}\n"))
+        .unwrap_or_else(|| panic!("README has no section {title}"));
+    let rest = &readme[start + 1..];
+    let end = rest[3..].find("\n## ").map_or(rest.len(), |e| e + 3);
+    rest[..end].to_string()
+}
+
+/// The commands of the ```sh blocks of `text` (continuation lines joined, comments dropped), each with
+/// the 300 characters before its block.
+fn shell_commands(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(open) = rest.find("```sh\n") {
+        let before = rest[open.saturating_sub(300)..open].to_string();
+        let body = &rest[open + 6..];
+        let close = body.find("```").expect("a closed ```sh block");
+        let joined = body[..close].replace("\\\n", " ");
+        for line in joined.lines() {
+            let command = line.split(" #").next().unwrap_or_default().trim();
+            if !command.is_empty() && !command.starts_with('#') {
+                out.push((
+                    command.split_whitespace().collect::<Vec<_>>().join(" "),
+                    before.clone(),
+                ));
+            }
+        }
+        rest = &body[close + 3..];
+    }
+    out
+}
+
+/// Every command in README's Install and Operate sections is one a test runs, or marked as needing
+/// Docker: `helm install`/`helm upgrade` of deploy/helm are rendered here with exactly their
+/// arguments (tests/manifests.rs applies and runs the same renders), `kubectl apply -k` renders its
+/// folder (applied by tests/manifests.rs), `kubectl create token` is run by tests/manifests.rs, and
+/// `helm dependency update` is what `render::provider_chart` does without a network.
+#[test]
+fn readme_install_and_operate_commands_are_the_tested_ones() {
+    let readme = std::fs::read_to_string(render::repo("README.md")).expect("read README.md");
+    let mut seen = 0;
+    for title in ["Install", "Operate"] {
+        for (command, before) in shell_commands(&readme_section(&readme, title)) {
+            seen += 1;
+            let words: Vec<&str> = command.split_whitespace().collect();
+            match words.as_slice() {
+                ["helm", "dependency", "update", "deploy/helm"] => {}
+                [
+                    "helm",
+                    verb @ ("install" | "upgrade"),
+                    release,
+                    "deploy/helm",
+                    args @ ..,
+                ] => {
+                    let (mut ns, mut files, mut set) = ("default", Vec::new(), Vec::new());
+                    let mut i = 0;
+                    while i < args.len() {
+                        match args[i] {
+                            "--namespace" | "-n" => ns = args[i + 1],
+                            "-f" => files.push(args[i + 1]),
+                            "--set" => set.extend(args[i + 1].split(',').map(|kv| {
+                                kv.split_once('=').unwrap_or_else(|| panic!("{command}"))
+                            })),
+                            "--reuse-values" => {
+                                i += 1;
+                                continue;
+                            }
+                            other => panic!("{command}: {other} is not understood by this test"),
+                        }
+                        i += 2;
+                    }
+                    let objects = render::provider_template(release, ns, &files, &set);
+                    let providers = provider_containers(&objects);
+                    assert_eq!(providers.len(), 1, "{command}");
+                    for (k, v) in &set {
+                        match *k {
+                            "provider.cluster.name" => assert_eq!(
+                                provider_cluster(&objects, providers[0]).as_deref(),
+                                Some(*v),
+                                "{command}"
+                            ),
+                            "provider.image.tag" => assert!(
+                                providers[0]["image"]
+                                    .as_str()
+                                    .is_some_and(|i| i.ends_with(&format!(":{v}"))),
+                                "{command}"
+                            ),
+                            other => panic!("{command}: {other} is not checked by this test"),
+                        }
+                    }
+                    eprintln!(
+                        "README: helm {verb} {release} rendered ({} objects)",
+                        objects.len()
+                    );
+                }
+                [.., "apply", "-k", dir] => {
+                    assert!(!render::kustomize(dir).is_empty(), "{command}");
+                }
+                [.., "create", "token", "capi-autoscaler-provider", _] => {}
+                ["docker", ..] | ["kind", ..] => {
+                    assert!(
+                        before.contains("needs Docker"),
+                        "{command}: not marked as needing Docker"
+                    );
+                }
+                _ => panic!(
+                    "README command `{command}` is run by no test (nor marked as needing Docker)"
+                ),
+            }
+        }
+    }
+    assert!(seen >= 5, "{seen} commands found");
+}
+
+/// README's Quickstart reads CA's status ConfigMap where the kind + CAPD values make CA write it: the
+/// namespace of CA's last `--namespace` (the workload cluster's kube-system).
+#[test]
+fn the_quickstart_reads_cas_status_where_ca_writes_it() {
+    let readme = std::fs::read_to_string(render::repo("README.md")).expect("read README.md");
+    let objects = render::provider_template(
+        "cluster-autoscaler",
+        "default",
+        &["deploy/helm/values-kind-capd.yaml"],
+        &[],
+    );
+    let ca = pod_specs(&objects)
+        .into_iter()
+        .flat_map(containers)
+        .find(|c| is_ca(c))
+        .expect("CA's container");
+    let namespace = flag(&argv(ca), "--namespace").expect("CA's --namespace");
+    let quickstart = readme_section(&readme, "Quickstart on a management cluster");
+    let reads: Vec<String> = shell_commands(&quickstart)
+        .into_iter()
+        .map(|(c, _)| c)
+        .filter(|c| c.contains("configmap cluster-autoscaler-status"))
+        .collect();
+    assert!(!reads.is_empty());
+    for command in reads {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let ns = words
+            .windows(2)
+            .find(|w| w[0] == "-n" || w[0] == "--namespace")
+            .map(|w| w[1]);
+        assert_eq!(ns, Some(namespace.as_str()), "{command}");
+    }
+}
