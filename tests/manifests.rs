@@ -1191,8 +1191,20 @@ fn can_i(identity: &Path, args: &[&str]) -> bool {
     String::from_utf8_lossy(&out.stdout).trim() == "yes"
 }
 
-/// A kubeconfig for `server` (its CA from `admin`, a kubeconfig of the same cluster) with `token`.
-fn token_kubeconfig(admin: &Path, token: &str, file: &Path) {
+/// A kubeconfig of ServiceAccount `kube-system/service_account` in the cluster of `admin` (its server
+/// and CA), with a token `kubectl create token` makes for it, written to `file`.
+fn service_account_kubeconfig(admin: &Path, service_account: &str, file: &Path) {
+    let token = kubectl(
+        admin,
+        &[
+            "-n",
+            "kube-system",
+            "create",
+            "token",
+            service_account,
+            "--duration=1h",
+        ],
+    );
     let admin: Value =
         serde_norway::from_str(&std::fs::read_to_string(admin).expect("read the kubeconfig"))
             .expect("a kubeconfig");
@@ -1201,8 +1213,8 @@ fn token_kubeconfig(admin: &Path, token: &str, file: &Path) {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "workload", "cluster": cluster}],
-        "users": [{"name": "provider", "user": {"token": token}}],
-        "contexts": [{"name": "provider", "context": {"cluster": "workload", "user": "provider"}}],
+        "users": [{"name": service_account, "user": {"token": token.trim()}}],
+        "contexts": [{"name": "provider", "context": {"cluster": "workload", "user": service_account}}],
         "current-context": "provider",
     });
     std::fs::write(file, serde_norway::to_string(&config).expect("YAML")).expect("write");
@@ -1230,18 +1242,7 @@ async fn the_workload_cluster_identity_reads_nodes_and_nothing_else() {
         ],
     );
     let identity = dir.join("workload-provider.kubeconfig");
-    let token = kubectl(
-        &w.admin_kubeconfig,
-        &[
-            "-n",
-            "kube-system",
-            "create",
-            "token",
-            "capi-autoscaler-provider",
-            "--duration=1h",
-        ],
-    );
-    token_kubeconfig(&w.admin_kubeconfig, token.trim(), &identity);
+    service_account_kubeconfig(&w.admin_kubeconfig, "capi-autoscaler-provider", &identity);
     for verb in ["get", "list", "watch"] {
         assert!(can_i(&identity, &[verb, "nodes"]), "{verb} nodes");
     }
@@ -1265,18 +1266,7 @@ async fn the_workload_cluster_identity_reads_nodes_and_nothing_else() {
         ],
     );
     let unbound = dir.join("workload-unbound.kubeconfig");
-    let token = kubectl(
-        &w.admin_kubeconfig,
-        &[
-            "-n",
-            "kube-system",
-            "create",
-            "token",
-            "unbound-e2e",
-            "--duration=1h",
-        ],
-    );
-    token_kubeconfig(&w.admin_kubeconfig, token.trim(), &unbound);
+    service_account_kubeconfig(&w.admin_kubeconfig, "unbound-e2e", &unbound);
     assert!(!can_i(&unbound, &["list", "nodes"]));
     kubectl(
         &w.admin_kubeconfig,
