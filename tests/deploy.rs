@@ -978,7 +978,9 @@ fn two_releases_in_one_namespace_share_no_object() {
 /// value clap refuses.
 #[test]
 fn fatal_start_up_errors_are_json_lines_with_log_format_json() {
-    let cases: [(&[&str], &[(&str, &str)], &str); 2] = [
+    // (the arguments, the environment, what the error must name)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 2] = [
         (
             &["serve", "--address", "127.0.0.1:0", "--metrics-address", ""],
             &[(
