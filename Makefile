@@ -51,36 +51,19 @@ demo: upstream
 	$(CARGO) build --bin capi-autoscaler-provider
 	$(CARGO) run --example demo
 
-# The image without a Docker engine: a static release binary (glibc linked statically; the musl target
-# cannot be installed here), then tools/image (go-containerregistry, pinned in tools/image/go.sum)
-# applies the Dockerfile's final stage to it: an OCI layout and a `docker load` tarball in IMAGE_DIR.
-IMAGE_TARGET ?= x86_64-unknown-linux-gnu
+# The image without a Docker engine, for linux/amd64 and linux/arm64 (IMAGE_PLATFORMS): static release
+# binaries (glibc linked statically; a foreign architecture cross-compiled, see tools/image/build.sh for
+# what it needs), then tools/image (go-containerregistry, pinned in tools/image/go.sum) applies the
+# Dockerfile's final stage to each: an OCI layout with one image index, and a `docker load` tarball of
+# this machine's platform, in IMAGE_DIR.
+IMAGE_PLATFORMS ?= linux/amd64 linux/arm64
 IMAGE_DIR ?= target/image
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 IMAGE_TAG ?= capi-autoscaler-provider:$(VERSION)
 
 image:
-	@start=$$(date +%s); \
-	case "$(IMAGE_TARGET)" in \
-	  x86_64-*) arch=amd64 ;; aarch64-*) arch=arm64 ;; \
-	  *) echo "image: no image platform for $(IMAGE_TARGET)" >&2; exit 2 ;; \
-	esac; \
-	commit=$$(git rev-parse HEAD 2>/dev/null || echo unknown); \
-	created=$$(git log -1 --format=%cI 2>/dev/null || date -u +%Y-%m-%dT%H:%M:%SZ); \
-	source=$$(git remote get-url origin 2>/dev/null \
-	  | sed -e 's#^git@\([^:]*\):#https://\1/#' -e 's#://[^/@]*@#://#' -e 's#\.git$$##' || true); \
-	RUSTFLAGS="-C target-feature=+crt-static" BUILD_GIT_COMMIT="$$commit" \
-	  $(CARGO) build --release --locked --target $(IMAGE_TARGET) --bin capi-autoscaler-provider; \
-	bin=$(CURDIR)/target/$(IMAGE_TARGET)/release/capi-autoscaler-provider; \
-	kind=$$(file -bL "$$bin"); echo "image: binary $$bin: $$kind"; \
-	case "$$kind" in *"statically linked"*|*"static-pie linked"*) ;; \
-	  *) echo "image: $$bin is not statically linked" >&2; exit 1 ;; esac; \
-	mkdir -p $(IMAGE_DIR); dir=$$(cd $(IMAGE_DIR) && pwd); \
-	cd tools/image && GOTOOLCHAIN=local go run . --dockerfile $(CURDIR)/Dockerfile \
-	  --binary "linux/$$arch=$$bin" --build-arg VERSION=$(VERSION) --build-arg REVISION="$$commit" \
-	  --build-arg SOURCE="$$source" --created "$$created" --tag $(IMAGE_TAG) \
-	  --oci-layout "$$dir/oci" --tarball "$$dir/capi-autoscaler-provider-$(VERSION).tar"; \
-	echo "image: $(IMAGE_TAG) for linux/$$arch in $$(( $$(date +%s) - start ))s"
+	IMAGE_PLATFORMS="$(IMAGE_PLATFORMS)" IMAGE_DIR="$(IMAGE_DIR)" VERSION="$(VERSION)" \
+	  IMAGE_TAG="$(IMAGE_TAG)" CARGO="$(CARGO)" bash tools/image/build.sh
 
 # The fleet benchmark (benches/fleet): the control plane of the tests, this provider's release build,
 # upstream's example externalgrpc server (W) and CA with the in-tree provider (A), found by

@@ -6,8 +6,13 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Before the flags are read: a bad flag or environment value is a start-up error like any
+    // other, logged as JSON when LOG_FORMAT=json.
     logging::init();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return logging::usage_error(&e),
+    };
     let result = match cli.command {
         None => server::run(cli.serve).await.map(|()| ExitCode::SUCCESS),
         Some(Command::Serve(args)) => server::run(args).await.map(|()| ExitCode::SUCCESS),
@@ -18,7 +23,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            logging::fatal(&e);
             ExitCode::from(2)
         }
     }

@@ -89,6 +89,7 @@ pub struct Metrics {
     api_write_seconds: Family<WriteLabels, Histogram>,
     watch_events: Family<WatchLabels, Counter>,
     watch_stale: Family<ResourceLabels, Gauge<f64, AtomicU64>>,
+    watch_stale_after: Gauge<f64, AtomicU64>,
     rejected: Family<RejectLabels, Counter>,
     tls_reloads: Family<OutcomeLabels, Counter>,
     snapshot_seconds: Histogram,
@@ -161,6 +162,13 @@ impl Metrics {
             "watch_stale_seconds",
             "how long each watch has been failing (or, before its first list, waiting); 0 while it is in sync",
             watch_stale.clone(),
+        );
+        // The threshold the provider itself turns not ready at, for the alert on the series above.
+        let watch_stale_after = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "watch_stale_after_seconds",
+            "--watch-stale-after: how long a watch may fail before the provider stops serving",
+            watch_stale_after.clone(),
         );
         let rejected = Family::<RejectLabels, Counter>::default();
         registry.register(
@@ -259,6 +267,7 @@ impl Metrics {
             api_write_seconds,
             watch_events,
             watch_stale,
+            watch_stale_after,
             rejected,
             tls_reloads,
             snapshot_seconds,
@@ -323,6 +332,11 @@ impl Metrics {
                 resource: resource.to_string(),
             })
             .set(seconds);
+    }
+
+    /// `--watch-stale-after`, the bound [`Metrics::watch_stale`] is judged by.
+    pub fn watch_stale_after(&self, after: std::time::Duration) {
+        self.watch_stale_after.set(after.as_secs_f64());
     }
 
     /// A CloudProvider call refused by a limit, before or instead of its handler.
@@ -440,11 +454,13 @@ mod tests {
     fn watch_staleness_and_rejections_show_up_in_the_exposition() {
         let m = Metrics::new();
         m.watch_stale("machines.cluster.x-k8s.io", 12.5);
+        m.watch_stale_after(std::time::Duration::from_secs(45));
         m.rejected("NodeGroupDeleteNodes", "decoded-size");
         m.tls_reload("error");
         let text = m.encode();
         for line in [
             "capi_autoscaler_provider_watch_stale_seconds{resource=\"machines.cluster.x-k8s.io\"} 12.5",
+            "capi_autoscaler_provider_watch_stale_after_seconds 45.0",
             "capi_autoscaler_provider_grpc_rejected_total{method=\"NodeGroupDeleteNodes\",reason=\"decoded-size\"} 1",
             "capi_autoscaler_provider_tls_reloads_total{outcome=\"error\"} 1",
         ] {

@@ -67,8 +67,8 @@ impl FromStr for ClusterRef {
         if value.contains(PLACEHOLDER) {
             return Err(format!(
                 "{value:?} is the placeholder of the shipped manifests: replace it with the Cluster \
-                 whose Nodes cluster-autoscaler watches, as NAME or NAMESPACE/NAME (in the Helm \
-                 values: autoDiscovery.clusterName and autoDiscovery.namespace)"
+                 whose Nodes cluster-autoscaler watches, as NAME or NAMESPACE/NAME (with the Helm \
+                 chart deploy/helm: provider.cluster.name and provider.cluster.namespace)"
             ));
         }
         let (namespace, name) = match value.split_once('/') {

@@ -41,6 +41,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     args.check_write_exposure().map_err(anyhow::Error::msg)?;
     let config = args.connection.config()?;
     let metrics = Arc::new(Metrics::new());
+    metrics.watch_stale_after(args.watch_stale_after);
     // TLS files are read before anything else: a wrong path fails the start at once.
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(
@@ -265,7 +266,8 @@ async fn serve_http(
         )
         .route("/healthz", get(|| async { "ok" }))
         // What `check` and `explain` show, from this process's snapshot: run in the pod, they ask
-        // here instead of building a second cache. Not before the snapshot is complete.
+        // here instead of building a second cache. Not before the snapshot is complete, and only to
+        // the pod itself (see `loopback_only`).
         .route(
             "/check",
             get(move || {
@@ -286,7 +288,8 @@ async fn serve_http(
                         serde_json::to_string(&served).unwrap_or_default(),
                     )
                 }
-            }),
+            })
+            .route_layer(axum::middleware::from_fn(loopback_only)),
         )
         .route(
             "/readyz",
@@ -307,9 +310,33 @@ async fn serve_http(
                 }
             }),
         );
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!("HTTP server: {e}");
     }
+}
+
+/// `/check` names every group, its Machines and its problems: it answers connections from the
+/// loopback interface alone, that is `check` and `explain` run in a container of the provider's pod
+/// (the pod's containers share its network), whatever `--metrics-address` the kubelet and Prometheus
+/// reach `/metrics` and the probes on. Anything else gets 403.
+async fn loopback_only(
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<SocketAddr>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if peer.ip().to_canonical().is_loopback() {
+        return next.run(request).await;
+    }
+    (
+        axum::http::StatusCode::FORBIDDEN,
+        [("content-type", "text/plain; charset=utf-8")],
+        format!(
+            "/check answers only on loopback (`check` and `explain` run in the provider's container), not {peer}\n"
+        ),
+    )
+        .into_response()
 }
 
 /// The CloudProvider service's path prefix; health and reflection are not limited.
@@ -547,6 +574,39 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `/check` behind [`loopback_only`], asked from `peer`: the status and body.
+    async fn ask_check(peer: SocketAddr) -> (u16, String) {
+        use tower::ServiceExt;
+        let app = axum::Router::new()
+            .route(
+                "/check",
+                axum::routing::get(|| async { "the report" })
+                    .route_layer(axum::middleware::from_fn(loopback_only)),
+            )
+            .route("/metrics", axum::routing::get(|| async { "metrics" }))
+            .layer(axum::extract::connect_info::MockConnectInfo(peer));
+        let response = app
+            .oneshot(http::Request::get("/check").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn check_answers_the_pod_itself_and_refuses_the_network() {
+        for peer in ["127.0.0.1:40000", "[::1]:40000", "[::ffff:127.0.0.1]:40000"] {
+            let (status, body) = ask_check(peer.parse().unwrap()).await;
+            assert_eq!((status, body.as_str()), (200, "the report"), "{peer}");
+        }
+        for peer in ["10.244.1.7:40000", "192.168.0.3:40000", "[fd00::7]:40000"] {
+            let (status, body) = ask_check(peer.parse().unwrap()).await;
+            assert_eq!(status, 403, "{peer}: {body}");
+            assert!(body.contains("only on loopback"), "{body}");
+        }
+    }
 
     #[test]
     fn reflection_services_build_from_the_descriptor_sets() {

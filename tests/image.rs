@@ -2,12 +2,16 @@
 //! - the Dockerfile's build context: exactly the files its COPY lines bring in (less .dockerignore)
 //!   are copied to a directory of their own and `cargo check --locked` runs there, so a file cargo
 //!   needs that the Dockerfile does not copy (as `benches/` once was) fails this test;
-//! - the image `make image` assembles with tools/image (go-containerregistry, from Go modules): read
-//!   back from the OCI layout and the `docker load` tarball, its config (entrypoint, cmd, user, ports,
-//!   OCI labels) is the Dockerfile's and its one layer holds the binary, byte for byte.
+//! - the image `make image` assembles with tools/image (go-containerregistry, from Go modules), for
+//!   linux/amd64 and linux/arm64 in one image index: read back from the OCI layout and the `docker load`
+//!   tarball, each platform's config (architecture, entrypoint, cmd, user, ports, OCI labels) is the
+//!   Dockerfile's and its one layer holds that platform's binary, byte for byte, an ELF executable of
+//!   that architecture; a binary of another architecture is refused.
 //!
-//! The static release build that `make image` puts in the image is left out (minutes on 2 cores): the
-//! assembly is the same for any binary, so this test packs the one cargo built for the tests.
+//! The static release builds that `make image` puts in the image are left out (minutes each on 2 cores,
+//! and arm64 needs the aarch64 Rust standard library and a cross linker): the assembly is the same for
+//! any binary, so this test packs the amd64 one cargo built for the tests and, for arm64, a static
+//! aarch64 executable the Go toolchain builds here (tools/image itself, GOARCH=arm64).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -232,10 +236,11 @@ fn strings(v: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// The image config `docker build` gives the Dockerfile's final stage, with these build args.
-fn check_config(config: &Value, revision: &str, source: &str) {
+/// The image config `docker build` gives the Dockerfile's final stage for `arch`, with these build
+/// args.
+fn check_config(config: &Value, arch: &str, revision: &str, source: &str) {
     assert_eq!(config["os"], "linux", "{config:#}");
-    assert_eq!(config["architecture"], "amd64", "{config:#}");
+    assert_eq!(config["architecture"], arch, "{config:#}");
     let c = &config["config"];
     assert_eq!(strings(&c["Entrypoint"]), ["/capi-autoscaler-provider"]);
     assert_eq!(strings(&c["Cmd"]), ["serve"]);
@@ -269,6 +274,36 @@ fn check_config(config: &Value, revision: &str, source: &str) {
     );
 }
 
+/// The ELF machine of an executable (`e_machine`, little-endian at offset 18): 62 x86-64, 183 AArch64.
+fn elf_machine(bytes: &[u8]) -> u16 {
+    assert!(bytes.starts_with(b"\x7fELF"), "not an ELF file");
+    u16::from_le_bytes([bytes[18], bytes[19]])
+}
+
+/// The ELF machine of each image architecture.
+fn machine_of(arch: &str) -> u16 {
+    match arch {
+        "amd64" => 62,
+        "arm64" => 183,
+        other => panic!("no ELF machine known for {other}"),
+    }
+}
+
+/// A static linux/arm64 executable: tools/image itself, built by the Go toolchain for arm64.
+fn arm64_executable(scratch: &Path) -> PathBuf {
+    let out = scratch.join("arm64-executable");
+    run(Command::new("go")
+        .current_dir(repo().join("tools/image"))
+        .env("GOTOOLCHAIN", "local")
+        .env("GOOS", "linux")
+        .env("GOARCH", "arm64")
+        .env("CGO_ENABLED", "0")
+        .args(["build", "-o"])
+        .arg(&out)
+        .arg("."));
+    out
+}
+
 /// The one layer holds exactly the binary, at /capi-autoscaler-provider, root-owned and executable
 /// (COPY without --chown), identical to `binary`.
 fn check_layer(layer: &Path, binary: &Path, scratch: &Path) {
@@ -289,6 +324,9 @@ fn check_layer(layer: &Path, binary: &Path, scratch: &Path) {
     );
 
     let unpacked = scratch.join("unpacked");
+    if unpacked.exists() {
+        std::fs::remove_dir_all(&unpacked).expect("clear the unpack directory");
+    }
     std::fs::create_dir_all(&unpacked).expect("create the unpack directory");
     run(Command::new("tar")
         .args(["-xzf"])
@@ -304,8 +342,53 @@ fn check_layer(layer: &Path, binary: &Path, scratch: &Path) {
     );
 }
 
+/// `go run ./tools/image ARGS…` with the Dockerfile: its output, and whether it succeeded.
+fn assemble(args: &[String]) -> std::process::Output {
+    Command::new("go")
+        .current_dir(repo().join("tools/image"))
+        .env("GOTOOLCHAIN", "local")
+        .args(["run", ".", "--dockerfile"])
+        .arg(repo().join("Dockerfile"))
+        .args(args)
+        .output()
+        .expect("run tools/image")
+}
+
+/// An image whose binary cannot run on the platform it names would fail only where it is pulled (an
+/// arm64 node, `exec format error`): tools/image refuses it, and a second binary for one platform.
 #[test]
-fn the_image_assembled_without_docker_has_the_dockerfiles_config_and_the_binary() {
+fn the_image_tool_refuses_a_binary_of_another_architecture() {
+    let scratch = target_dir().join("image-test-refusals");
+    std::fs::create_dir_all(&scratch).expect("create the scratch directory");
+    let layout = scratch.join("oci").display().to_string();
+    for (binaries, needle) in [
+        (
+            vec![format!("linux/arm64={BINARY}")],
+            "is a EM_X86_64 binary, not EM_AARCH64",
+        ),
+        (
+            vec![
+                format!("linux/amd64={BINARY}"),
+                format!("linux/amd64={BINARY}"),
+            ],
+            "a second binary for linux/amd64",
+        ),
+        (
+            vec![format!("linux/s390x={BINARY}")],
+            "only linux/amd64 and linux/arm64",
+        ),
+    ] {
+        let mut args: Vec<String> = binaries.iter().map(|b| format!("--binary={b}")).collect();
+        args.extend(["--oci-layout".to_string(), layout.clone()]);
+        let out = assemble(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{binaries:?} accepted");
+        assert!(stderr.contains(needle), "{binaries:?}: {stderr}");
+    }
+}
+
+#[test]
+fn the_image_assembled_without_docker_has_one_manifest_per_platform_with_its_binary() {
     let scratch = target_dir().join("image-test");
     if scratch.exists() {
         std::fs::remove_dir_all(&scratch).expect("clear the previous run");
@@ -316,24 +399,34 @@ fn the_image_assembled_without_docker_has_the_dockerfiles_config_and_the_binary(
     let tag = format!("capi-autoscaler-provider:{VERSION}");
     let revision = "0123456789abcdef0123456789abcdef01234567";
     let source = "https://example.invalid/capi-autoscaler-provider";
+    let arm64 = arm64_executable(&scratch);
+    let binaries = BTreeMap::from([("amd64", PathBuf::from(BINARY)), ("arm64", arm64)]);
 
-    let out = run(Command::new("go")
-        .current_dir(repo().join("tools/image"))
-        .env("GOTOOLCHAIN", "local")
-        .args(["run", ".", "--dockerfile"])
-        .arg(repo().join("Dockerfile"))
-        .arg(format!("--binary=linux/amd64={BINARY}"))
-        .arg(format!("--build-arg=REVISION={revision}"))
-        .arg(format!("--build-arg=SOURCE={source}"))
-        .arg("--created=2026-01-02T03:04:05Z")
-        .arg("--oci-layout")
-        .arg(&layout)
-        .arg("--tarball")
-        .arg(&tarball)
-        .args(["--tag", &tag]));
+    let mut args: Vec<String> = binaries
+        .iter()
+        .map(|(arch, bin)| format!("--binary=linux/{arch}={}", bin.display()))
+        .collect();
+    args.extend([
+        format!("--build-arg=REVISION={revision}"),
+        format!("--build-arg=SOURCE={source}"),
+        "--created=2026-01-02T03:04:05Z".into(),
+        "--oci-layout".into(),
+        layout.display().to_string(),
+        "--tarball".into(),
+        tarball.display().to_string(),
+        "--tarball-platform=linux/arm64".into(),
+        "--tag".into(),
+        tag.clone(),
+    ]);
+    let out = assemble(&args);
+    assert!(
+        out.status.success(),
+        "tools/image failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     eprintln!("{}", String::from_utf8_lossy(&out.stdout));
 
-    // The OCI layout: index.json -> image index -> the linux/amd64 manifest -> config and layer.
+    // The OCI layout: index.json -> image index -> a manifest per platform -> config and layer.
     let index = json_file(&layout.join("index.json"));
     let top = &index["manifests"][0];
     assert_eq!(top["mediaType"], "application/vnd.oci.image.index.v1+json");
@@ -343,36 +436,66 @@ fn the_image_assembled_without_docker_has_the_dockerfiles_config_and_the_binary(
     );
     let image_index = json_file(&blob(&layout, top["digest"].as_str().expect("digest")));
     let manifests = image_index["manifests"].as_array().expect("manifests");
-    assert_eq!(manifests.len(), 1, "{image_index:#}");
-    assert_eq!(manifests[0]["platform"]["os"], "linux");
-    assert_eq!(manifests[0]["platform"]["architecture"], "amd64");
-    let manifest_digest = manifests[0]["digest"].as_str().expect("digest");
-    let manifest = json_file(&blob(&layout, manifest_digest));
+    let platforms: Vec<(String, String)> = manifests
+        .iter()
+        .map(|m| {
+            (
+                m["platform"]["os"].as_str().unwrap_or_default().to_string(),
+                m["platform"]["architecture"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect();
     assert_eq!(
-        manifest["mediaType"],
-        "application/vnd.oci.image.manifest.v1+json"
+        platforms,
+        [
+            ("linux".into(), "amd64".into()),
+            ("linux".into(), "arm64".into())
+        ],
+        "{image_index:#}"
     );
-    assert_eq!(
-        manifest["config"]["mediaType"],
-        "application/vnd.oci.image.config.v1+json"
-    );
-    let config_digest = manifest["config"]["digest"].as_str().expect("digest");
-    check_config(&json_file(&blob(&layout, config_digest)), revision, source);
-    let layers = manifest["layers"].as_array().expect("layers");
-    assert_eq!(layers.len(), 1, "{manifest:#}");
-    assert_eq!(
-        layers[0]["mediaType"],
-        "application/vnd.oci.image.layer.v1.tar+gzip"
-    );
-    let layer_digest = layers[0]["digest"].as_str().expect("digest");
-    let layer = blob(&layout, layer_digest);
-    // Content addressing holds: a registry would reject a blob whose digest is wrong.
-    for digest in [manifest_digest, config_digest, layer_digest] {
-        assert_eq!(sha256(&blob(&layout, digest)), digest);
+    for m in manifests {
+        let arch = m["platform"]["architecture"]
+            .as_str()
+            .expect("architecture");
+        let manifest_digest = m["digest"].as_str().expect("digest");
+        let manifest = json_file(&blob(&layout, manifest_digest));
+        assert_eq!(
+            manifest["mediaType"],
+            "application/vnd.oci.image.manifest.v1+json"
+        );
+        assert_eq!(
+            manifest["config"]["mediaType"],
+            "application/vnd.oci.image.config.v1+json"
+        );
+        let config_digest = manifest["config"]["digest"].as_str().expect("digest");
+        check_config(
+            &json_file(&blob(&layout, config_digest)),
+            arch,
+            revision,
+            source,
+        );
+        let layers = manifest["layers"].as_array().expect("layers");
+        assert_eq!(layers.len(), 1, "{manifest:#}");
+        assert_eq!(
+            layers[0]["mediaType"],
+            "application/vnd.oci.image.layer.v1.tar+gzip"
+        );
+        let layer_digest = layers[0]["digest"].as_str().expect("digest");
+        let layer = blob(&layout, layer_digest);
+        // Content addressing holds: a registry would reject a blob whose digest is wrong.
+        for digest in [manifest_digest, config_digest, layer_digest] {
+            assert_eq!(sha256(&blob(&layout, digest)), digest);
+        }
+        check_layer(&layer, &binaries[arch], &scratch);
+        let packed = std::fs::read(scratch.join("unpacked/capi-autoscaler-provider"))
+            .expect("the unpacked binary");
+        assert_eq!(elf_machine(&packed), machine_of(arch), "{arch}");
     }
-    check_layer(&layer, Path::new(BINARY), &scratch);
 
-    // The `docker load` tarball: tagged, with the same config and layer.
+    // The `docker load` tarball: tagged, the platform asked for, with its config.
     let out = run(Command::new("tar")
         .arg("-xOf")
         .arg(&tarball)
@@ -385,5 +508,5 @@ fn the_image_assembled_without_docker_has_the_dockerfiles_config_and_the_binary(
         .arg(&tarball)
         .arg(config_name));
     let config: Value = serde_json::from_slice(&out.stdout).expect("config");
-    check_config(&config, revision, source);
+    check_config(&config, "arm64", revision, source);
 }

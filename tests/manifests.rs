@@ -72,6 +72,12 @@ struct Applied {
 
 impl Applied {
     fn apply(cp: &ControlPlane, name: &str, objects: &[Value]) -> Applied {
+        Applied::apply_as(cp, name, objects, "e2e-install")
+    }
+
+    /// [`Applied::apply`] with field manager `manager` (one per Helm release, as each `helm install`
+    /// owns its objects): an object another manager set differently is a conflict, and fails.
+    fn apply_as(cp: &ControlPlane, name: &str, objects: &[Value], manager: &str) -> Applied {
         let file = procs::work_dir().join(format!("{name}.rendered.yaml"));
         let text: String = objects
             .iter()
@@ -84,7 +90,7 @@ impl Applied {
             &[
                 "apply",
                 "--server-side",
-                "--field-manager=e2e-install",
+                &format!("--field-manager={manager}"),
                 "-f",
                 &path(&file),
             ],
@@ -457,6 +463,31 @@ async fn run(mut variant: Variant) {
         })
     };
     order.sort_by_key(runs_ca);
+    // What the ReplicaSet controller would create: each pod, admitted by the API server (a dry run, so
+    // the admission plugins run) with the priority of its priorityClassName, system-cluster-critical.
+    for (ns, name) in &order {
+        let spec = stored_pod_spec(&admin, ns, name).await;
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("{name}-admission")},
+            "spec": spec,
+        }))
+        .expect("a Pod of the stored template");
+        let dry_run = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        let admitted = Api::<Pod>::namespaced(admin.clone(), ns)
+            .create(&dry_run, &pod)
+            .await
+            .unwrap_or_else(|e| panic!("{}: the pod of {ns}/{name} is refused: {e}", variant.name));
+        let priority = admitted.spec.and_then(|s| s.priority);
+        assert_eq!(
+            priority,
+            Some(2_000_000_000),
+            "{}: the pod of {ns}/{name} runs without the autoscaler's priority",
+            variant.name
+        );
+    }
     let mut pods: Vec<RunningPod> = Vec::new();
     for (ns, name) in &order {
         let spec = stored_pod_spec(&admin, ns, name).await;
@@ -582,17 +613,32 @@ async fn run(mut variant: Variant) {
                     .iter()
                     .find(|e| e.reason.as_deref() == Some("ReplicasChanged"))
                 {
-                    Some(e) => Check::Done((e.type_.clone(), e.note.clone())),
+                    Some(e) => Check::Done((
+                        e.type_.clone(),
+                        e.note.clone(),
+                        e.reporting_instance.clone(),
+                    )),
                     None => Check::Wait(format!("{} other Events", events.len())),
                 }
             }
         },
     )
     .await;
+    // The Event names the pod that wrote (POD_NAME from the downward API in every packaging).
+    let provider_pod = pods
+        .iter()
+        .find(|p| {
+            p.containers
+                .iter()
+                .any(|c| c.image.starts_with(PROVIDER_IMAGE_NAME))
+        })
+        .map(|p| p.name.clone())
+        .expect("a pod runs the provider");
     match recorded {
-        Ok((Some(kind), Some(note)))
-            if kind == "Normal" && note == "replicas 0 → 1 for cluster-autoscaler IncreaseSize" =>
-            {}
+        Ok((Some(kind), Some(note), Some(instance)))
+            if kind == "Normal"
+                && note == "replicas 0 → 1 for cluster-autoscaler IncreaseSize"
+                && instance == provider_pod => {}
         Ok(other) => fail(
             variant.name,
             &pods,
@@ -714,6 +760,30 @@ async fn run(mut variant: Variant) {
             );
         }
     }
+    // `kubectl exec … -c provider -- /capi-autoscaler-provider explain NS/POD` (README "Troubleshoot"),
+    // as the pod's ServiceAccount under exactly the rendered RBAC: CA's verdict from the pod's Events and
+    // its status ConfigMap read, the group CA named marked.
+    let explained = provider
+        .exec(&[&program, "explain", &format!("{pod_ns}/web"), "-o", "json"])
+        .await;
+    let explain_out = String::from_utf8_lossy(&explained.stdout).into_owned();
+    let explanation: Value = serde_json::from_str(&explain_out).unwrap_or_default();
+    let verdict = explanation["verdict"]["kind"].as_str().unwrap_or_default();
+    let status_read =
+        explanation["status"]["unreadable"].is_null() && !explanation["status"].is_null();
+    if !explained.status.success() || verdict != "scale_up_triggered" || !status_read {
+        fail(
+            variant.name,
+            &pods,
+            &format!(
+                "`explain {pod_ns}/web` in the provider container ({}): verdict {verdict:?}, CA's status \
+                 read: {status_read}\n{explain_out}{}",
+                explained.status,
+                String::from_utf8_lossy(&explained.stderr)
+            ),
+        );
+    }
+
     let metrics = support::autoscaler::http_get(&ca_address, "/metrics")
         .await
         .unwrap_or_default();
@@ -778,7 +848,9 @@ async fn run(mut variant: Variant) {
         "e2e: manifests {}: {}\n  CA's first main loop {:.1}s after its start; {} autoscaled node group(s); \
          pending pod → {group_ns}/{md_name} replicas 0 → 1 {:.1}s after CA's start (TriggeredScaleUp); \
          status ConfigMap {ca_ns}/{}; `check` in the provider container: {check_line}; \
-         ReplicasChanged Event \"replicas 0 → 1 for cluster-autoscaler IncreaseSize\"; provider \
+         ReplicasChanged Event \"replicas 0 → 1 for cluster-autoscaler IncreaseSize\" by {provider_pod}; \
+         `explain` in the provider container as the pod's ServiceAccount: {verdict}; pods admitted with \
+         priority system-cluster-critical; provider \
          metrics scraped on container port {provider_port} where the packaging's monitoring does; \
          variant done in {:.1}s",
         variant.name,
@@ -913,11 +985,7 @@ async fn the_helm_sidecar_values_run_and_scale() {
     let _serial = SERIAL.lock().await;
     run(Variant {
         name: "helm-sidecar",
-        objects: render::helm_template(
-            "deploy/helm/values-sidecar.yaml",
-            "cluster-autoscaler",
-            "kube-system",
-        ),
+        objects: render::provider_template("cluster-autoscaler", "kube-system", &[], &[]),
         topology: Topology::Single,
     })
     .await;
@@ -928,10 +996,11 @@ async fn the_helm_kind_capd_values_watch_the_workload_cluster_and_scale() {
     let _serial = SERIAL.lock().await;
     run(Variant {
         name: "helm-kind-capd",
-        objects: render::helm_template(
-            "deploy/helm/values-kind-capd.yaml",
+        objects: render::provider_template(
             "cluster-autoscaler",
             "default",
+            &["deploy/helm/values-kind-capd.yaml"],
+            &[],
         ),
         topology: Topology::Management { cluster: "demo" },
     })
@@ -1051,4 +1120,169 @@ async fn the_placeholder_left_in_the_overlay_stops_the_provider_saying_what_to_s
     ));
     drop(pod);
     drop(applied);
+}
+
+/// Two releases of the chart (two workload Clusters) in one namespace, applied as `helm install` would
+/// (server-side, each release its own field manager): neither conflicts with the other, and each pod
+/// mounts its own cloud-config and serves its own Cluster.
+#[tokio::test]
+async fn two_releases_in_one_namespace_apply_without_a_conflict() {
+    let _serial = SERIAL.lock().await;
+    let cp = support::control_plane(Setup::shipped());
+    let admin = cp.admin_client().await;
+    let ns = cp.fresh_namespace().await;
+    let clusters = ["alpha", "beta"];
+    let mut releases = Vec::new();
+    for cluster in clusters {
+        let release = format!("autoscaler-{cluster}");
+        let objects =
+            render::provider_template(&release, &ns, &[], &[("provider.cluster.name", cluster)]);
+        let applied = Applied::apply_as(cp, &release, &objects, &format!("helm-{release}"));
+        releases.push((release, objects, applied));
+    }
+    for ((release, objects, _), cluster) in releases.iter().zip(clusters) {
+        let name = render::all(objects, "Deployment")[0]["metadata"]["name"]
+            .as_str()
+            .expect("the Deployment's name")
+            .to_string();
+        let spec = stored_pod_spec(&admin, &ns, &name).await;
+        let provider = render::container(&spec, "provider");
+        let env = provider["env"].as_array().expect("env");
+        assert!(
+            env.iter()
+                .any(|e| e["name"] == "CAPI_AUTOSCALER_PROVIDER_CLUSTER" && e["value"] == cluster),
+            "{release}: {env:?}"
+        );
+        for volume in spec["volumes"].as_array().expect("volumes") {
+            if let Some(map) = volume["configMap"]["name"].as_str() {
+                let stored = Api::<ConfigMap>::namespaced(admin.clone(), &ns)
+                    .get(map)
+                    .await
+                    .unwrap_or_else(|e| panic!("{release}: ConfigMap {map}: {e}"));
+                let managers: Vec<String> = stored
+                    .metadata
+                    .managed_fields
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|f| f.manager)
+                    .collect();
+                assert_eq!(managers, [format!("helm-{release}")], "{release}: {map}");
+            }
+        }
+    }
+    procs::announce(&format!(
+        "e2e: manifests: two releases of deploy/helm in namespace {ns} applied side by side, each with \
+         its own objects ({} and {} objects)",
+        releases[0].1.len(),
+        releases[1].1.len()
+    ));
+}
+
+/// `kubectl auth can-i` as `identity` (a kubeconfig file) for `args`: whether the API server allows it.
+fn can_i(identity: &Path, args: &[&str]) -> bool {
+    let out = std::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(identity)
+        .args(["auth", "can-i"])
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run kubectl auth can-i");
+    String::from_utf8_lossy(&out.stdout).trim() == "yes"
+}
+
+/// A kubeconfig of ServiceAccount `kube-system/service_account` in the cluster of `admin` (its server
+/// and CA), with a token `kubectl create token` makes for it, written to `file`.
+fn service_account_kubeconfig(admin: &Path, service_account: &str, file: &Path) {
+    let token = kubectl(
+        admin,
+        &[
+            "-n",
+            "kube-system",
+            "create",
+            "token",
+            service_account,
+            "--duration=1h",
+        ],
+    );
+    let admin: Value =
+        serde_norway::from_str(&std::fs::read_to_string(admin).expect("read the kubeconfig"))
+            .expect("a kubeconfig");
+    let cluster = admin["clusters"][0]["cluster"].clone();
+    let config = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "workload", "cluster": cluster}],
+        "users": [{"name": service_account, "user": {"token": token.trim()}}],
+        "contexts": [{"name": "provider", "context": {"cluster": "workload", "user": service_account}}],
+        "current-context": "provider",
+    });
+    std::fs::write(file, serde_norway::to_string(&config).expect("YAML")).expect("write");
+}
+
+/// deploy/workload-cluster applied to a workload cluster as README "Which Cluster is served" says
+/// (`kubectl apply -k`, `kubectl create token`): its identity may get, list and watch Nodes (what the
+/// provider's watch through --kubeconfig needs) and nothing else. A ServiceAccount without the binding
+/// may not: the binding is what grants it.
+#[tokio::test]
+async fn the_workload_cluster_identity_reads_nodes_and_nothing_else() {
+    let _serial = SERIAL.lock().await;
+    let cp = support::control_plane(Setup::shipped());
+    let w = workload_cluster(cp);
+    let dir = procs::work_dir();
+    let kustomization = render::repo("deploy/workload-cluster");
+    kubectl(
+        &w.admin_kubeconfig,
+        &[
+            "apply",
+            "--server-side",
+            "--field-manager=e2e-install",
+            "-k",
+            &path(&kustomization),
+        ],
+    );
+    let identity = dir.join("workload-provider.kubeconfig");
+    service_account_kubeconfig(&w.admin_kubeconfig, "capi-autoscaler-provider", &identity);
+    for verb in ["get", "list", "watch"] {
+        assert!(can_i(&identity, &[verb, "nodes"]), "{verb} nodes");
+    }
+    for args in [
+        &["update", "nodes"][..],
+        &["delete", "nodes"],
+        &["list", "pods", "--all-namespaces"],
+        &["get", "secrets", "-n", "kube-system"],
+        &["list", "machines.cluster.x-k8s.io", "--all-namespaces"],
+    ] {
+        assert!(!can_i(&identity, args), "{args:?} is allowed");
+    }
+    kubectl(
+        &w.admin_kubeconfig,
+        &[
+            "-n",
+            "kube-system",
+            "create",
+            "serviceaccount",
+            "unbound-e2e",
+        ],
+    );
+    let unbound = dir.join("workload-unbound.kubeconfig");
+    service_account_kubeconfig(&w.admin_kubeconfig, "unbound-e2e", &unbound);
+    assert!(!can_i(&unbound, &["list", "nodes"]));
+    kubectl(
+        &w.admin_kubeconfig,
+        &[
+            "-n",
+            "kube-system",
+            "delete",
+            "serviceaccount",
+            "unbound-e2e",
+        ],
+    );
+    kubectl(
+        &w.admin_kubeconfig,
+        &["delete", "-k", &path(&kustomization)],
+    );
+    procs::announce(
+        "e2e: manifests: deploy/workload-cluster: its token may get/list/watch nodes, nothing else",
+    );
 }

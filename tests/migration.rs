@@ -4,9 +4,10 @@
 //! cluster's kubeconfig, so its Lease is `kube-system/cluster-autoscaler` of the workload cluster. With
 //! `cloudProvider: externalgrpc` the chart passes `--namespace=<release namespace>`: unless the values
 //! keep the Lease where it was, the old and the new CA each lead their own Lease during the switch
-//! and both scale. `deploy/helm/values-kind-capd.yaml` keeps it (`extraArgs.namespace`), and the
-//! README's `nameOverride` keeps the Deployment, its selector and its Service, so `helm upgrade` rolls
-//! the one Deployment over.
+//! and both scale. The chart deploy/helm with `provider.workloadKubeconfigSecret` (as in
+//! `deploy/helm/values-kind-capd.yaml`) keeps it (`--namespace=kube-system` after the chart's own), and
+//! the README's `cluster-autoscaler.nameOverride` keeps the Deployment, its selector and its Service, so
+//! `helm upgrade` rolls the one Deployment over.
 //!
 //! The test renders both charts with a real `helm`, runs the in-tree CA (the chart's arguments) as the
 //! leader, then the new pod's CA (the chart's arguments) beside it, as a rolling update does, then
@@ -167,8 +168,9 @@ async fn moving_from_the_in_tree_chart_keeps_one_leader_at_every_moment() {
     let dir = procs::scratch_dir();
     let kubeconfig = s.cp.admin_kubeconfig().to_path_buf();
 
-    // The two installs as the chart renders them: the in-tree one as users have it, and the README's
-    // values for the move (values-kind-capd.yaml plus the nameOverride that keeps every name).
+    // The two installs as the charts render them: the in-tree one as users have it with the official
+    // chart, and the README's values for the move with deploy/helm (values-kind-capd.yaml plus the
+    // nameOverride that keeps every name).
     let old_values = dir.join("in-tree-values.yaml");
     write(
         &old_values,
@@ -182,9 +184,12 @@ async fn moving_from_the_in_tree_chart_keeps_one_leader_at_every_moment() {
         ),
     );
     let keep_names = dir.join("keep-names.yaml");
-    write(&keep_names, "nameOverride: clusterapi-cluster-autoscaler\n");
+    write(
+        &keep_names,
+        "cluster-autoscaler:\n  nameOverride: clusterapi-cluster-autoscaler\n",
+    );
     let old = rendered_ca(&render::helm_template_files(&[&old_values], RELEASE, &s.ns));
-    let new = rendered_ca(&render::helm_template_files(
+    let new = rendered_ca(&render::provider_template_files(
         &[
             &render::repo("deploy/helm/values-kind-capd.yaml"),
             &keep_names,

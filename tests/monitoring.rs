@@ -165,3 +165,79 @@ fn the_dashboard_shows_every_metric_the_provider_exports() {
         .collect();
     println!("dashboard panels: {}", panels.join(", "));
 }
+
+/// GitHub's anchor of a Markdown heading: lower case, spaces to `-`, other punctuation dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every alert's `runbook_url` is the README section of that alert: the base `deploy/monitoring`
+/// writes (the kustomization's `readme`, README.md as shipped), `#`, the anchor of a heading of README
+/// named like the alert. Changing the base in the kustomization changes every runbook_url.
+#[test]
+fn every_alert_links_its_runbook_in_the_readme() {
+    let readme = std::fs::read_to_string(repo("README.md")).expect("read README.md");
+    let anchors: BTreeSet<String> = readme
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|l| anchor(l.trim_start_matches('#')))
+        .collect();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    for file in [
+        "kustomization.yaml",
+        "prometheusrule.yaml",
+        "podmonitor.yaml",
+        "dashboard.json",
+    ] {
+        std::fs::copy(repo("deploy/monitoring").join(file), dir.path().join(file))
+            .expect("copy deploy/monitoring");
+    }
+    let base = "https://docs.example.invalid/capi-autoscaler-provider/v0.1.0/README.md";
+    for (readme_base, dir) in [
+        ("README.md", repo("deploy/monitoring")),
+        (base, dir.path().to_path_buf()),
+    ] {
+        if readme_base == base {
+            let file = dir.join("kustomization.yaml");
+            let text = std::fs::read_to_string(&file).expect("read the kustomization");
+            assert!(text.contains("- readme=README.md"), "{text}");
+            std::fs::write(
+                &file,
+                text.replace("- readme=README.md", &format!("- readme={base}")),
+            )
+            .expect("write the kustomization");
+        }
+        let rendered = support::render::kustomize_path(&dir);
+        let rule = support::render::all(&rendered, "PrometheusRule")[0];
+        let mut alerts = 0;
+        for group in rule["spec"]["groups"].as_array().expect("groups") {
+            for r in group["rules"].as_array().expect("rules") {
+                let name = r["alert"].as_str().expect("alert");
+                let url = r["annotations"]["runbook_url"].as_str().unwrap_or_default();
+                let want = format!("{readme_base}#{}", anchor(name));
+                assert_eq!(url, want, "{name}");
+                assert!(
+                    anchors.contains(&anchor(name)),
+                    "README has no heading {name} for the runbook_url of the alert"
+                );
+                alerts += 1;
+            }
+        }
+        assert_eq!(alerts, monitoring::rule_expressions().len());
+        // The base is a kustomize input, not an object applied to the cluster.
+        assert!(
+            support::render::all(&rendered, "ConfigMap")
+                .iter()
+                .all(|c| c["metadata"]["name"] != "capi-autoscaler-provider-runbooks")
+        );
+    }
+}

@@ -2,16 +2,13 @@
 //! their kind is not served.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::Store;
+use super::stream::{RESTART_LONGEST, restart_backoff};
 use crate::apis::{infra_resource, resource_name};
 use crate::cache::writer::Watched;
 use crate::cache::{InfraKind, InfraKindState};
 use crate::lock;
-
-/// Longest wait between two looks for an infrastructure template kind that is not served.
-const INFRA_RETRY_MAX: Duration = Duration::from_secs(30);
 
 impl Store {
     pub(super) fn infra_settled(&self) -> bool {
@@ -41,11 +38,12 @@ impl Store {
         let store = Arc::clone(self);
         tokio::spawn(async move {
             // The kind may be served later (its CRD installed after the reference): keep looking.
-            let mut delay = Duration::from_secs(1);
+            let mut backoff = restart_backoff();
             let resource = loop {
                 match infra_resource(&store.client, &kind).await {
                     Ok(resource) => break resource,
                     Err(reason) => {
+                        let delay = backoff.next().unwrap_or(RESTART_LONGEST);
                         tracing::warn!(kind = %kind.kind, group = %kind.api_group, retry_in = ?delay, "infrastructure templates unavailable: {reason}");
                         let changed = lock(&store.index).infra_kind_state(&kind)
                             != Some(&InfraKindState::Unavailable(reason.clone()));
@@ -57,7 +55,6 @@ impl Store {
                             store.wake_rebuild();
                         }
                         tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(INFRA_RETRY_MAX);
                     }
                 }
             };

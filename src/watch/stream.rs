@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use kube::api::Api;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::utils::Backoff;
+use kube::runtime::watcher::{self, DefaultBackoff, Event};
 
 use super::Store;
 use crate::cache::InfraKindState;
@@ -14,9 +15,17 @@ use crate::cache::writer::{self as index, Prepared, Watched};
 use crate::lock;
 use crate::object::ApiObject;
 
-/// First and longest wait before a failed watch is started again (doubling in between).
-const RESTART_MIN: Duration = Duration::from_millis(500);
-const RESTART_MAX: Duration = Duration::from_secs(15);
+/// The pauses before a failed watch (or a lookup of a kind not served yet) is tried again:
+/// kube-runtime's default, client-go's reflector backoff (0.8 s doubling to 30 s, each pause
+/// stretched by a random 0–100 %, back to the start after 2 minutes without a failure). The jitter
+/// matters after an API server outage: every watch of every replica of every provider failed at
+/// once, and without it they would all list again at the same instants.
+/// What the backoff's longest pause can be (its 30 s stretched by the full jitter), should it ever end.
+pub(super) const RESTART_LONGEST: Duration = Duration::from_secs(60);
+
+pub(super) fn restart_backoff() -> impl Backoff {
+    DefaultBackoff::default()
+}
 
 /// Whether each cluster's watches start with a streamed initial list (see [`streams_initial_lists`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -63,7 +72,7 @@ impl Store {
             _ => self.watch_settings.streaming.management,
         };
         let mut listed_once = false;
-        let mut delay = RESTART_MIN;
+        let mut backoff = restart_backoff();
         loop {
             let mut config = watcher::Config::default().timeout(timeout);
             if streaming {
@@ -79,7 +88,7 @@ impl Store {
                 .await;
             if run.synced {
                 listed_once = true;
-                delay = RESTART_MIN;
+                backoff.reset();
             }
             let (text, fatal) = match after_run(run.failure.as_ref(), streaming, run.synced) {
                 AfterRun::ListInPages(code) => {
@@ -98,8 +107,7 @@ impl Store {
                     .set_infra_kind_state(kind.clone(), InfraKindState::Unavailable(text));
                 self.wake_rebuild();
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(RESTART_MAX);
+            tokio::time::sleep(backoff.next().unwrap_or(RESTART_LONGEST)).await;
         }
     }
 
@@ -252,6 +260,54 @@ fn watch_error_code(e: &watcher::Error) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Where the n-th pause may fall: 0.8 s doubling to 30 s, stretched by up to 100 %.
+    fn pause_bounds(n: u32) -> (Duration, Duration) {
+        let base = Duration::from_millis(800)
+            .saturating_mul(2u32.saturating_pow(n))
+            .min(Duration::from_secs(30));
+        (base, base * 2)
+    }
+
+    #[tokio::test]
+    async fn watches_that_failed_together_restart_at_different_instants() {
+        // An API server outage fails every watch at once; each restarts on a backoff of its own.
+        let pauses: Vec<Vec<Duration>> = (0..4)
+            .map(|_| restart_backoff().take(8).collect())
+            .collect();
+        for p in &pauses {
+            for (n, pause) in p.iter().enumerate() {
+                let (low, high) = pause_bounds(n as u32);
+                assert!(
+                    *pause >= low && *pause <= high,
+                    "pause {n}: {pause:?} outside [{low:?}, {high:?}]"
+                );
+            }
+        }
+        for (i, a) in pauses.iter().enumerate() {
+            for b in &pauses[i + 1..] {
+                assert_ne!(a, b, "two watches would restart in lockstep");
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_backoff_starts_over_after_a_sync_or_two_quiet_minutes() {
+        let mut backoff = restart_backoff();
+        for _ in 0..5 {
+            backoff.next();
+        }
+        backoff.reset();
+        let (low, high) = pause_bounds(0);
+        let first = backoff.next().expect("a pause");
+        assert!(first >= low && first <= high, "{first:?}");
+        for _ in 0..5 {
+            backoff.next();
+        }
+        tokio::time::advance(Duration::from_secs(121)).await;
+        let after_quiet = backoff.next().expect("a pause");
+        assert!(after_quiet >= low && after_quiet <= high, "{after_quiet:?}");
+    }
 
     #[test]
     fn initial_lists_are_streamed_only_where_the_server_streams_them_by_default() {

@@ -246,6 +246,9 @@ pub fn exported_names(exposition: &str) -> BTreeSet<String> {
     names
 }
 
+/// Series Prometheus itself records for each target it scrapes.
+pub const PROMETHEUS_SERIES: [&str; 1] = ["up"];
+
 /// The metric families the alerts and the dashboard select that `exported` lacks, each with where
 /// it is used; an expression that does not parse, or selects no metric at all, is reported too.
 pub fn unknown_metrics(exported: &BTreeSet<String>) -> Vec<String> {
@@ -264,6 +267,10 @@ pub fn unknown_metrics(exported: &BTreeSet<String>) -> Vec<String> {
             }
             Ok(names) => {
                 for n in names.difference(exported) {
+                    // Prometheus's own series of every scrape target.
+                    if PROMETHEUS_SERIES.contains(&n.as_str()) {
+                        continue;
+                    }
                     wrong.push(format!("{at}: {n} is not exported ({expr})"));
                 }
             }

@@ -1,6 +1,7 @@
-//! deploy/ rendered the way users render it: the kustomize overlays with `kubectl kustomize`, and the
-//! official cluster-autoscaler Helm chart with this repository's values files with a real `helm template`
-//! (helm v3 built from the Go modules pinned in tests/upstream/helm/, by its build.sh).
+//! deploy/ rendered the way users render it: the kustomize overlays with `kubectl kustomize`, and this
+//! repository's Helm chart (deploy/helm, which depends on the official cluster-autoscaler chart) with a
+//! real `helm template` (helm v3 built from the Go modules pinned in tests/upstream/helm/, by its
+//! build.sh); the official chart alone too, for the in-tree install a user moves from.
 //!
 //! The chart (the version pinned in `tests/upstream/cluster-autoscaler-chart.version`) is resolved by
 //! `tests/upstream/artifact.sh` like the CA binaries: `CLUSTER_AUTOSCALER_CHART` (a chart folder), else a local
@@ -57,7 +58,12 @@ pub fn parse_stream(yaml: &str) -> Vec<Value> {
 
 /// `kubectl kustomize` of a folder of this repository (e.g. `deploy/overlays/sidecar`).
 pub fn kustomize(dir: &str) -> Vec<Value> {
-    let path = repo(dir).display().to_string();
+    kustomize_path(&repo(dir))
+}
+
+/// `kubectl kustomize` of a folder anywhere.
+pub fn kustomize_path(dir: &Path) -> Vec<Value> {
+    let path = dir.display().to_string();
     parse_stream(&run(Path::new("kubectl"), &["kustomize", &path]))
 }
 
@@ -98,19 +104,74 @@ pub fn kube_version() -> &'static str {
         .trim()
 }
 
-/// `helm template RELEASE <chart> --namespace NAMESPACE -f VALUES` (a file of this repository).
-pub fn helm_template(values: &str, release: &str, namespace: &str) -> Vec<Value> {
-    helm_template_set(values, release, namespace, &[])
+/// This repository's chart (deploy/helm) as `helm dependency update` leaves it, the official chart
+/// ([`chart`]) in its `charts/`: a copy of its own for this test process (a `charts/` or `Chart.lock` a
+/// user's `helm dependency update` left in deploy/helm is not copied).
+pub fn provider_chart() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("provider-chart-{}", std::process::id()))
+            .join("capi-autoscaler-provider");
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).expect("clear the chart copy");
+        }
+        copy_dir(&repo("deploy/helm"), &dir, &["charts", "Chart.lock"]);
+        std::fs::create_dir_all(dir.join("charts")).expect("create charts/");
+        // The official chart as a folder or as its packaged .tgz: helm takes either in charts/.
+        let official = chart();
+        if official.is_dir() {
+            copy_dir(
+                &official,
+                &dir.join("charts").join("cluster-autoscaler"),
+                &[],
+            );
+        } else {
+            let file = official.file_name().expect("the chart's file name");
+            std::fs::copy(&official, dir.join("charts").join(file))
+                .unwrap_or_else(|e| panic!("copy {}: {e}", official.display()));
+        }
+        dir
+    })
+    .clone()
 }
 
-/// [`helm_template`] with `--set KEY=VALUE` for each of `set`, as an operator overrides a value.
-pub fn helm_template_set(
-    values: &str,
+/// Copies the tree `from` to `to`, leaving out the entries of `from` named in `skip`.
+fn copy_dir(from: &Path, to: &Path, skip: &[&str]) {
+    std::fs::create_dir_all(to).unwrap_or_else(|e| panic!("create {}: {e}", to.display()));
+    let entries = std::fs::read_dir(from).unwrap_or_else(|e| panic!("{}: {e}", from.display()));
+    for entry in entries {
+        let entry = entry.expect("a directory entry");
+        let name = entry.file_name();
+        if skip.iter().any(|s| name == *s) {
+            continue;
+        }
+        let (src, dest) = (entry.path(), to.join(&name));
+        if entry.file_type().expect("a file type").is_dir() {
+            copy_dir(&src, &dest, &[]);
+        } else {
+            std::fs::copy(&src, &dest)
+                .unwrap_or_else(|e| panic!("copy {} to {}: {e}", src.display(), dest.display()));
+        }
+    }
+}
+
+/// `helm template RELEASE deploy/helm --namespace NAMESPACE -f FILE… --set KEY=VALUE…`: this repository's
+/// chart, values files of this repository (later ones override earlier ones, as with helm).
+pub fn provider_template(
     release: &str,
     namespace: &str,
+    values: &[&str],
     set: &[(&str, &str)],
 ) -> Vec<Value> {
-    helm_template_with(&[repo(values).as_path()], release, namespace, set)
+    let files: Vec<PathBuf> = values.iter().map(|v| repo(v)).collect();
+    let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+    template(&provider_chart(), &files, release, namespace, set)
+}
+
+/// [`provider_template`] with values files anywhere.
+pub fn provider_template_files(values: &[&Path], release: &str, namespace: &str) -> Vec<Value> {
+    template(&provider_chart(), values, release, namespace, &[])
 }
 
 /// The placeholder the shipped manifests carry where the operator names their Cluster.
@@ -133,20 +194,21 @@ pub fn name_cluster(objects: &mut [Value], cluster: &str) -> usize {
     objects.iter_mut().map(|o| walk(o, cluster)).sum()
 }
 
-/// `helm template RELEASE <chart> --namespace NAMESPACE -f FILE…` with values files anywhere (later
-/// files override earlier ones, as with helm).
+/// `helm template RELEASE <the official chart> --namespace NAMESPACE -f FILE…` with values files
+/// anywhere (later files override earlier ones, as with helm).
 pub fn helm_template_files(values: &[&Path], release: &str, namespace: &str) -> Vec<Value> {
-    helm_template_with(values, release, namespace, &[])
+    template(&chart(), values, release, namespace, &[])
 }
 
-/// `helm template RELEASE <chart> --namespace NAMESPACE -f FILE… --set KEY=VALUE…`.
-fn helm_template_with(
+/// `helm template RELEASE CHART --namespace NAMESPACE -f FILE… --set KEY=VALUE…`.
+fn template(
+    chart: &Path,
     values: &[&Path],
     release: &str,
     namespace: &str,
     set: &[(&str, &str)],
 ) -> Vec<Value> {
-    let chart = chart().display().to_string();
+    let chart = chart.display().to_string();
     let mut args: Vec<String> = [
         "template",
         release,

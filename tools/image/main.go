@@ -14,6 +14,7 @@ package main
 import (
 	"archive/tar"
 	"bytes"
+	"debug/elf"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -91,6 +92,7 @@ func run(args []string) error {
 	}
 
 	var images []platformImage
+	seen := map[string]bool{}
 	for _, b := range binaries {
 		spec, file, ok := strings.Cut(b, "=")
 		if !ok {
@@ -98,6 +100,13 @@ func run(args []string) error {
 		}
 		platform, err := v1.ParsePlatform(spec)
 		if err != nil {
+			return fmt.Errorf("--binary %q: %w", b, err)
+		}
+		if seen[platform.String()] {
+			return fmt.Errorf("--binary %q: a second binary for %s", b, platform)
+		}
+		seen[platform.String()] = true
+		if err := checkMachine(file, *platform); err != nil {
 			return fmt.Errorf("--binary %q: %w", b, err)
 		}
 		img, err := buildImage(stage, *platform, file, when)
@@ -436,6 +445,34 @@ func setEnv(env []string, kv string) []string {
 		}
 	}
 	return append(env, kv)
+}
+
+// elfMachines is the ELF machine of each architecture an image can be built for.
+var elfMachines = map[string]elf.Machine{
+	"amd64": elf.EM_X86_64,
+	"arm64": elf.EM_AARCH64,
+}
+
+// checkMachine refuses a binary that is not a Linux ELF executable for the platform's architecture:
+// an image whose binary cannot run on the platform it claims fails only where it is pulled (an arm64
+// node given an amd64 binary: `exec format error`).
+func checkMachine(file string, platform v1.Platform) error {
+	want, ok := elfMachines[platform.Architecture]
+	if platform.OS != "linux" || !ok {
+		return fmt.Errorf("platform %s: only linux/amd64 and linux/arm64 are built", platform)
+	}
+	f, err := elf.Open(file)
+	if err != nil {
+		return fmt.Errorf("%s is not an ELF executable: %w", file, err)
+	}
+	defer f.Close()
+	if f.Machine != want {
+		return fmt.Errorf("%s is a %s binary, not %s for %s", file, f.Machine, want, platform)
+	}
+	if f.Type != elf.ET_EXEC && f.Type != elf.ET_DYN {
+		return fmt.Errorf("%s is not an executable (%s)", file, f.Type)
+	}
+	return nil
 }
 
 // buildImage puts the binary at the COPY destination, root-owned and executable as COPY would, with
