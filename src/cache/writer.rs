@@ -17,7 +17,7 @@ use crate::problem::{Problem, ProblemKind};
 
 /// What one watch is over.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Watched {
+pub enum Watched {
     Scalable(ScalableKind),
     Machine,
     Node,
@@ -28,7 +28,7 @@ pub(crate) enum Watched {
 
 impl Watched {
     /// The metric label of the watch.
-    pub(crate) fn label(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             Watched::Scalable(kind) => kind.plural(),
             Watched::Machine => "machines",
@@ -40,7 +40,7 @@ impl Watched {
 }
 
 /// An object parsed into what the index keeps of its kind.
-pub(crate) enum Prepared {
+pub enum Prepared {
     Scalable(ObjectKey, Result<Arc<ScalableResource>, Problem>),
     Machine(ObjectKey, Result<Arc<Machine>, Problem>),
     /// A Node that cannot be read is left out: Nodes only add labels to templates and providerIDs
@@ -53,7 +53,7 @@ pub(crate) enum Prepared {
 
 /// Parses an object of a watch (no lock needed: a re-list is parsed as it arrives and only the
 /// views are held until it is complete).
-pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) -> Prepared {
+pub fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) -> Prepared {
     let key = object_key(&obj);
     let json = obj.into_json();
     let problem = |kind: &str, e: ParseError| {
@@ -75,20 +75,20 @@ pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject
             let parsed = Machine::from_json(keys, &json)
                 .map(Arc::new)
                 .map_err(|e| problem("Machine", e));
+            // The cache's key is the view's own: the Machine's name is kept once.
+            let key = parsed.as_ref().map_or(key, |m| m.key.clone());
             Prepared::Machine(key, parsed)
         }
-        Watched::Node => Prepared::Node(match Node::from_json(keys, &json) {
-            Ok(mut node) => {
-                // Templates copy only these (a Node's other labels would be cached for nothing).
-                node.labels
-                    .retain(|k, _| crate::template::NODE_LABELS_COPIED.contains(&k.as_str()));
-                Some(node)
-            }
-            Err(e) => {
-                tracing::debug!(node = %key, "Node not read: {e}");
-                None
-            }
-        }),
+        // Templates copy only these labels (a Node's others would be cached for nothing).
+        Watched::Node => Prepared::Node(
+            match Node::from_json(keys, &crate::template::NODE_LABELS_COPIED, &json) {
+                Ok(node) => Some(node),
+                Err(e) => {
+                    tracing::debug!(node = %key, "Node not read: {e}");
+                    None
+                }
+            },
+        ),
         Watched::Infra(_) => {
             let parsed = InfraTemplate::from_json(&json)
                 .map(Arc::new)
@@ -106,7 +106,7 @@ pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject
 }
 
 /// A watch listed again: these are now all the objects of its kind.
-pub(crate) fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
+pub fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
     let objects = objects.into_iter();
     match what {
         Watched::Scalable(kind) => index.reset_resources(

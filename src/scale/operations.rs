@@ -390,7 +390,7 @@ impl Actuator {
         let states = members(&group, &machines, delete_key);
         let marks: Vec<(String, Option<String>)> = machines
             .iter()
-            .map(|(k, m)| (k.name.clone(), m.annotations.get(delete_key).cloned()))
+            .map(|(k, m)| (k.name.to_string(), m.annotations.get(delete_key).cloned()))
             .collect();
         let decided = match removal::deletion(&states, names, state.replicas, &state.ledger) {
             Deletion::Proceed {

@@ -877,7 +877,7 @@ fn hostile_input_does_not_panic() {
             ],
             0,
         );
-        r.key.name = w.to_string();
+        r.key.name = w.into();
         r.template.failure_domain = Some(w.to_string());
         r.template.labels = map(&[(w, w)]);
         r.template.taints = vec![taint(w, w, w)];

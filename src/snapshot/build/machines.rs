@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::Builder;
 use crate::cache::Index;
-use crate::capi::{ObjectKey, ScalableKind, owners, providerid};
+use crate::capi::{Name, ObjectKey, ScalableKind, owners, providerid};
 use crate::problem::Problem;
 use crate::snapshot::instances::{held_instances, is_synthetic};
 use crate::snapshot::{
@@ -14,8 +14,8 @@ use crate::snapshot::{
 
 /// Normalised providerIDs → locations, for nodes whose providerID is spelled differently from the
 /// Machine's; an id that normalises to two different places is left out.
-pub(super) fn normalized_ids(lookup: &Lookup) -> HashMap<String, u32> {
-    let mut by_normalized_id: HashMap<String, u32> = HashMap::new();
+pub(super) fn normalized_ids(lookup: &Lookup) -> HashMap<Name, u32> {
+    let mut by_normalized_id: HashMap<Name, u32> = HashMap::new();
     let mut ambiguous: BTreeSet<String> = BTreeSet::new();
     for (id, &at) in &lookup.by_instance_id {
         if is_synthetic(id) {
@@ -31,10 +31,16 @@ pub(super) fn normalized_ids(lookup: &Lookup) -> HashMap<String, u32> {
             ambiguous.insert(normalized.to_string());
             continue;
         }
-        by_normalized_id.insert(normalized.to_string(), at);
+        // An id that is its own normal form is the same string, kept once.
+        let normalized = if normalized.len() == id.len() {
+            id.clone()
+        } else {
+            Name::from(normalized)
+        };
+        by_normalized_id.insert(normalized, at);
     }
     for normalized in ambiguous {
-        by_normalized_id.remove(&normalized);
+        by_normalized_id.remove(normalized.as_str());
     }
     by_normalized_id
 }
@@ -43,10 +49,10 @@ pub(super) fn normalized_ids(lookup: &Lookup) -> HashMap<String, u32> {
 #[derive(Default)]
 pub(super) struct GroupMachines {
     /// Group id → the instances of its Machines.
-    instances: BTreeMap<String, Vec<Instance>>,
+    instances: BTreeMap<Name, Vec<Instance>>,
     /// Group id → its Machines with a Node but no providerID, so no instance (counted as
     /// registered).
-    unlisted: BTreeMap<String, Vec<ObjectKey>>,
+    unlisted: BTreeMap<Name, Vec<ObjectKey>>,
 }
 
 impl<'a> Builder<'a> {
@@ -57,10 +63,10 @@ impl<'a> Builder<'a> {
         namespace: &str,
         (kind, name): (ScalableKind, &str),
         served: &BTreeMap<String, NodeGroup>,
-    ) -> Option<String> {
+    ) -> Option<Name> {
         let serving = |kind: ScalableKind, name: &str| {
             let id = GroupId::new(kind, namespace, name).to_string();
-            served.contains_key(&id).then_some(id)
+            served.contains_key(&id).then(|| Name::from(id))
         };
         if kind != ScalableKind::MachineSet {
             return serving(kind, name);
@@ -83,7 +89,7 @@ impl<'a> Builder<'a> {
         let index: &'a Index = self.index;
         let keys = &self.settings.keys;
         // Many Machines share an owner: each owner is resolved to its group once per build.
-        let mut owner_groups: HashMap<(&str, ScalableKind, &str), Option<String>> = HashMap::new();
+        let mut owner_groups: HashMap<(&str, ScalableKind, &str), Option<Name>> = HashMap::new();
         for (key, parsed) in index.machines() {
             let machine = match parsed {
                 Ok(m) => m,
@@ -102,7 +108,7 @@ impl<'a> Builder<'a> {
             let fallback = || {
                 let md = owners::machine_deployment_label(keys, machine)?;
                 let id = GroupId::new(ScalableKind::MachineDeployment, namespace, md).to_string();
-                groups.contains_key(&id).then_some(id)
+                groups.contains_key(&id).then(|| Name::from(id))
             };
             let group_id = match resolved {
                 Some(id) => id.clone(),
@@ -142,13 +148,17 @@ impl<'a> Builder<'a> {
         lookup: &mut Lookup,
     ) {
         for (id, group) in groups.iter_mut() {
-            let mut list = found.instances.remove(id).unwrap_or_default();
+            // The group's id as its Machines' locations share it.
+            let (name, mut list) = found
+                .instances
+                .remove_entry(id.as_str())
+                .unwrap_or_else(|| (Name::from(id.as_str()), Vec::new()));
             if group.kind() == ScalableKind::MachinePool {
-                let known: BTreeSet<String> = list.iter().map(|i| i.id.clone()).collect();
+                let known: BTreeSet<Name> = list.iter().map(|i| i.id.clone()).collect();
                 for provider_id in &group.resource.provider_id_list {
-                    if !provider_id.is_empty() && !known.contains(provider_id) {
+                    if !provider_id.is_empty() && !known.contains(provider_id.as_str()) {
                         list.push(Instance {
-                            id: provider_id.clone(),
+                            id: Name::from(provider_id),
                             state: InstanceState::Running,
                             error: None,
                             machine: None,
@@ -158,11 +168,12 @@ impl<'a> Builder<'a> {
             }
             list.sort_by(|a, b| a.id.cmp(&b.id));
             list.dedup_by(|a, b| a.id == b.id);
-            let unlisted = found.unlisted.get(id).map_or(0, Vec::len);
+            let unlisted = found.unlisted.get(id.as_str()).map_or(0, Vec::len);
             let held = held_instances(group, &list, unlisted);
             self.machines()
                 .mark_leaving(&mut list, unlisted, group.target);
             list.extend(held);
+            list.shrink_to_fit();
             let pool: BTreeSet<&str> = group
                 .resource
                 .provider_id_list
@@ -170,7 +181,7 @@ impl<'a> Builder<'a> {
                 .map(String::as_str)
                 .collect();
             for instance in &list {
-                let at = lookup.place(id, instance, pool.contains(instance.id.as_str()));
+                let at = lookup.place(&name, instance, pool.contains(instance.id.as_str()));
                 if let Some(previous) = lookup.by_instance_id.insert(instance.id.clone(), at) {
                     let claimed_by = lookup
                         .locations
@@ -188,9 +199,9 @@ impl<'a> Builder<'a> {
                 .iter()
                 .filter(|i| i.state == InstanceState::Running)
                 .count() as i32
-                + found.unlisted.get(id).map_or(0, Vec::len) as i32;
+                + unlisted as i32;
             group.instances = list;
-            group.unlisted = found.unlisted.remove(id).unwrap_or_default();
+            group.unlisted = found.unlisted.remove(id.as_str()).unwrap_or_default();
             group.foreign_marks = self
                 .machines()
                 .foreign_marks(&group.instances, &group.unlisted);

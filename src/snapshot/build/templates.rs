@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::Builder;
 use crate::cache::{InfraKind, InfraKindState, same_but_counts};
-use crate::capi::{InfraTemplate, ObjectKey, ScalableResource};
+use crate::capi::{InfraTemplate, Labels, ObjectKey, ScalableResource};
 use crate::problem::Problem;
 use crate::snapshot::{NodeGroup, object_name};
 use crate::template::{self, FailureDomainZone, InfraSource, TemplateInputs, TemplateNode};
@@ -208,7 +208,7 @@ impl<'a> Builder<'a> {
                 *zones
                     .entry(at)
                     .or_default()
-                    .entry(zone.clone())
+                    .entry(zone.to_string())
                     .or_default() += 1;
             }
         }
@@ -223,7 +223,7 @@ impl<'a> Builder<'a> {
         groups: &mut BTreeMap<String, NodeGroup>,
         group_problems: &mut HashMap<String, Vec<Problem>>,
     ) -> HashMap<String, Arc<TemplateMemo>> {
-        let node_labels_by_provider: HashMap<&str, &BTreeMap<String, String>> = self
+        let node_labels_by_provider: HashMap<&str, &Labels> = self
             .index
             .nodes()
             .values()
@@ -233,18 +233,21 @@ impl<'a> Builder<'a> {
         let mut templates: HashMap<String, Arc<TemplateMemo>> =
             HashMap::with_capacity(groups.len());
         for (id, group) in groups.iter_mut() {
-            let node_labels = group
+            let node = group
                 .instances
                 .iter()
                 .find_map(|i| node_labels_by_provider.get(i.id.as_str()).copied());
-            let copied: Vec<(String, String)> = node_labels
+            let copied: Vec<(String, String)> = node
                 .map(|labels| {
                     template::NODE_LABELS_COPIED
                         .iter()
-                        .filter_map(|k| labels.get(*k).map(|v| (k.to_string(), v.clone())))
+                        .filter_map(|k| labels.get(k).map(|v| (k.to_string(), v.to_string())))
                         .collect()
                 })
                 .unwrap_or_default();
+            // A Node keeps only the labels templates copy.
+            let node_labels: Option<BTreeMap<String, String>> =
+                node.map(|_| copied.iter().cloned().collect());
             let r = &group.resource;
             let failure_domain_zone = r
                 .template
@@ -253,7 +256,7 @@ impl<'a> Builder<'a> {
                 .map(str::trim)
                 .and_then(|fd| zones.get(&(r.key.namespace.as_str(), r.cluster_name.as_str(), fd)))
                 .and_then(template::zone_in_failure_domain);
-            let memo = self.template_memo(group, node_labels, copied, failure_domain_zone);
+            let memo = self.template_memo(group, node_labels.as_ref(), copied, failure_domain_zone);
             if !memo.problems.is_empty() {
                 group_problems
                     .entry(id.clone())
