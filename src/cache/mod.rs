@@ -42,8 +42,9 @@ pub enum InfraKindState {
     Unavailable(String),
 }
 
-/// A watched object of a kind, or the reason it could not be read.
-pub(crate) type Parsed<T> = Result<Arc<T>, Problem>;
+/// A watched object of a kind, or the reason it could not be read (boxed: the maps hold one of
+/// these per object, and almost every object can be read).
+pub type Parsed<T> = Result<Arc<T>, Box<Problem>>;
 
 /// The cached objects of the management (and optionally workload) cluster.
 #[derive(Clone, Debug, Default)]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kube::ResourceExt;
 
-use super::{Index, InfraKind, InfraKindState};
+use super::{Index, InfraKind, InfraKindState, Parsed};
 use crate::capi::{
     ClusterTopology, InfraTemplate, Keys, Machine, Node, ObjectKey, ParseError, ScalableKind,
     ScalableResource,
@@ -41,12 +41,12 @@ impl Watched {
 
 /// An object parsed into what the index keeps of its kind.
 pub enum Prepared {
-    Scalable(ObjectKey, Result<Arc<ScalableResource>, Problem>),
-    Machine(ObjectKey, Result<Arc<Machine>, Problem>),
+    Scalable(ObjectKey, Parsed<ScalableResource>),
+    Machine(ObjectKey, Parsed<Machine>),
     /// A Node that cannot be read is left out: Nodes only add labels to templates and providerIDs
     /// to Machines that lack one.
     Node(Option<Node>),
-    Infra(ObjectKey, Result<Arc<InfraTemplate>, Problem>),
+    Infra(ObjectKey, Parsed<InfraTemplate>),
     /// A Cluster whose topology cannot be read is left out: it only feeds an advisory check.
     Cluster(Option<ClusterTopology>),
 }
@@ -68,13 +68,13 @@ pub fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) ->
         Watched::Scalable(kind) => {
             let parsed = ScalableResource::from_json(*kind, keys, &json)
                 .map(Arc::new)
-                .map_err(|e| problem(&kind.to_string(), e));
+                .map_err(|e| Box::new(problem(&kind.to_string(), e)));
             Prepared::Scalable(key, parsed)
         }
         Watched::Machine => {
             let parsed = Machine::from_json(keys, &json)
                 .map(Arc::new)
-                .map_err(|e| problem("Machine", e));
+                .map_err(|e| Box::new(problem("Machine", e)));
             // The cache's key is the view's own: the Machine's name is kept once.
             let key = parsed.as_ref().map_or(key, |m| m.key.clone());
             Prepared::Machine(key, parsed)
@@ -92,7 +92,7 @@ pub fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) ->
         Watched::Infra(_) => {
             let parsed = InfraTemplate::from_json(&json)
                 .map(Arc::new)
-                .map_err(|e| problem(json["kind"].as_str().unwrap_or_default(), e));
+                .map_err(|e| Box::new(problem(json["kind"].as_str().unwrap_or_default(), e)));
             Prepared::Infra(key, parsed)
         }
         Watched::Cluster => Prepared::Cluster(match ClusterTopology::from_json(&json) {

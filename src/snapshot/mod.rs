@@ -285,6 +285,15 @@ struct Lookup {
 }
 
 impl Lookup {
+    /// Built once and kept until the next full build, so no room to grow: the served snapshot and
+    /// the one being built are both held at a rebuild's peak.
+    fn shrink_to_fit(&mut self) {
+        self.locations.shrink_to_fit();
+        self.by_instance_id.shrink_to_fit();
+        self.by_normalized_id.shrink_to_fit();
+        self.by_machine.shrink_to_fit();
+    }
+
     /// Where `instance` of group `id` lives: its Machine's location when that says the same (the
     /// usual case), else a new one.
     fn place(&mut self, id: &Name, instance: &Instance, in_pool_list: bool) -> u32 {

@@ -52,6 +52,7 @@ impl<'a> Builder<'a> {
         let found = self.machines_by_group(&groups, &mut lookup);
         self.attach_instances(&mut groups, found, &mut lookup);
         lookup.by_normalized_id = normalized_ids(&lookup);
+        lookup.shrink_to_fit();
         let mut templates = self.templates(&mut groups, &mut group_problems);
         // One shared id per group, for the maps every later patch copies.
         let mut shared_templates = HashMap::with_capacity(templates.len());

@@ -94,7 +94,7 @@ impl<'a> Builder<'a> {
             let machine = match parsed {
                 Ok(m) => m,
                 Err(problem) => {
-                    self.problems.push(problem.clone());
+                    self.problems.push(Problem::clone(problem));
                     continue;
                 }
             };

@@ -297,7 +297,7 @@ impl<'a> Builder<'a> {
             let resource = match parsed {
                 Ok(r) => r,
                 Err(problem) => {
-                    self.problems.push(problem.clone());
+                    self.problems.push(Problem::clone(problem));
                     continue;
                 }
             };
