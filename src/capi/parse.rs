@@ -62,10 +62,9 @@ impl ParseError {
 
 /// The field name used when the object itself is not a JSON object.
 const ROOT: &str = "object";
-
-/// Label on objects managed by a ClusterClass topology.
 /// A copy of the whole object that `kubectl apply` leaves; never read, often the largest annotation.
 const LAST_APPLIED_ANNOTATION: &str = "kubectl.kubernetes.io/last-applied-configuration";
+/// Label on objects managed by a ClusterClass topology.
 const TOPOLOGY_OWNED_LABEL: &str = "topology.cluster.x-k8s.io/owned";
 const TOPOLOGY_DEPLOYMENT_LABEL: &str = "topology.cluster.x-k8s.io/deployment-name";
 const TOPOLOGY_POOL_LABEL: &str = "topology.cluster.x-k8s.io/pool-name";
@@ -555,14 +554,13 @@ impl Node {
             (Some(namespace), Some(name)) => Some(ObjectKey::new(namespace, Name::interned(name))),
             _ => None,
         };
-        let labels = string_map(obj, &["metadata", "labels"])?;
+        let kept_labels = string_map(obj, &["metadata", "labels"])?
+            .into_iter()
+            .filter(|(k, _)| kept.contains(&k.as_str()));
         Ok(Node {
             name: Name::from(opt_str(obj, &["metadata", "name"])?.unwrap_or_default()),
             provider_id: non_empty(opt_str(obj, &["spec", "providerID"])?).map(Name::from),
-            labels: labels
-                .iter()
-                .filter(|(k, _)| kept.contains(&k.as_str()))
-                .collect(),
+            labels: kept_labels.collect(),
             cluster,
         })
     }
