@@ -16,7 +16,7 @@ pub mod explain;
 pub mod grpc;
 pub mod logging;
 pub mod metrics;
-mod object;
+pub mod object;
 pub mod options;
 pub mod pricing;
 pub mod print_template;

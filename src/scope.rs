@@ -45,8 +45,8 @@ impl ClusterRef {
 
     fn exact(cluster: &ObjectKey) -> Self {
         ClusterRef {
-            namespace: Some(cluster.namespace.clone()),
-            name: cluster.name.clone(),
+            namespace: Some(cluster.namespace.to_string()),
+            name: cluster.name.to_string(),
         }
     }
 }

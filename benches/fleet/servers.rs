@@ -360,9 +360,7 @@ impl Floor {
                 })
                 .unwrap_or_default()
         };
-        let groups = NodeGroupsResponse {
-            node_groups: plan.iter().map(wire).collect(),
-        };
+        let groups = NodeGroupsResponse::from(plan.iter().map(wire).collect::<Vec<_>>());
         let by_node = plan
             .iter()
             .flat_map(|g| members(g).into_iter().map(move |m| (m, wire(g))))

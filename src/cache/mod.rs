@@ -7,14 +7,14 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::capi::{
-    ClusterTopology, InfraRef, InfraTemplate, Machine, Node, ObjectKey, ScalableKind,
+    ClusterTopology, InfraRef, InfraTemplate, Machine, Name, Node, ObjectKey, ScalableKind,
     ScalableResource,
 };
 use crate::problem::Problem;
 
 #[cfg(test)]
 mod tests;
-pub(crate) mod writer;
+pub mod writer;
 
 /// An infrastructure template kind, identified as a reference names it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -42,15 +42,16 @@ pub enum InfraKindState {
     Unavailable(String),
 }
 
-/// A watched object of a kind, or the reason it could not be read.
-pub(crate) type Parsed<T> = Result<Arc<T>, Problem>;
+/// A watched object of a kind, or the reason it could not be read (boxed: the maps hold one of
+/// these per object, and almost every object can be read).
+pub type Parsed<T> = Result<Arc<T>, Box<Problem>>;
 
 /// The cached objects of the management (and optionally workload) cluster.
 #[derive(Clone, Debug, Default)]
 pub struct Index {
     resources: BTreeMap<(ScalableKind, ObjectKey), Parsed<ScalableResource>>,
     machines: BTreeMap<ObjectKey, Parsed<Machine>>,
-    nodes: HashMap<String, Arc<Node>>,
+    nodes: HashMap<Name, Arc<Node>>,
     /// How many Nodes name each Cluster: the observed Clusters `scope` decides by.
     node_clusters: BTreeMap<ObjectKey, usize>,
     infra_kinds: BTreeMap<InfraKind, InfraKindState>,
@@ -302,7 +303,7 @@ impl Index {
     }
 
     /// The workload cluster's Nodes by name.
-    pub(crate) fn nodes(&self) -> &HashMap<String, Arc<Node>> {
+    pub(crate) fn nodes(&self) -> &HashMap<Name, Arc<Node>> {
         &self.nodes
     }
 

@@ -109,9 +109,13 @@ fn journal(index: &Index) -> (Vec<String>, Vec<String>, bool) {
         journal
             .resources
             .iter()
-            .map(|(_, k)| k.name.clone())
+            .map(|(_, k)| k.name.to_string())
             .collect(),
-        journal.machines.iter().map(|k| k.name.clone()).collect(),
+        journal
+            .machines
+            .iter()
+            .map(|k| k.name.to_string())
+            .collect(),
         journal.other,
     )
 }

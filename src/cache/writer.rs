@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kube::ResourceExt;
 
-use super::{Index, InfraKind, InfraKindState};
+use super::{Index, InfraKind, InfraKindState, Parsed};
 use crate::capi::{
     ClusterTopology, InfraTemplate, Keys, Machine, Node, ObjectKey, ParseError, ScalableKind,
     ScalableResource,
@@ -17,7 +17,7 @@ use crate::problem::{Problem, ProblemKind};
 
 /// What one watch is over.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Watched {
+pub enum Watched {
     Scalable(ScalableKind),
     Machine,
     Node,
@@ -28,7 +28,7 @@ pub(crate) enum Watched {
 
 impl Watched {
     /// The metric label of the watch.
-    pub(crate) fn label(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             Watched::Scalable(kind) => kind.plural(),
             Watched::Machine => "machines",
@@ -40,20 +40,20 @@ impl Watched {
 }
 
 /// An object parsed into what the index keeps of its kind.
-pub(crate) enum Prepared {
-    Scalable(ObjectKey, Result<Arc<ScalableResource>, Problem>),
-    Machine(ObjectKey, Result<Arc<Machine>, Problem>),
+pub enum Prepared {
+    Scalable(ObjectKey, Parsed<ScalableResource>),
+    Machine(ObjectKey, Parsed<Machine>),
     /// A Node that cannot be read is left out: Nodes only add labels to templates and providerIDs
     /// to Machines that lack one.
     Node(Option<Node>),
-    Infra(ObjectKey, Result<Arc<InfraTemplate>, Problem>),
+    Infra(ObjectKey, Parsed<InfraTemplate>),
     /// A Cluster whose topology cannot be read is left out: it only feeds an advisory check.
     Cluster(Option<ClusterTopology>),
 }
 
 /// Parses an object of a watch (no lock needed: a re-list is parsed as it arrives and only the
 /// views are held until it is complete).
-pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) -> Prepared {
+pub fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject<S>) -> Prepared {
     let key = object_key(&obj);
     let json = obj.into_json();
     let problem = |kind: &str, e: ParseError| {
@@ -68,31 +68,31 @@ pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject
         Watched::Scalable(kind) => {
             let parsed = ScalableResource::from_json(*kind, keys, &json)
                 .map(Arc::new)
-                .map_err(|e| problem(&kind.to_string(), e));
+                .map_err(|e| Box::new(problem(&kind.to_string(), e)));
             Prepared::Scalable(key, parsed)
         }
         Watched::Machine => {
             let parsed = Machine::from_json(keys, &json)
                 .map(Arc::new)
-                .map_err(|e| problem("Machine", e));
+                .map_err(|e| Box::new(problem("Machine", e)));
+            // The cache's key is the view's own: the Machine's name is kept once.
+            let key = parsed.as_ref().map_or(key, |m| m.key.clone());
             Prepared::Machine(key, parsed)
         }
-        Watched::Node => Prepared::Node(match Node::from_json(keys, &json) {
-            Ok(mut node) => {
-                // Templates copy only these (a Node's other labels would be cached for nothing).
-                node.labels
-                    .retain(|k, _| crate::template::NODE_LABELS_COPIED.contains(&k.as_str()));
-                Some(node)
-            }
-            Err(e) => {
-                tracing::debug!(node = %key, "Node not read: {e}");
-                None
-            }
-        }),
+        // Templates copy only these labels (a Node's others would be cached for nothing).
+        Watched::Node => Prepared::Node(
+            match Node::from_json(keys, &crate::template::NODE_LABELS_COPIED, &json) {
+                Ok(node) => Some(node),
+                Err(e) => {
+                    tracing::debug!(node = %key, "Node not read: {e}");
+                    None
+                }
+            },
+        ),
         Watched::Infra(_) => {
             let parsed = InfraTemplate::from_json(&json)
                 .map(Arc::new)
-                .map_err(|e| problem(json["kind"].as_str().unwrap_or_default(), e));
+                .map_err(|e| Box::new(problem(json["kind"].as_str().unwrap_or_default(), e)));
             Prepared::Infra(key, parsed)
         }
         Watched::Cluster => Prepared::Cluster(match ClusterTopology::from_json(&json) {
@@ -106,7 +106,7 @@ pub(crate) fn prepare<const S: bool>(keys: &Keys, what: &Watched, obj: ApiObject
 }
 
 /// A watch listed again: these are now all the objects of its kind.
-pub(crate) fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
+pub fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
     let objects = objects.into_iter();
     match what {
         Watched::Scalable(kind) => index.reset_resources(

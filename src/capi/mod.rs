@@ -12,12 +12,14 @@ pub mod preflight;
 pub mod providerid;
 pub mod quantity;
 pub mod rollout;
+pub mod text;
 
 use std::collections::BTreeMap;
 use std::fmt;
 
 pub use bounds::{has_bounds, scaling_bounds};
 pub use parse::ParseError;
+pub use text::{Labels, Name};
 
 /// The API group of Cluster API objects unless `CAPI_GROUP` says otherwise.
 pub const DEFAULT_GROUP: &str = "cluster.x-k8s.io";
@@ -132,17 +134,17 @@ impl fmt::Display for ScalableKind {
     }
 }
 
-/// namespace/name of a namespaced object.
+/// namespace/name of a namespaced object. Its clones share the strings; namespaces are interned.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct ObjectKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Name,
+    pub name: Name,
 }
 
 impl ObjectKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl AsRef<str>, name: impl Into<Name>) -> Self {
         ObjectKey {
-            namespace: namespace.into(),
+            namespace: Name::interned(namespace.as_ref()),
             name: name.into(),
         }
     }
@@ -154,10 +156,11 @@ impl fmt::Display for ObjectKey {
     }
 }
 
+/// Interned: the Machines of a MachineSet all name it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OwnerRef {
-    pub kind: String,
-    pub name: String,
+    pub kind: Name,
+    pub name: Name,
 }
 
 /// A taint as written on a Node.
@@ -251,11 +254,12 @@ pub struct Machine {
     pub key: ObjectKey,
     pub uid: String,
     pub resource_version: String,
-    pub labels: BTreeMap<String, String>,
+    /// Only the keys under the Cluster API group (the owners' names).
+    pub labels: Labels,
     pub annotations: BTreeMap<String, String>,
     pub cluster_name: String,
-    /// `spec.providerID`; `None` when absent or empty.
-    pub provider_id: Option<String>,
+    /// `spec.providerID`; `None` when absent or empty. Shared with the instance the snapshot lists.
+    pub provider_id: Option<Name>,
     /// `status.nodeRef.name`.
     pub node_ref: Option<String>,
     /// `spec.failureDomain`: with its Node's zone label, what a failure domain's zone is.
@@ -288,9 +292,10 @@ pub struct InfraTemplate {
 /// the Cluster it belongs to (which Cluster the provider serves, `scope`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Node {
-    pub name: String,
-    pub provider_id: Option<String>,
-    pub labels: BTreeMap<String, String>,
+    pub name: Name,
+    pub provider_id: Option<Name>,
+    /// Only the ones templates copy.
+    pub labels: Labels,
     /// The `cluster-namespace` and `cluster-name` annotations Cluster API syncs onto its Nodes.
     pub cluster: Option<ObjectKey>,
 }

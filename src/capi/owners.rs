@@ -35,7 +35,14 @@ pub fn rollout_deployment_of<'a>(
     if machine_set.kind != ScalableKind::MachineSet {
         return None;
     }
-    deployment_of(machine_set).or_else(|| named(&machine_set.labels, &keys.deployment_name_label))
+    deployment_of(machine_set).or_else(|| {
+        named(
+            machine_set
+                .labels
+                .get(&keys.deployment_name_label)
+                .map(String::as_str),
+        )
+    })
 }
 
 /// What a Machine points at: its MachinePool, else its MachineSet (each by owner reference, else by
@@ -48,7 +55,7 @@ pub fn machine_owner<'a>(keys: &Keys, machine: &'a Machine) -> Option<(ScalableK
             .find(|o| o.kind == kind && !o.name.is_empty())
             .map(|o| o.name.as_str())
     };
-    let label = |key: &str| named(&machine.labels, key);
+    let label = |key: &str| named(machine.labels.get(key));
     if let Some(pool) = owner("MachinePool").or_else(|| label(&keys.pool_name_label)) {
         return Some((ScalableKind::MachinePool, pool));
     }
@@ -61,21 +68,19 @@ pub fn machine_owner<'a>(keys: &Keys, machine: &'a Machine) -> Option<(ScalableK
 /// The MachineDeployment a Machine's `deployment-name` label names, if not empty: where its Machines
 /// go when their MachineSet is not known.
 pub fn machine_deployment_label<'a>(keys: &Keys, machine: &'a Machine) -> Option<&'a str> {
-    named(&machine.labels, &keys.deployment_name_label)
+    named(machine.labels.get(&keys.deployment_name_label))
 }
 
-fn named<'a>(labels: &'a std::collections::BTreeMap<String, String>, key: &str) -> Option<&'a str> {
-    labels
-        .get(key)
-        .map(String::as_str)
-        .filter(|name| !name.is_empty())
+/// A label's value as a name: an empty one names nothing.
+fn named(value: Option<&str>) -> Option<&str> {
+    value.filter(|name| !name.is_empty())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::capi::test_fixtures::resource;
-    use crate::capi::{ObjectKey, OwnerRef};
+    use crate::capi::{Labels, ObjectKey, OwnerRef};
     use std::collections::BTreeMap;
 
     fn owner(kind: &str, name: &str) -> OwnerRef {
@@ -96,12 +101,17 @@ mod tests {
         ms
     }
 
+    /// `machine` with label `key` set to `value`.
+    fn label(machine: &mut Machine, key: &str, value: &str) {
+        machine.labels = machine.labels.iter().chain([(key, value)]).collect();
+    }
+
     fn machine() -> Machine {
         Machine {
             key: ObjectKey::new("ns", "m"),
             uid: String::new(),
             resource_version: "1".into(),
-            labels: BTreeMap::new(),
+            labels: Labels::default(),
             annotations: BTreeMap::new(),
             cluster_name: "c1".into(),
             provider_id: None,
@@ -147,9 +157,7 @@ mod tests {
         assert_eq!(rollout_deployment_of(&keys, &empty_label), None);
 
         let mut machine = machine();
-        machine
-            .labels
-            .insert(keys.pool_name_label.clone(), String::new());
+        label(&mut machine, &keys.pool_name_label, "");
         machine.owners = vec![owner("MachineSet", "ms")];
         assert_eq!(
             machine_owner(&keys, &machine),
@@ -157,19 +165,13 @@ mod tests {
             "an empty pool-name label does not hide the MachineSet"
         );
         machine.owners.clear();
-        machine
-            .labels
-            .insert(keys.set_name_label.clone(), String::new());
-        machine
-            .labels
-            .insert(keys.deployment_name_label.clone(), "md".into());
+        label(&mut machine, &keys.set_name_label, "");
+        label(&mut machine, &keys.deployment_name_label, "md");
         assert_eq!(
             machine_owner(&keys, &machine),
             Some((ScalableKind::MachineDeployment, "md"))
         );
-        machine
-            .labels
-            .insert(keys.deployment_name_label.clone(), String::new());
+        label(&mut machine, &keys.deployment_name_label, "");
         assert_eq!(machine_owner(&keys, &machine), None);
         assert_eq!(machine_deployment_label(&keys, &machine), None);
     }
@@ -178,12 +180,8 @@ mod tests {
     fn a_machine_points_at_its_pool_then_its_set_then_its_deployment() {
         let keys = Keys::default();
         let mut machine = machine();
-        machine
-            .labels
-            .insert(keys.deployment_name_label.clone(), "md".into());
-        machine
-            .labels
-            .insert(keys.set_name_label.clone(), "ms-label".into());
+        label(&mut machine, &keys.deployment_name_label, "md");
+        label(&mut machine, &keys.set_name_label, "ms-label");
         assert_eq!(
             machine_owner(&keys, &machine),
             Some((ScalableKind::MachineSet, "ms-label"))

@@ -16,8 +16,9 @@ use serde_json::{Map, Value};
 
 use super::rollout::ROLLING_OUT_CONDITION;
 use super::{
-    ClusterTopology, InfraRef, InfraTemplate, Keys, Machine, MachineFailure, MachineTemplate, Node,
-    ObjectKey, OwnerRef, PAUSED_ANNOTATION, ScalableKind, ScalableResource, Taint, TopologyWorker,
+    ClusterTopology, InfraRef, InfraTemplate, Keys, Machine, MachineFailure, MachineTemplate, Name,
+    Node, ObjectKey, OwnerRef, PAUSED_ANNOTATION, ScalableKind, ScalableResource, Taint,
+    TopologyWorker,
 };
 
 /// A field of an object that could not be read.
@@ -61,10 +62,9 @@ impl ParseError {
 
 /// The field name used when the object itself is not a JSON object.
 const ROOT: &str = "object";
-
-/// Label on objects managed by a ClusterClass topology.
 /// A copy of the whole object that `kubectl apply` leaves; never read, often the largest annotation.
 const LAST_APPLIED_ANNOTATION: &str = "kubectl.kubernetes.io/last-applied-configuration";
+/// Label on objects managed by a ClusterClass topology.
 const TOPOLOGY_OWNED_LABEL: &str = "topology.cluster.x-k8s.io/owned";
 const TOPOLOGY_DEPLOYMENT_LABEL: &str = "topology.cluster.x-k8s.io/deployment-name";
 const TOPOLOGY_POOL_LABEL: &str = "topology.cluster.x-k8s.io/pool-name";
@@ -335,7 +335,7 @@ impl Machine {
         }
         let meta = Meta::read(obj)?;
         let cluster_name = cluster_name(obj, keys, &meta.labels)?;
-        let provider_id = non_empty(opt_str(obj, &["spec", "providerID"])?);
+        let provider_id = non_empty(opt_str(obj, &["spec", "providerID"])?).map(Name::from);
         // v1beta1: a corev1.ObjectReference; v1beta2: {name}. Either way the name is what we need.
         let node_ref = non_empty(opt_str(obj, &["status", "nodeRef", "name"])?);
         let failure_domain = non_empty(opt_str(obj, &["spec", "failureDomain"])?);
@@ -348,8 +348,11 @@ impl Machine {
         // Machines are the many objects: keep only the keys decisions read (all under the group), so
         // e.g. a kubectl last-applied-configuration annotation is not cached ten thousand times.
         let prefix = format!("{}/", keys.group);
-        let mut labels = meta.labels;
-        labels.retain(|k, _| k.starts_with(&prefix));
+        let labels = meta
+            .labels
+            .iter()
+            .filter(|(k, _)| k.starts_with(&prefix))
+            .collect();
         let mut annotations = meta.annotations;
         annotations.retain(|k, _| k.starts_with(&prefix));
         Ok(Machine {
@@ -537,9 +540,10 @@ impl InfraTemplate {
 // Nodes
 
 impl Node {
-    /// Name, `spec.providerID` (empty → `None`), labels and Cluster of a workload-cluster Node, from its JSON:
-    /// only these fields are read, the rest of the Node (its status above all) is never decoded.
-    pub fn from_json(keys: &Keys, obj: &Value) -> Result<Self, ParseError> {
+    /// Name, `spec.providerID` (empty → `None`), the labels named in `kept` and Cluster of a
+    /// workload-cluster Node, from its JSON: only these fields are read, the rest of the Node (its
+    /// status above all) is never decoded.
+    pub fn from_json(keys: &Keys, kept: &[&str], obj: &Value) -> Result<Self, ParseError> {
         root(obj)?;
         let annotation = |key: &str| {
             opt_str(obj, &["metadata", "annotations", key])
@@ -551,15 +555,16 @@ impl Node {
             annotation(&keys.node_cluster_namespace),
             annotation(&keys.node_cluster_name),
         ) {
-            (Some(namespace), Some(name)) => Some(ObjectKey::new(namespace, name)),
+            (Some(namespace), Some(name)) => Some(ObjectKey::new(namespace, Name::interned(name))),
             _ => None,
         };
+        let kept_labels = string_map(obj, &["metadata", "labels"])?
+            .into_iter()
+            .filter(|(k, _)| kept.contains(&k.as_str()));
         Ok(Node {
-            name: opt_str(obj, &["metadata", "name"])?
-                .unwrap_or_default()
-                .to_string(),
-            provider_id: non_empty(opt_str(obj, &["spec", "providerID"])?),
-            labels: string_map(obj, &["metadata", "labels"])?,
+            name: Name::from(opt_str(obj, &["metadata", "name"])?.unwrap_or_default()),
+            provider_id: non_empty(opt_str(obj, &["spec", "providerID"])?).map(Name::from),
+            labels: kept_labels.collect(),
             cluster,
         })
     }
@@ -633,8 +638,8 @@ fn owners(obj: &Value) -> Result<Vec<OwnerRef>, ParseError> {
                 }
             };
             Ok(OwnerRef {
-                kind: text("kind")?,
-                name: text("name")?,
+                kind: Name::interned(&text("kind")?),
+                name: Name::interned(&text("name")?),
             })
         })
         .collect()

@@ -2,6 +2,7 @@
 //! domain values, snapshots and templates into answers, writer errors into the status codes CA acts on.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use k8s_openapi::api::core::v1 as api;
@@ -14,7 +15,7 @@ use crate::options::{Defaults, GroupOptions};
 use crate::pricing;
 use crate::proto::instance_status::InstanceState as WireState;
 use crate::proto::*;
-use crate::snapshot::{InstanceState, NodeGroup as Group, NodeRef};
+use crate::snapshot::{InstanceState, NodeGroup as Group, NodeRef, Snapshot};
 use crate::template::TemplateNode;
 
 /// The status code CA acts on for each actuator error: it retries UNAVAILABLE and ABORTED, and
@@ -35,6 +36,28 @@ impl From<ActuatorError> for Status {
             },
             ActuatorError::Internal(m) => Status::internal(m),
         }
+    }
+}
+
+/// The NodeGroups answer of the snapshot answered from last, encoded once: CA asks every loop, and
+/// a fleet's groups change only with its snapshot.
+#[derive(Default)]
+pub(super) struct EncodedGroups(Mutex<Option<(Weak<Snapshot>, NodeGroupsResponse)>>);
+
+impl EncodedGroups {
+    /// The answer for `snapshot`, encoded now if it is not the one encoded last (under the lock:
+    /// calls that come together encode it once).
+    pub(super) fn answer(&self, snapshot: &Arc<Snapshot>) -> NodeGroupsResponse {
+        let mut cached = crate::lock(&self.0);
+        if let Some((of, response)) = cached.as_ref()
+            && std::ptr::eq(of.as_ptr(), Arc::as_ptr(snapshot))
+        {
+            return response.clone();
+        }
+        let groups: Vec<NodeGroup> = snapshot.groups.values().map(wire_group).collect();
+        let response = NodeGroupsResponse::encoded(&groups);
+        *cached = Some((Arc::downgrade(snapshot), response.clone()));
+        response
     }
 }
 
@@ -162,7 +185,7 @@ pub(super) fn instances(group: &Group) -> Vec<Instance> {
         .instances
         .iter()
         .map(|i| Instance {
-            id: i.id.clone(),
+            id: i.id.to_string(),
             status: Some(InstanceStatus {
                 instance_state: wire_state(i.state) as i32,
                 error_info: i.error.as_ref().map(|e| InstanceErrorInfo {

@@ -22,7 +22,7 @@ mod convert;
 mod limits;
 pub mod wire;
 
-use convert::{node_ref, period, wire_group};
+use convert::{EncodedGroups, node_ref, period, wire_group};
 pub use convert::{options_response, template_bytes};
 use limits::{bounded, pod_bytes_within_limits, shorten};
 
@@ -32,11 +32,16 @@ const TEMPLATE_NODE_PREFIX: &str = "template-node-for-";
 pub struct Service<B> {
     backend: B,
     metrics: Arc<Metrics>,
+    node_groups: EncodedGroups,
 }
 
 impl<B: Backend> Service<B> {
     pub fn new(backend: B, metrics: Arc<Metrics>) -> Self {
-        Service { backend, metrics }
+        Service {
+            backend,
+            metrics,
+            node_groups: EncodedGroups::default(),
+        }
     }
 
     /// Nothing is answered from a partial view: until every watch (Nodes included) has listed and a
@@ -153,9 +158,7 @@ impl<B: Backend> CloudProvider for Service<B> {
     ) -> Result<Response<NodeGroupsResponse>, Status> {
         self.answer("NodeGroups", async {
             let snapshot = self.backend.snapshot();
-            Ok(NodeGroupsResponse {
-                node_groups: snapshot.groups.values().map(wire_group).collect(),
-            })
+            Ok(self.node_groups.answer(&snapshot))
         })
         .await
     }

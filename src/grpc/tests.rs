@@ -193,6 +193,42 @@ fn an_old_pod_price_request_is_understood() {
     assert_eq!(pricing::hours_between(start, end), 1.0);
 }
 
+/// CA asks for the groups every loop: the answer is the snapshot's groups, encoded once for each
+/// snapshot (clones share the bytes), and a changed snapshot is answered with its own groups.
+#[test]
+fn the_node_groups_answer_is_the_served_snapshots_groups_encoded_once() {
+    use crate::snapshot::Settings;
+    let groups = |snapshot: &Arc<Snapshot>| -> Vec<NodeGroup> {
+        snapshot.groups.values().map(wire_group).collect()
+    };
+    let read = |answer: &NodeGroupsResponse| {
+        NodeGroupsResponse::decode(answer.encode_to_vec().as_slice())
+            .unwrap()
+            .node_groups
+    };
+    let encoded = EncodedGroups::default();
+    let one = Arc::new(
+        objects::index_of(
+            vec![(ScalableKind::MachineDeployment, objects::md(2))],
+            vec![],
+        )
+        .snapshot(&Settings::default()),
+    );
+    let first = encoded.answer(&one);
+    assert_eq!(read(&first), groups(&one));
+    assert_eq!(read(&first)[0].max_size, 5);
+    assert_eq!(first, encoded.answer(&one), "the same bytes again");
+    let mut md = objects::md(3);
+    md["metadata"]["annotations"][Keys::default().max_size.as_str()] = "7".into();
+    let two = Arc::new(
+        objects::index_of(vec![(ScalableKind::MachineDeployment, md)], vec![])
+            .snapshot(&Settings::default()),
+    );
+    let second = encoded.answer(&two);
+    assert_eq!(read(&second), groups(&two));
+    assert_eq!(read(&second)[0].max_size, 7);
+}
+
 /// Objects of namespace `ns` for handler tests: MachineDeployment md (min 1, max 5).
 mod objects {
     use crate::cache::Index;
@@ -275,6 +311,7 @@ mod rollout {
     use crate::scale::Actuator;
     use crate::snapshot::Settings;
     use crate::watch::Store;
+    use prost::Message;
     use serde_json::{Value, json};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -356,11 +393,14 @@ mod rollout {
     }
 
     async fn served(service: &Live, node_name: &str) -> (NodeGroup, NodeGroup) {
-        let listed = service
+        let answer = service
             .node_groups(Request::new(NodeGroupsRequest {}))
             .await
             .unwrap()
-            .into_inner()
+            .into_inner();
+        // As a client reads it: the service sends the groups encoded once.
+        let listed = NodeGroupsResponse::decode(answer.encode_to_vec().as_slice())
+            .unwrap()
             .node_groups;
         assert_eq!(listed.len(), 1, "{listed:?}");
         let for_node = service

@@ -102,7 +102,7 @@ impl Actuator {
             Write::Group(w) => match self.group_api(kind, &key.namespace) {
                 Ok(api) => (
                     api,
-                    key.name.clone(),
+                    key.name.to_string(),
                     group_patch(w),
                     format!("writing {kind} {key}"),
                     caller.label(),

@@ -219,7 +219,7 @@ fn removal_plan(
             )));
         }
         let member = match &location.machine {
-            Some(ObjectKey { name, .. }) => name.clone(),
+            Some(ObjectKey { name, .. }) => name.to_string(),
             None if group.kind() == ScalableKind::MachinePool && location.in_pool_list => {
                 pool_node_entry(&node.provider_id)
             }

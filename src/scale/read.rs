@@ -220,7 +220,7 @@ pub(super) fn members(
         .map(|m| {
             let registered = m.node_ref.is_some();
             Member {
-                name: m.key.name.clone(),
+                name: m.key.name.to_string(),
                 version: m.resource_version.clone(),
                 mark: m.annotations.get(&keys.delete_machine).cloned(),
                 deleting: m.deleting,

@@ -6,7 +6,7 @@ use super::{
     OTHER_ERROR_CLASS, PENDING_PREFIX,
 };
 use crate::cache::Index;
-use crate::capi::{Machine, ObjectKey};
+use crate::capi::{Machine, Name, ObjectKey};
 
 /// The cached Machines and Nodes a group's instances are read from.
 #[derive(Clone, Copy)]
@@ -41,7 +41,7 @@ impl MachineView<'_> {
                                 .is_some_and(|v| !crate::protocol::is_our_mark(v))
                     })
             })
-            .map(|key| key.name.clone())
+            .map(|key| key.name.to_string())
             .collect()
     }
 
@@ -88,7 +88,7 @@ impl MachineView<'_> {
         let provider_id = machine.provider_id.clone().or_else(|| {
             machine
                 .node_ref
-                .as_ref()
+                .as_deref()
                 .and_then(|name| self.index.nodes().get(name))
                 .and_then(|node| node.provider_id.clone())
         });
@@ -132,9 +132,9 @@ impl MachineView<'_> {
 }
 
 /// The made-up instance id of a Machine without a providerID.
-fn synthetic_id(prefix: &str, key: &ObjectKey) -> String {
+fn synthetic_id(prefix: &str, key: &ObjectKey) -> Name {
     // `_` cannot occur in a namespace, so the first one separates namespace and name.
-    format!("{prefix}{}_{}", key.namespace, key.name)
+    Name::from(format!("{prefix}{}_{}", key.namespace, key.name))
 }
 
 /// The instances Cluster API's preflight checks hold back in `group` (none without a hold): its
@@ -165,7 +165,7 @@ pub(super) fn held_instances(
     crate::capi::preflight::held_ids(group.kind().as_str(), &key.namespace, &key.name, count)
         .into_iter()
         .map(|id| Instance {
-            id,
+            id: Name::from(id),
             state: InstanceState::Creating,
             error: Some(error.clone()),
             machine: None,

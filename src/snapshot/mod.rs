@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::cache::Index;
 use crate::capi::rollout::Rollout;
-use crate::capi::{Keys, ObjectKey, ScalableKind, ScalableResource, providerid};
+use crate::capi::{Keys, Name, ObjectKey, ScalableKind, ScalableResource, providerid};
 use crate::discovery::DiscoverySpec;
 use crate::options::GroupOptions;
 use crate::pricing::{PriceSource, ReferencePrices};
@@ -58,8 +58,9 @@ pub const OTHER_ERROR_CLASS: i32 = 99;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Instance {
-    /// The Machine's providerID byte for byte, or a made-up id with an upstream prefix.
-    pub id: String,
+    /// The Machine's providerID byte for byte (the cached Machine's own string), or a made-up id
+    /// with an upstream prefix.
+    pub id: Name,
     pub state: InstanceState,
     pub error: Option<InstanceError>,
     pub machine: Option<ObjectKey>,
@@ -136,7 +137,8 @@ impl NodeGroup {
 /// Where a node CA names lives: its group and, when there is one, its Machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Location {
-    pub group_id: String,
+    /// One string per group, shared by its locations.
+    pub group_id: Name,
     pub machine: Option<ObjectKey>,
     /// The node is listed in the MachinePool's providerIDList.
     pub in_pool_list: bool,
@@ -290,17 +292,26 @@ impl<'a> IntoIterator for &'a Groups {
 struct Lookup {
     locations: Vec<Location>,
     /// Exact instance id (providerID or made-up id) → where it lives.
-    by_instance_id: HashMap<String, u32>,
+    by_instance_id: HashMap<Name, u32>,
     /// Normalised providerID → where it lives; only ids that normalise uniquely.
-    by_normalized_id: HashMap<String, u32>,
+    by_normalized_id: HashMap<Name, u32>,
     /// Machine → where it lives (also Machines that are not listed as instances).
     by_machine: HashMap<ObjectKey, u32>,
 }
 
 impl Lookup {
+    /// Built once and kept until the next full build, so no room to grow: the served snapshot and
+    /// the one being built are both held at a rebuild's peak.
+    fn shrink_to_fit(&mut self) {
+        self.locations.shrink_to_fit();
+        self.by_instance_id.shrink_to_fit();
+        self.by_normalized_id.shrink_to_fit();
+        self.by_machine.shrink_to_fit();
+    }
+
     /// Where `instance` of group `id` lives: its Machine's location when that says the same (the
     /// usual case), else a new one.
-    fn place(&mut self, id: &str, instance: &Instance, in_pool_list: bool) -> u32 {
+    fn place(&mut self, id: &Name, instance: &Instance, in_pool_list: bool) -> u32 {
         let same = instance
             .machine
             .as_ref()
@@ -309,14 +320,14 @@ impl Lookup {
             .filter(|&at| {
                 self.locations
                     .get(at as usize)
-                    .is_some_and(|l| l.group_id == id && l.in_pool_list == in_pool_list)
+                    .is_some_and(|l| l.group_id == *id && l.in_pool_list == in_pool_list)
             });
         if let Some(at) = same {
             return at;
         }
         let at = position(&self.locations);
         self.locations.push(Location {
-            group_id: id.to_string(),
+            group_id: id.clone(),
             machine: instance.machine.clone(),
             in_pool_list,
         });

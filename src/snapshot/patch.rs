@@ -99,7 +99,7 @@ impl<'a> Builder<'a> {
                 .get(key)
                 .and_then(|at| previous.lookup.locations.get(*at as usize))
             {
-                served(location.group_id.clone());
+                served(location.group_id.to_string());
             }
         }
         affected

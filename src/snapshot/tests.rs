@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use crate::cache::{InfraKind, InfraKindState};
 use crate::capi::rollout::{self, REVISION_ANNOTATION};
 use crate::capi::{
-    ClusterTopology, InfraRef, Machine, MachineFailure, MachineTemplate, Node, OwnerRef,
+    ClusterTopology, InfraRef, Labels, Machine, MachineFailure, MachineTemplate, Node, OwnerRef,
 };
 use crate::problem::ProblemKind;
 
@@ -66,10 +66,10 @@ fn machine(
         key: ObjectKey::new("ns", name),
         uid: format!("uid-{name}"),
         resource_version: "1".into(),
-        labels: BTreeMap::new(),
+        labels: Labels::default(),
         annotations: BTreeMap::new(),
         cluster_name: "c1".into(),
-        provider_id: provider_id.map(str::to_string),
+        provider_id: provider_id.map(Name::from),
         node_ref: node.then(|| name.to_string()),
         failure_domain: None,
         deleting: false,
@@ -176,7 +176,7 @@ fn a_marked_machine_the_replicas_no_longer_cover_is_deleting_and_one_they_cover_
         let g = s.group("MachineDeployment/ns/md").unwrap();
         g.instances
             .iter()
-            .map(|i| (i.id.clone(), i.state))
+            .map(|i| (i.id.to_string(), i.state))
             .collect::<Vec<_>>()
     };
     assert_eq!(
@@ -525,7 +525,7 @@ fn a_registered_machine_without_a_known_provider_id_is_no_instance_but_counts_an
     index.apply_node(Node {
         name: "no-id".into(),
         provider_id: Some("p://no-id".into()),
-        labels: BTreeMap::new(),
+        labels: Labels::default(),
         cluster: None,
     });
     let s = index.snapshot(&settings());
@@ -1213,8 +1213,8 @@ fn two_clusters_index() -> Index {
 fn workload_node(name: &str, cluster: Option<(&str, &str)>) -> Node {
     Node {
         name: name.into(),
-        provider_id: Some(format!("e2e:///ns/{name}")),
-        labels: BTreeMap::new(),
+        provider_id: Some(format!("e2e:///ns/{name}").into()),
+        labels: Labels::default(),
         cluster: cluster.map(|(ns, n)| ObjectKey::new(ns, n)),
     }
 }
@@ -1484,9 +1484,9 @@ fn zone_index(busy_fd: &str, zones: &[&str], cluster_of_busy: &str) -> Index {
         m.cluster_name = cluster_of_busy.into();
         add_machine(&mut index, m);
         index.apply_node(Node {
-            name: name.clone(),
-            provider_id: Some(format!("p://{name}")),
-            labels: BTreeMap::from([(crate::template::LABEL_ZONE.to_string(), zone.to_string())]),
+            name: name.as_str().into(),
+            provider_id: Some(format!("p://{name}").into()),
+            labels: [(crate::template::LABEL_ZONE, zone)].into_iter().collect(),
             cluster: None,
         });
     }
@@ -1577,7 +1577,7 @@ fn a_machine_with_an_empty_pool_label_stays_with_its_machine_set() {
     let keys = keys();
     let mut index = deployment_index();
     let mut m = machine("m3", "MachineSet", "md-abc", Some("e2e:///ns/m3"), true);
-    m.labels.insert(keys.pool_name_label.clone(), String::new());
+    m.labels = [(keys.pool_name_label.as_str(), "")].into_iter().collect();
     add_machine(&mut index, m);
     let s = index.snapshot(&settings());
     assert_eq!(

@@ -1,7 +1,9 @@
 //! Unit tests of `template`.
 
+use super::labels::gpu_label_value;
 use super::*;
-use crate::capi::{InfraRef, MachineTemplate, ObjectKey, ScalableKind};
+use crate::capi::names::is_label_value;
+use crate::capi::{GPU_LABEL, InfraRef, MachineTemplate, ObjectKey, ScalableKind, capacity};
 
 const GROUP: &str = "MachineDeployment/default/md-0";
 const OBJ: &str = "MachineDeployment default/md-0";
@@ -877,7 +879,7 @@ fn hostile_input_does_not_panic() {
             ],
             0,
         );
-        r.key.name = w.to_string();
+        r.key.name = w.into();
         r.template.failure_domain = Some(w.to_string());
         r.template.labels = map(&[(w, w)]);
         r.template.taints = vec![taint(w, w, w)];

@@ -85,6 +85,8 @@ pub struct Store {
     infra_started: Mutex<BTreeSet<InfraKind>>,
     events: Events,
     metrics: Arc<Metrics>,
+    /// When the watches were started: a start's log says how long listing took.
+    started: Instant,
 }
 
 impl Store {
@@ -112,6 +114,7 @@ impl Store {
             infra_started: Mutex::new(BTreeSet::new()),
             events,
             metrics,
+            started: Instant::now(),
         }
     }
 
@@ -208,7 +211,7 @@ impl Store {
             Events::logged(),
             WatchSettings::default(),
         ));
-        store.rebuild();
+        store.build(false);
         store
     }
 
@@ -291,9 +294,10 @@ impl Store {
     ) -> Result<(), Vec<String>> {
         let deadline = Instant::now() + timeout;
         loop {
-            self.refresh();
             if self.is_ready() {
-                self.rebuild();
+                // The first build once everything has listed (unless the rebuild loop made it
+                // already), then only what changed: a build before that would be thrown away.
+                self.build(self.is_complete());
                 return Ok(());
             }
             let problems = self.watch_problems();
@@ -366,10 +370,6 @@ impl Store {
         self.changed.notify_one();
     }
 
-    fn rebuild(self: &Arc<Self>) {
-        self.build(false);
-    }
-
     /// Builds and publishes a snapshot; with `only_if_changed`, only when the index changed since the
     /// last build. Asked of the index under the lock a build publishes under, so when this returns
     /// every change made to the index before the call is served, whichever caller built it.
@@ -398,7 +398,7 @@ impl Store {
             snapshot
         };
         if ready && !self.complete.swap(true, Ordering::AcqRel) {
-            tracing::info!(groups = snapshot.groups.len(), build = ?started.elapsed(), "serving: every watch has listed");
+            tracing::info!(groups = snapshot.groups.len(), machines = snapshot.machines, build = ?started.elapsed(), after = ?self.started.elapsed(), "serving: every watch has listed");
         }
         self.metrics.observe_snapshot(&snapshot, started.elapsed());
         self.start_referenced_infra_watches();

@@ -108,8 +108,8 @@ fn object_reference(resource: &ApiResource, key: ObjectKey, uid: String) -> Obje
     ObjectReference {
         api_version: Some(resource.api_version.clone()),
         kind: Some(resource.kind.clone()),
-        name: Some(key.name),
-        namespace: Some(key.namespace),
+        name: Some(key.name.into()),
+        namespace: Some(key.namespace.into()),
         uid: Some(uid),
         ..Default::default()
     }

@@ -110,7 +110,11 @@ pub fn kube_version() -> &'static str {
 pub fn provider_chart() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        // Tests have cargo's scratch folder; the demo, which shares this module, the system's.
+        let scratch = option_env!("CARGO_TARGET_TMPDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let dir = scratch
             .join(format!("provider-chart-{}", std::process::id()))
             .join("capi-autoscaler-provider");
         if dir.exists() {
