@@ -19,8 +19,10 @@ test: fmt-check clippy upstream
 	@mkdir -p $(dir $(TEST_LOG))
 	@start=$$(date +%s); status=0; \
 	$(CARGO) test --no-fail-fast 2>&1 | tee $(TEST_LOG) || status=$$?; \
+	$(CARGO) test --profile model --test protocol_model -- --ignored --nocapture 2>&1 \
+	  | tee -a $(TEST_LOG) || status=$$?; \
 	echo; echo "== cargo test summary ($$(( $$(date +%s) - start ))s)"; \
-	grep -E '^\s+Running |^test result:|^e2e: (control plane|CAPI manager|scenario .* passed|matrix )|^test .* FAILED$$|^error: ' $(TEST_LOG) || true; \
+	grep -E '^\s+Running |^test result:|^e2e: (control plane|CAPI manager|scenario .* passed|matrix )|^protocol model: |^test .* FAILED$$|^error: ' $(TEST_LOG) || true; \
 	exit $$status
 
 fmt-check:

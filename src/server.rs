@@ -108,9 +108,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.request_timeout,
         Arc::clone(&metrics),
     );
-    let actuator = Arc::new(
-        Actuator::new(store, Arc::clone(&metrics)).with_wait(args.request_timeout * 3 / 4),
-    );
+    let actuator =
+        Arc::new(Actuator::new(store, Arc::clone(&metrics)).with_wait(args.request_timeout / 2));
     actuator.spawn_repair(args.repair_interval, args.mark_grace_period);
     let service = Service::new(actuator, metrics);
     let router = Server::builder()

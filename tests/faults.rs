@@ -34,7 +34,7 @@ use support::capi::{
     socket_addr_of,
 };
 use support::faults::{
-    ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, our_mark_time, provider_metric,
+    ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, provider_metric,
 };
 use support::procs::{self, announce};
 use support::real_capi_scenario::RealCapiScenario;
@@ -563,10 +563,10 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         }
     };
 
-    // DeleteNodes: the group read, its Machines listed and the mark answered; the decrement that
-    // follows is held.
+    // DeleteNodes: its first read answered (the group, its MachineSets, its Cluster, its
+    // Machines); the claim it writes next is held.
     wait_quiet(&s).await;
-    proxy.hold_after_answers(3);
+    proxy.hold_after_answers(4);
     let removal = delete_nodes(&rpc, &id, vec![victim_node], Duration::from_secs(10)).await;
     s.check(
         code_of(&removal) == Code::Ok,
@@ -604,9 +604,9 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         &format!("CAPI deleted {removed:?}, want only {victim}"),
     );
 
-    // IncreaseSize: its write is held.
+    // IncreaseSize: its read answered as above, its write is held.
     wait_quiet(&s).await;
-    proxy.hold_next_request();
+    proxy.hold_after_answers(4);
     let increase = increase_size(&rpc, &id, 1, Duration::from_secs(10)).await;
     s.check(
         code_of(&increase) == Code::Ok,
@@ -659,8 +659,8 @@ async fn refused_deployment_patches(admin: &kube::Client) -> f64 {
 /// apiserver's answers, so the mark reaches the API while the provider never learns it did and
 /// cannot have sent the decrement; the test kills it as soon as it sees the mark in the API.
 /// Restarted: the node CA retries is paid once (and only once) and CAPI deletes exactly that
-/// Machine; the node nobody retries has its mark taken back within one repair interval after the
-/// grace period (and not before), and CAPI deletes nothing of its group meanwhile.
+/// Machine; the node nobody retries has its mark taken back once its claim has stood the grace
+/// period on the restarted provider (and not before), and CAPI deletes nothing of its group meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn provider_killed_between_mark_and_decrement_is_paid_or_repaired_after_restart() {
     let _serial = SERIAL.lock().await;
@@ -695,6 +695,7 @@ async fn provider_killed_between_mark_and_decrement_is_paid_or_repaired_after_re
         ],
     )
     .await;
+    let serving_since = Instant::now();
     let restarted_in = killed_at.elapsed();
     // CA retries b0 at once (well within the grace period): the decrement the mark is owed, once.
     for attempt in ["retry", "second retry"] {
@@ -708,15 +709,15 @@ async fn provider_killed_between_mark_and_decrement_is_paid_or_repaired_after_re
             &format!("{attempt}: {}", v.describe()),
         );
     }
-    // Nobody retries a0: the repair takes its mark back once it is older than the grace period.
-    let mark = view(capi, Kind::MachineDeployment, "a")
-        .await
-        .machines
-        .into_iter()
-        .find(|m| m.name == a0)
-        .and_then(|m| m.mark)
-        .unwrap_or_else(|| s.fail(&format!("{a0} is still marked after the restart")));
-    let marked_at = our_mark_time(&mark).expect("a mark of ours carries its time");
+    // Nobody retries a0: the repair takes its mark back once its claim has stood the grace period
+    // as this provider saw it (first seen at its first repair pass; no mark's clock is read).
+    s.check(
+        view(capi, Kind::MachineDeployment, "a")
+            .await
+            .marked()
+            .contains(&a0),
+        &format!("{a0} is still marked after the restart"),
+    );
     let repaired = wait_view(
         capi,
         Kind::MachineDeployment,
@@ -727,28 +728,27 @@ async fn provider_killed_between_mark_and_decrement_is_paid_or_repaired_after_re
     )
     .await
     .unwrap_or_else(|e| s.fail(&format!("{e}\n{}", second.log_contents())));
-    let repaired_at = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock")
-        .as_secs_f64();
+    let repaired_after = serving_since.elapsed();
     s.check(
         repaired.replicas == 3 && repaired.active() == 3,
         &repaired.describe(),
     );
-    // The mark's time has whole seconds: it was written in [marked_at, marked_at + 1).
-    let eligible = marked_at as f64 + GRACE_SECS as f64;
+    let grace = Duration::from_secs(GRACE_SECS);
     s.check(
-        repaired_at >= eligible - 0.2,
+        repaired_after >= grace,
         &format!(
-            "taken back {:.1}s before the grace period ended",
-            eligible - repaired_at
+            "taken back {:.1}s after the restart, within the grace period",
+            repaired_after.as_secs_f64()
         ),
     );
-    let late = repaired_at - (eligible + 1.0);
+    // First seen within one interval of serving, ripe one grace period later, taken back at the
+    // next pass: at most two intervals after the grace period, and 1 s for the writes and polling.
+    let late = repaired_after.saturating_sub(grace);
     s.check(
-        late <= INTERVAL.as_secs_f64() + 1.0,
+        late <= INTERVAL * 2 + Duration::from_secs(1),
         &format!(
-            "taken back {late:.1}s after the grace period ended: more than a repair interval (+1 s for the unmark and the polling)"
+            "taken back {:.1}s after the grace period ended: more than two repair intervals (+1 s)",
+            late.as_secs_f64()
         ),
     );
     let reasons: Vec<String> = capi
@@ -794,7 +794,7 @@ async fn provider_killed_between_mark_and_decrement_is_paid_or_repaired_after_re
          retried node paid once and its Machine deleted by CAPI; orphan mark taken back {:.1}s after its grace \
          period ended (repair interval {:.1}s), its group untouched; passed in {:.1}s",
         restarted_in.as_secs_f64(),
-        (repaired_at - eligible).max(0.0),
+        late.as_secs_f64(),
         INTERVAL.as_secs_f64(),
         started.elapsed().as_secs_f64()
     ));
@@ -813,9 +813,10 @@ async fn kill_between_mark_and_decrement(
     let capi = &s.capi;
     let node = node_of(s, machine).await;
     let (proxy, provider, rpc) = proxied_provider(s, &[]).await;
-    // The provider reads the group and lists its Machines before it marks: those answers pass.
+    // Before its mark the provider reads (the group, its MachineSets, its Cluster, its Machines),
+    // claims the removal on the group and reads again: those nine answers pass.
     wait_quiet(s).await;
-    proxy.hold_answers_after(2);
+    proxy.hold_answers_after(9);
     let call = {
         let rpc = rpc.clone();
         let id = id.to_string();
@@ -1489,7 +1490,8 @@ async fn bounds_lowered_during_increase_size_are_those_of_the_version_written_ov
         &series("increase-size", "conflict"),
     )
     .await;
-    proxy.hold_requests();
+    // Its read answered (the group, its MachineSets, its Cluster, its Machines), its write held.
+    proxy.hold_after_answers(4);
     let call = {
         let rpc = rpc.clone();
         let id = id.clone();

@@ -49,8 +49,9 @@ pub struct GroupRead {
     /// MachineDeployment, its MachineSet's) has observed the generation and the MachineSet's
     /// replicas are the group's. Until then it may still act on an older count.
     pub observed: bool,
-    /// Cluster API's preflight checks hold its creation of Machines: replicas beyond the Machines
-    /// stay without one until the hold lifts.
+    /// Capacity beyond the members will not become a Machine that could be pinned: Cluster API's
+    /// preflight checks hold its creation of Machines, or a MachinePool's infrastructure makes
+    /// none (its instances appear in providerIDList alone).
     pub held: bool,
     pub hold: Option<Hold>,
 }
@@ -204,6 +205,13 @@ impl Read {
     /// about to claim) left out of the marks they weigh against.
     pub fn accounts(&self, own: &BTreeSet<String>) -> Accounts {
         let mut accounts = Accounts::default();
+        if !self.members.is_empty() && self.members.iter().all(|m| m.machineless) {
+            // A MachinePool whose infrastructure makes no Machines: nothing is marked, the
+            // infrastructure picks which instance a decrement removes, so there is nothing to
+            // balance; its entries only keep each removal to one decrement.
+            accounts.reserved = self.reserved(own);
+            return accounts;
+        }
         let mut active = 0_i64;
         for member in &self.members {
             let standing = self.standing(member);
@@ -233,17 +241,23 @@ impl Read {
         }
         accounts.owed += self.gone_claims().len() as i64;
         accounts.surplus = active - i64::from(self.group.replicas);
-        // Every removal recorded and not settled that is not the caller's: each may yet lower
-        // replicas by one (marks are interchangeable, so any may take the caller's decrement).
-        accounts.reserved = self
-            .group
+        accounts.reserved = self.reserved(own);
+        accounts
+    }
+
+    /// Every removal recorded and not settled that is not one of `own`'s: each may yet lower
+    /// replicas by one (marks are interchangeable, so any may take the caller's decrement).
+    fn reserved(&self, own: &BTreeSet<String>) -> i64 {
+        self.group
             .claims
             .iter()
             .chain(self.group.taking_back.iter())
             .filter(|e| {
-                Entry::parse(e)
-                    .and_then(|e| e.machine())
-                    .is_none_or(|m| !own.contains(m))
+                // A pool node without a Machine is its own entry (its member's name).
+                !own.contains(*e)
+                    && Entry::parse(e)
+                        .and_then(|e| e.machine())
+                        .is_none_or(|m| !own.contains(m))
             })
             .filter(|e| {
                 // Taken-back entries only while Cluster API may still take their Machine.
@@ -257,8 +271,7 @@ impl Read {
                 .members
                 .iter()
                 .filter(|m| m.deleting && matches!(self.standing(m), Standing::Unrecorded(_)))
-                .count() as i64;
-        accounts
+                .count() as i64
     }
 }
 

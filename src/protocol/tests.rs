@@ -223,6 +223,32 @@ fn a_removal_claims_then_marks_then_settles_with_one_decrement() {
 }
 
 #[test]
+fn a_pool_node_without_a_machine_is_claimed_then_settled_with_one_decrement() {
+    let node = pool_node_entry("test:///pool-1");
+    let mut op = Removal::new(
+        "pool",
+        Purpose::DeleteNodes,
+        [node.clone()],
+        Vec::<String>::new(),
+        100,
+    );
+    let pool_member = Member {
+        machineless: true,
+        ..member(&node, None)
+    };
+    let start = read(group(1, "", "", ""), vec![pool_member.clone()]);
+    let claim = group_write(op.read(&start));
+    assert_eq!(claim.claims, Some(Ledger::parse(Some(&node))));
+    assert_eq!(op.wrote(Outcome::Landed), Next::Read);
+    // Its own claim is not someone else's reserved decrement: lowering to min 0 is in bounds.
+    let claimed = read(group(1, "", &node, ""), vec![pool_member]);
+    let settle = group_write(op.read(&claimed));
+    assert_eq!(settle.replicas, Some(0));
+    assert_eq!(settle.ledger, Some(Ledger::parse(Some(&node))));
+    assert_eq!(settle.claims, Some(Ledger::default()));
+}
+
+#[test]
 fn a_removal_waits_while_another_mark_is_uncovered_and_writes_nothing() {
     let mut op = remove(&["m1"]);
     let r = read(

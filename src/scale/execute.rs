@@ -73,6 +73,13 @@ impl Actuator {
                         last = Some(read);
                         next
                     }
+                    // A read changes nothing: the API out of reach is read again while there is
+                    // time (the client opens a new connection), as a wait would.
+                    Err(e) if e.is_unreachable() && Instant::now() + POLL <= wait_until => {
+                        tracing::debug!(group = %id, "reading again: {e}");
+                        tokio::time::sleep(POLL).await;
+                        Next::Read
+                    }
                     Err(e) => op.read_failed(&e.to_string()),
                 },
                 Next::Write(write) => {

@@ -1131,6 +1131,57 @@ async fn finding_6_decrease_target_size_pins_a_pending_machine_pool_machine() {
     );
 }
 
+/// A MachinePool whose infrastructure makes no Machines: nothing can be pinned, the infrastructure
+/// picks which instance a decrement removes. Capacity never listed is cancelled; a removal is one
+/// decrement; once the infrastructure removed another instance instead, CA's retry of the node is
+/// answered OK and writes nothing (its removal was paid).
+#[tokio::test]
+async fn a_machine_pool_without_machines_cancels_removes_and_answers_a_retry_without_a_write() {
+    let fixture = Fixture::new(&[machine_pool(3, &["a", "b"])]);
+    const POOL: &str = "MachinePool/ns/mp";
+    const PATH: &str = "machinepools/mp";
+    let replicas = || fixture.object(PATH)["spec"]["replicas"].clone();
+
+    within(fixture.actuator.decrease_target_size(POOL, -1))
+        .await
+        .unwrap();
+    assert_eq!(
+        replicas(),
+        json!(2),
+        "the instance never listed is cancelled"
+    );
+
+    within(fixture.actuator.delete_nodes(POOL, &[node("a")]))
+        .await
+        .unwrap();
+    assert_eq!(replicas(), json!(1));
+    // The infrastructure removes b, not a.
+    fixture.meanwhile(PATH, |pool| {
+        pool["spec"]["providerIDList"] = json!(["e2e:///ns/a"]);
+    });
+    let writes = fixture.patches(PATH).len();
+    within(fixture.actuator.delete_nodes(POOL, &[node("a")]))
+        .await
+        .unwrap();
+    assert_eq!(replicas(), json!(1), "the retry does not lower again");
+    assert_eq!(fixture.patches(PATH).len(), writes, "nor writes anything");
+}
+
+/// A read the API does not answer changes nothing: it is read again (on a new connection) while
+/// the operation has time, and the operation completes.
+#[tokio::test]
+async fn a_read_lost_on_the_way_is_read_again_and_the_operation_completes() {
+    let fixture = Fixture::new(&three_running(2, &[]));
+    fixture.fault(Method::GET, MD, Fault::LoseRequest);
+
+    within(fixture.actuator.increase_size(GROUP, 1))
+        .await
+        .unwrap();
+
+    assert_eq!(fixture.replicas(), 3);
+    assert_eq!(fixture.landed(MD), 1, "written once");
+}
+
 // ===== the repair =====
 
 /// A crashed removal: claimed and marked, never settled. A fresh repair leaves it alone (it may be

@@ -87,7 +87,7 @@ impl Actuator {
     }
 
     /// How long an operation may wait for Cluster API or another writer (3 s unless set; the
-    /// server gives it three quarters of `--request-timeout`).
+    /// server gives it half of `--request-timeout`, leaving the rest for taking back what it wrote).
     pub fn with_wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
         self

@@ -102,7 +102,10 @@ impl Actuator {
             })
             .unwrap_or_default();
         let mut group_read = group_read(keys, &resource, &sets, hold);
-        group_read.held = served.is_some_and(|g| g.preflight.is_some());
+        // A MachinePool whose infrastructure makes no Machines: its instances only appear in
+        // providerIDList, so nothing could be pinned; the infrastructure picks (as upstream).
+        let machineless_pool = resource.kind == ScalableKind::MachinePool && machines.is_empty();
+        group_read.held = served.is_some_and(|g| g.preflight.is_some()) || machineless_pool;
         Ok(Read {
             group: group_read,
             members: members(keys, &machines, &pool_instances),

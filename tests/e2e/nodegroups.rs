@@ -402,11 +402,17 @@ async fn standalone_machine_set_group_scales() {
         Code::FailedPrecondition,
     );
     assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 3);
+    // Cluster API takes in the raise and creates the third Machine; it gets no Node.
+    capi.observe(Kind::MachineSet, "ms").await;
+    capi.create_machine(&capi.pending("ms-2", owner.clone()))
+        .await;
 
     rpc.decrease(&id, -1)
         .await
         .expect("DecreaseTargetSize -1 (one not registered)");
     assert_eq!(rpc.target(&id).await.unwrap(), 2);
+    assert_eq!(capi.marked_machines().await, ids(&["ms-2"]), "pinned");
+    capi.observe(Kind::MachineSet, "ms").await;
     expect_code(
         "DecreaseTargetSize below the registered nodes",
         rpc.decrease(&id, -1).await,
@@ -417,7 +423,7 @@ async fn standalone_machine_set_group_scales() {
     rpc.delete_nodes(&id, vec![capi.grpc_node("ms-0")])
         .await
         .expect("DeleteNodes ms-0");
-    assert_eq!(capi.marked_machines().await, ids(&["ms-0"]));
+    assert_eq!(capi.marked_machines().await, ids(&["ms-0", "ms-2"]));
     assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 1);
     assert_eq!(rpc.target(&id).await.unwrap(), 1);
     rpc.delete_nodes(&id, vec![capi.grpc_node("ms-0")])
@@ -433,7 +439,7 @@ async fn standalone_machine_set_group_scales() {
         rpc.delete_nodes(&id, vec![capi.grpc_node("ms-1")]).await,
         Code::FailedPrecondition,
     );
-    assert_eq!(capi.marked_machines().await, ids(&["ms-0"]));
+    assert_eq!(capi.marked_machines().await, ids(&["ms-0", "ms-2"]));
     assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 1);
 }
 
@@ -490,6 +496,14 @@ async fn machine_pool_group_maps_provider_id_list_entries() {
     assert_eq!(rpc.target(&id).await.unwrap(), 4);
     assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 4);
     assert!(replicas_written_by_provider(capi, Kind::MachinePool, "mp").await);
+    // The infrastructure provider lists the instance it made for the raise.
+    let d = capi.provider_id("mp-d");
+    capi.patch(
+        Kind::MachinePool,
+        "mp",
+        serde_json::json!({"spec": {"providerIDList": [&a, &b, &c, &d]}}),
+    )
+    .await;
 
     // A providerIDList entry without a Machine: replicas only.
     rpc.delete_nodes(&id, vec![grpc_node(&b, "mp-b")])
@@ -614,6 +628,8 @@ async fn watches_and_writes_share_one_connection_to_the_api_server() {
     );
 }
 
+/// DecreaseTargetSize lowers replicas only by Machines without a Node, each pinned by our mark so
+/// that Cluster API removes that one (its order takes marked Machines first), never a running node.
 #[tokio::test]
 async fn decrease_target_size_cancels_only_unregistered_capacity() {
     let _shared = API_QUIET.read().await;
@@ -624,11 +640,17 @@ async fn decrease_target_size_cancels_only_unregistered_capacity() {
         .await;
     capi.create_machine(&capi.running("r0", md.clone())).await;
     capi.create_machine(&capi.running("r1", md.clone())).await;
-    capi.create_machine(&capi.pending("p0", md.clone())).await;
+    for p in ["p0", "p1", "p2"] {
+        capi.create_machine(&capi.pending(p, md.clone())).await;
+    }
     let floor = Owner::Deployment("floor".into());
     capi.create_deployment(&Scalable::md("floor").bounds(3, 10).replicas(5), false)
         .await;
-    capi.create_machine(&capi.running("f0", floor)).await;
+    capi.create_machine(&capi.running("f0", floor.clone()))
+        .await;
+    for p in ["f1", "f2", "f3", "f4"] {
+        capi.create_machine(&capi.pending(p, floor.clone())).await;
+    }
     let (_provider, mut rpc) = provider_for(&env).await;
     let id = capi.id(Kind::MachineDeployment, "md");
     let floor_id = capi.id(Kind::MachineDeployment, "floor");
@@ -646,11 +668,16 @@ async fn decrease_target_size_cancels_only_unregistered_capacity() {
         Code::FailedPrecondition,
     );
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 5);
+    assert!(
+        capi.marked_machines().await.is_empty(),
+        "a refusal marks nothing"
+    );
     rpc.decrease(&id, -3)
         .await
         .expect("DecreaseTargetSize -3 (down to the 2 running)");
     assert_eq!(rpc.target(&id).await.unwrap(), 2);
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
+    capi.observe(Kind::MachineDeployment, "md").await;
     expect_code(
         "DecreaseTargetSize below the running instances",
         rpc.decrease(&id, -1).await,
@@ -676,15 +703,15 @@ async fn decrease_target_size_cancels_only_unregistered_capacity() {
     );
     assert_eq!(
         capi.marked_machines().await,
-        ids(&["p0"]),
-        "the pending Machine cancelled is pinned by our mark; capacity never created needs none"
+        ids(&["p0", "p1", "p2", "f1", "f2"]),
+        "each pending Machine cancelled is pinned by our mark, the first by name as Cluster API ranks them"
     );
     assert_eq!(
         ledger_names(capi, "md").await,
-        ids(&["p0"]),
-        "its mark is paid in the ledger"
+        ids(&["p0", "p1", "p2"]),
+        "their marks are paid in the ledger"
     );
-    assert!(ledger_names(capi, "floor").await.is_empty());
+    assert_eq!(ledger_names(capi, "floor").await, ids(&["f1", "f2"]));
 }
 
 /// The Machine names of MachineDeployment `name`'s ledger entries.
@@ -697,16 +724,16 @@ async fn ledger_names(capi: &Capi, name: &str) -> BTreeSet<String> {
 }
 
 /// DecreaseTargetSize marks (and pays in the ledger, in the decrement's write) exactly the pending
-/// Machines Cluster API removes first for the count written, after cancelling capacity no Machine
-/// exists for: Cluster API's order takes marked Machines first, so one that gets its Node before
-/// the MachineSet controller acts is still the one removed, never a registered node.
+/// Machines Cluster API removes first for the count written: Cluster API's order takes marked
+/// Machines first, so one that gets its Node before the MachineSet controller acts is still the one
+/// removed, never a registered node. Each decrease waits for Cluster API to have observed the last.
 #[tokio::test]
 async fn decrease_target_size_pins_the_pending_machines_it_cancels() {
     let _shared = API_QUIET.read().await;
     let env = env().await;
     let capi = &env.capi;
     let md = Owner::Deployment("md".into());
-    capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(5), false)
+    capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(4), false)
         .await;
     capi.create_machine(&capi.running("r0", md.clone())).await;
     for p in ["p2", "p0", "p1"] {
@@ -716,10 +743,11 @@ async fn decrease_target_size_pins_the_pending_machines_it_cancels() {
     let id = capi.id(Kind::MachineDeployment, "md");
     let replicas = || capi.replicas(Kind::MachineDeployment, "md");
 
-    rpc.decrease(&id, -2)
+    rpc.decrease(&id, -1)
         .await
-        .expect("DecreaseTargetSize -2: one never created, one pending");
+        .expect("DecreaseTargetSize -1: one pending");
     assert_eq!(replicas().await, 3);
+    capi.observe(Kind::MachineDeployment, "md").await;
     assert_eq!(
         capi.marked_machines().await,
         ids(&["p0"]),
@@ -748,6 +776,7 @@ async fn decrease_target_size_pins_the_pending_machines_it_cancels() {
     assert_eq!(replicas().await, 2);
     assert_eq!(capi.marked_machines().await, ids(&["p0", "p1"]));
     assert_eq!(ledger_names(capi, "md").await, ids(&["p0", "p1"]));
+    capi.observe(Kind::MachineDeployment, "md").await;
 
     expect_code(
         "DecreaseTargetSize reaching the registered node",
@@ -990,7 +1019,7 @@ async fn delete_nodes_retry_after_an_increase_is_refused_and_pays_nothing_twice(
     rpc.increase(&id, 1).await.expect("IncreaseSize +1");
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
     assert!(
-        group_annotation(capi, "md", RAISED).await.is_some(),
+        group_annotation(capi, "md", RESIZES).await.is_some(),
         "the raise is recorded on the object"
     );
     for attempt in ["retried", "retried again"] {
@@ -1117,40 +1146,43 @@ async fn orphan_marks_are_taken_back_after_the_grace_period() {
 
 /// A scale-up that absorbs a paid mark's decrement makes the mark unpaid at once, however old it is;
 /// Cluster API's controllers may still act on the lower count they cached and delete marked Machines
-/// first. So the repair leaves the group alone for the grace period after the raise, and only then
-/// takes the mark back.
+/// first. So the repair leaves the group alone until Cluster API has observed the raise (the
+/// group's observedGeneration and its MachineSet's replicas), however long that takes, and only
+/// then takes the mark back. No clock decides it.
 #[tokio::test]
-async fn a_mark_a_scale_up_absorbed_is_left_for_the_grace_period_after_the_raise() {
-    const GRACE: Duration = Duration::from_secs(3);
+async fn a_mark_a_scale_up_absorbed_is_left_until_cluster_api_observed_the_raise() {
     let _shared = API_QUIET.read().await;
     let env = env().await;
     let capi = &env.capi;
     let md = Owner::Deployment("md".into());
-    // 3 Machines, replicas 2: the old mark is paid.
-    capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(2), false)
+    capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(3), false)
         .await;
-    machine_marked_by_us(capi, "absorbed", md.clone(), 600).await;
-    for name in ["a", "b"] {
+    for name in ["absorbed", "a", "b"] {
         capi.create_machine(&capi.running(name, md.clone())).await;
     }
     let (provider, mut rpc) = provider_for_args(
         &env,
-        &["--repair-interval", "100ms", "--mark-grace-period", "3s"],
+        &["--repair-interval", "100ms", "--mark-grace-period", "0s"],
     )
     .await;
     let id = capi.id(Kind::MachineDeployment, "md");
 
-    let raised = Instant::now();
+    rpc.delete_nodes(&id, vec![capi.grpc_node("absorbed")])
+        .await
+        .expect("DeleteNodes absorbed");
     rpc.increase(&id, 1).await.expect("IncreaseSize +1");
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
-    let taken_back = poll_until(
-        "the absorbed mark is taken back",
+    stays_marked(capi, "absorbed", Duration::from_millis(1500)).await;
+
+    capi.observe(Kind::MachineDeployment, "md").await;
+    poll_until(
+        "the absorbed mark is taken back once Cluster API observed the raise",
         Duration::from_secs(20),
         Duration::from_millis(50),
         || async {
             let marked = capi.marked_machines().await;
             if marked.is_empty() {
-                Check::Done(raised.elapsed())
+                Check::Done(())
             } else {
                 Check::Wait(format!("marked {marked:?}"))
             }
@@ -1158,23 +1190,31 @@ async fn a_mark_a_scale_up_absorbed_is_left_for_the_grace_period_after_the_raise
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
-    assert!(
-        taken_back >= GRACE,
-        "taken back {:.2}s after the raise, within the grace period",
-        taken_back.as_secs_f64()
-    );
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
     wait_event(capi, "absorbed", "DeleteMarkRepaired").await;
 }
 
+/// Checks, every 100 ms for `window`, that `machine` keeps its delete mark (the repair runs every
+/// 100 ms in these tests).
+async fn stays_marked(capi: &Capi, machine: &str, window: Duration) {
+    let until = Instant::now() + window;
+    while Instant::now() < until {
+        let marked = capi.marked_machines().await;
+        assert!(
+            marked.contains(machine),
+            "{machine} lost its mark before Cluster API observed the change: marked {marked:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Two providers on one management cluster (CA replicas each with a sidecar, a rolling update): a
-/// raise made through provider A protects the mark it absorbed from provider B's repair for the
-/// grace period after the raise, because the raise is recorded on the object, not in A's memory.
-/// Meanwhile B refuses a DeleteNodes of the node; after the grace period B takes the mark back (an
-/// Event on the Machine) and the node is a fresh removal again.
+/// raise made through provider A protects the mark it absorbed from provider B's repair until
+/// Cluster API has observed the raise, because both read that from the objects, not from A's memory
+/// or either clock. Meanwhile B refuses a DeleteNodes of the node; once observed, B takes the mark
+/// back (an Event on the Machine) and the node is a fresh removal again.
 #[tokio::test]
 async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_providers_repair() {
-    const GRACE: Duration = Duration::from_secs(3);
     let _shared = API_QUIET.read().await;
     let env = env().await;
     let capi = &env.capi;
@@ -1184,7 +1224,7 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
     for name in ["m0", "m1", "m2"] {
         capi.create_machine(&capi.running(name, md.clone())).await;
     }
-    // A never repairs within the test; B repairs every 100 ms with a 3 s grace period.
+    // A never repairs within the test; B repairs every 100 ms.
     let (provider_a, mut a) = provider_for_args(
         &env,
         &["--repair-interval", "1h", "--mark-grace-period", "1h"],
@@ -1192,7 +1232,7 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
     .await;
     let (provider_b, mut b) = provider_for_args(
         &env,
-        &["--repair-interval", "100ms", "--mark-grace-period", "3s"],
+        &["--repair-interval", "100ms", "--mark-grace-period", "0s"],
     )
     .await;
     let id = capi.id(Kind::MachineDeployment, "md");
@@ -1213,7 +1253,6 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
         paid,
         "A's decrement recorded the mark"
     );
-    let raised = Instant::now();
     a.increase(&id, 1).await.expect("IncreaseSize +1 through A");
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
 
@@ -1229,14 +1268,17 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
     );
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
 
-    let taken_back = poll_until(
-        "B takes the absorbed mark back",
+    stays_marked(capi, "m0", Duration::from_millis(1500)).await;
+
+    capi.observe(Kind::MachineDeployment, "md").await;
+    poll_until(
+        "B takes the absorbed mark back once Cluster API observed the raise",
         Duration::from_secs(20),
         Duration::from_millis(50),
         || async {
             let marked = capi.marked_machines().await;
             if marked.is_empty() {
-                Check::Done(raised.elapsed())
+                Check::Done(())
             } else {
                 Check::Wait(format!("marked {marked:?}"))
             }
@@ -1244,11 +1286,6 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", logs()));
-    assert!(
-        taken_back >= GRACE,
-        "taken back {:.2}s after A's raise, within the grace period",
-        taken_back.as_secs_f64()
-    );
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
     wait_event(capi, "m0", "DeleteMarkRepaired").await;
 
@@ -1489,7 +1526,7 @@ async fn machine_marked_by_us(capi: &Capi, name: &str, owner: Owner, age_secs: u
 }
 
 const LEDGER: &str = "capi-autoscaler-provider/removed";
-const RAISED: &str = "capi-autoscaler-provider/raised";
+const RESIZES: &str = "capi-autoscaler-provider/resizes";
 
 /// An annotation of MachineDeployment `name`.
 async fn group_annotation(capi: &Capi, name: &str, key: &str) -> Option<String> {
@@ -1876,6 +1913,9 @@ async fn every_rpc_works_with_exactly_the_shipped_cluster_role() {
         .await
         .expect("IncreaseSize under the shipped role");
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 5);
+    // Cluster API takes in the raise and creates its Machine; DecreaseTargetSize pins it.
+    capi.observe(Kind::MachineDeployment, "md").await;
+    capi.create_machine(&capi.pending("p1", md.clone())).await;
     rpc.decrease(&md_id, -1)
         .await
         .expect("DecreaseTargetSize under the shipped role");
@@ -1892,7 +1932,10 @@ async fn every_rpc_works_with_exactly_the_shipped_cluster_role() {
     rpc.delete_nodes(&mp_id, vec![capi.grpc_node("mp-a")])
         .await
         .expect("DeleteNodes (MachinePool Machine)");
-    assert_eq!(capi.marked_machines().await, ids(&["mp-a", "r0", "s0"]));
+    assert_eq!(
+        capi.marked_machines().await,
+        ids(&["mp-a", "p1", "r0", "s0"])
+    );
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
     assert_eq!(capi.replicas(Kind::MachineSet, "ms").await, 0);
     assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 0);

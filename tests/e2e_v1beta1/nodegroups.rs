@@ -203,8 +203,6 @@ async fn v1beta1_increase_size_and_delete_nodes() {
             .provider_ids(std::slice::from_ref(&pb)),
     )
     .await;
-    // No grace period after a raise: this test cancels capacity without a Machine right after
-    // raising it (no Cluster API controller here creates Machines for the raise).
     let discovery = format!("clusterapi:namespace={}", capi.ns);
     let provider = support::start_provider(
         &[
@@ -234,15 +232,21 @@ async fn v1beta1_increase_size_and_delete_nodes() {
         Code::InvalidArgument,
     );
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 5);
+    // Cluster API takes in the raise and creates two Machines that get no Node.
+    capi.observe(Kind::MachineDeployment, "md").await;
+    for p in ["p0", "p1"] {
+        capi.create_machine(&capi.pending(p, md.clone())).await;
+    }
     rpc.decrease(&id, -2)
         .await
         .expect("DecreaseTargetSize -2 (never registered)");
+    assert_eq!(capi.marked_machines().await, ids(&["p0", "p1"]), "pinned");
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
 
     rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
         .await
         .expect("DeleteNodes m0");
-    assert_eq!(capi.marked_machines().await, ids(&["m0"]));
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "p0", "p1"]));
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
     rpc.delete_nodes(&id, vec![capi.grpc_node("m0")])
         .await
@@ -263,14 +267,14 @@ async fn v1beta1_increase_size_and_delete_nodes() {
         rpc.delete_nodes(&id, vec![grpc_node(&pb, "mp-b")]).await,
         Code::InvalidArgument,
     );
-    assert_eq!(capi.marked_machines().await, ids(&["m0"]));
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "p0", "p1"]));
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 2);
 
     rpc.delete_nodes(&mp_id, vec![grpc_node(&pb, "mp-b")])
         .await
         .expect("DeleteNodes MachinePool entry");
     assert_eq!(capi.replicas(Kind::MachinePool, "mp").await, 0);
-    assert_eq!(capi.marked_machines().await, ids(&["m0"]));
+    assert_eq!(capi.marked_machines().await, ids(&["m0", "p0", "p1"]));
 }
 
 /// `CAPI_VERSION` picks the version instead of discovery: v1beta1 is served here; v1beta2 is not, and

@@ -212,6 +212,15 @@ impl MachineSpec {
     }
 }
 
+/// Stops [`Capi::keep_observing`] when dropped.
+pub struct Observing(tokio::task::JoinHandle<()>);
+
+impl Drop for Observing {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Cluster API objects of one API group and version in one namespace, through one client.
 #[derive(Clone)]
 pub struct Capi {
@@ -401,7 +410,73 @@ impl Capi {
         self.api(s.kind)
             .create(&PostParams::default(), &object)
             .await
-            .unwrap_or_else(|e| panic!("create {} {}/{}: {e}", s.kind.as_str(), self.ns, s.name))
+            .unwrap_or_else(|e| panic!("create {} {}/{}: {e}", s.kind.as_str(), self.ns, s.name));
+        // Created as Cluster API would have it once its controllers saw it.
+        self.mark_observed(s.kind, &s.name).await
+    }
+
+    /// Stands in for Cluster API's controllers taking in `name`'s spec (none run in these tests):
+    /// a MachineDeployment's replicas go to its MachineSet, then each object's
+    /// `status.observedGeneration` reaches its generation. No Machine is created or deleted.
+    pub async fn observe(&self, kind: Kind, name: &str) {
+        if kind == Kind::MachineDeployment {
+            let replicas = self.replicas(kind, name).await;
+            let set = Self::set_of(name);
+            let exists = self
+                .api(Kind::MachineSet)
+                .get_opt(&set)
+                .await
+                .unwrap_or_else(|e| panic!("get MachineSet {}/{set}: {e}", self.ns))
+                .is_some();
+            if exists {
+                self.patch(
+                    Kind::MachineSet,
+                    &set,
+                    json!({"spec": {"replicas": replicas}}),
+                )
+                .await;
+                self.mark_observed(Kind::MachineSet, &set).await;
+            }
+        }
+        self.mark_observed(kind, name).await;
+    }
+
+    /// Observes every group of the namespace ([`observe`](Self::observe)) every 50 ms until the
+    /// returned guard is dropped: Cluster API keeping up, for tests of many operations at once.
+    pub fn keep_observing(&self) -> Observing {
+        let capi = self.clone();
+        Observing(tokio::spawn(async move {
+            loop {
+                for kind in [Kind::MachineDeployment, Kind::MachinePool] {
+                    let Ok(list) = capi.api(kind).list(&Default::default()).await else {
+                        continue;
+                    };
+                    for object in list.items {
+                        if let Some(name) = object.metadata.name.as_deref() {
+                            capi.observe(kind, name).await;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }))
+    }
+
+    async fn mark_observed(&self, kind: Kind, name: &str) -> DynamicObject {
+        let api = self.api(kind);
+        let what = || format!("{} {}/{name}", kind.as_str(), self.ns);
+        let object = api
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("get {}: {e}", what()));
+        let generation = object.metadata.generation.unwrap_or(1);
+        api.patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"observedGeneration": generation}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("observe {}: {e}", what()))
     }
 
     /// A MachineDeployment and the MachineSet it owns ([`set_of`](Self::set_of)) with the same
