@@ -563,10 +563,10 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         }
     };
 
-    // DeleteNodes: its first read answered (the group, its MachineSets, its Cluster, its
-    // Machines); the claim it writes next is held.
+    // DeleteNodes: its first read answered (the group, its MachineSets and its Cluster together,
+    // then its Machines: two rounds); the claim it writes next is held.
     wait_quiet(&s).await;
-    proxy.hold_after_answers(4);
+    proxy.hold_after_answers(2);
     let removal = delete_nodes(&rpc, &id, vec![victim_node], Duration::from_secs(10)).await;
     s.check(
         code_of(&removal) == Code::Ok,
@@ -606,7 +606,7 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
 
     // IncreaseSize: its read answered as above, its write is held.
     wait_quiet(&s).await;
-    proxy.hold_after_answers(4);
+    proxy.hold_after_answers(2);
     let increase = increase_size(&rpc, &id, 1, Duration::from_secs(10)).await;
     s.check(
         code_of(&increase) == Code::Ok,
@@ -813,10 +813,11 @@ async fn kill_between_mark_and_decrement(
     let capi = &s.capi;
     let node = node_of(s, machine).await;
     let (proxy, provider, rpc) = proxied_provider(s, &[]).await;
-    // Before its mark the provider reads (the group, its MachineSets, its Cluster, its Machines),
-    // claims the removal on the group and reads again: those nine answers pass.
+    // Before its mark the provider reads (the group, its MachineSets and its Cluster together,
+    // then its Machines: two rounds), claims the removal on the group and reads again: those five
+    // rounds of answers pass.
     wait_quiet(s).await;
-    proxy.hold_answers_after(9);
+    proxy.hold_answers_after(5);
     let call = {
         let rpc = rpc.clone();
         let id = id.to_string();
@@ -1490,8 +1491,9 @@ async fn bounds_lowered_during_increase_size_are_those_of_the_version_written_ov
         &series("increase-size", "conflict"),
     )
     .await;
-    // Its read answered (the group, its MachineSets, its Cluster, its Machines), its write held.
-    proxy.hold_after_answers(4);
+    // Its read answered (the group, its MachineSets and its Cluster together, then its
+    // Machines: two rounds), its write held.
+    proxy.hold_after_answers(2);
     let call = {
         let rpc = rpc.clone();
         let id = id.clone();

@@ -269,10 +269,14 @@ fn final_violation(w: &World) -> Option<String> {
             _ => Vec::new(),
         })
         .collect();
+    // A node answered OK by more than one call (CA's retry) counts once.
+    let mut still_there: Vec<&String> = answered_ok.iter().copied().filter(|n| !gone(n)).collect();
+    still_there.sort();
+    still_there.dedup();
+    not_gone += still_there.len() as u32;
     for (call, answer) in &w.calls {
         let Call::Delete(names) = call else { continue };
         match answer {
-            Some(Answer::Ok) => not_gone += names.iter().filter(|n| !gone(n)).count() as u32,
             Some(Answer::Refused) => {
                 // Gone for another call answered OK for it (CA's retry of a removed node), or
                 // for a decrement by the user, is not this refusal's doing.
@@ -541,6 +545,25 @@ fn scenarios() -> Vec<Scenario> {
                 vec![
                     (0, delete(&["m1"])),
                     (1, Call::Increase(1)),
+                    (0, delete(&["m2"])),
+                ],
+                budget(0, 0, 0),
+                vec![],
+            ),
+        },
+        Scenario {
+            // A mark taken back by the repair, its Machine removed again as a fresh removal and
+            // taken: the old record is owed nothing when the next removal comes.
+            name: "a removal absorbed and taken back, the same node removed again, then another",
+            world: World::new(
+                3,
+                0,
+                4,
+                1,
+                vec![
+                    (0, delete(&["m1"])),
+                    (0, Call::Increase(1)),
+                    (0, delete(&["m1"])),
                     (0, delete(&["m2"])),
                 ],
                 budget(0, 0, 0),

@@ -136,6 +136,14 @@ impl<'a> Entry<'a> {
         })
     }
 
+    /// The stamp of the removal (`None` for a pool node).
+    pub fn stamp(&self) -> Option<u64> {
+        match self {
+            Entry::Ours { stamp, .. } | Entry::Foreign { stamp, .. } => Some(*stamp),
+            Entry::PoolNode(_) => None,
+        }
+    }
+
     /// The Machine an entry names (`None` for a pool node).
     pub fn machine(&self) -> Option<&'a str> {
         match self {

@@ -151,12 +151,31 @@ impl Read {
             .chain(self.group.taking_back.iter())
             .filter(|e| match Entry::parse(e) {
                 Some(Entry::PoolNode(_)) => !self.members.iter().any(|m| m.name == *e),
-                Some(entry) => entry
-                    .machine()
-                    .is_some_and(|machine| self.member(machine).is_none()),
+                Some(entry) => {
+                    entry
+                        .machine()
+                        .is_some_and(|machine| self.member(machine).is_none())
+                        && !self.superseded(&entry)
+                }
                 None => false,
             })
             .collect()
+    }
+
+    /// Whether a later removal of the same Machine is recorded: its mark replaced this entry's,
+    /// so this entry's mark was gone before its Machine went (a mark taken back, then the Machine
+    /// removed again as a fresh removal), and nothing is owed for it.
+    pub fn superseded(&self, entry: &Entry) -> bool {
+        let (Some(machine), Some(stamp)) = (entry.machine(), entry.stamp()) else {
+            return false;
+        };
+        let g = &self.group;
+        g.ledger
+            .iter()
+            .chain(g.claims.iter())
+            .chain(g.taking_back.iter())
+            .filter_map(|e| Entry::parse(e))
+            .any(|e| e.machine() == Some(machine) && e.stamp().is_some_and(|s| s > stamp))
     }
 
     /// Claimed entries whose Machine is there, not being deleted, and carries no mark this entry

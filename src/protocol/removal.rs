@@ -270,7 +270,11 @@ impl Removal {
                     .claims
                     .iter()
                     .chain(g.taking_back.iter())
-                    .find(|e| Entry::parse(e).is_some_and(|e| e.machine() == Some(name.as_str())))
+                    .find(|e| {
+                        Entry::parse(e).is_some_and(|e| {
+                            e.machine() == Some(name.as_str()) && !read.superseded(&e)
+                        })
+                    })
                     .map(str::to_string);
                 match recorded {
                     Some(e) => {

@@ -257,13 +257,17 @@ impl Repair {
         if !leftover.is_empty() {
             return self.unmark_next(read, leftover);
         }
-        // 5. Records nothing needs: taken-back entries whose Machine is there without that mark
-        //    (once ripe: a mark of that removal could otherwise still be on its way), settled
-        //    entries whose Machine is gone or carries another mark.
+        // 5. Records nothing needs: taken-back entries a later removal of their Machine replaced,
+        //    taken-back entries whose Machine is there without that mark (once ripe: a mark of
+        //    that removal could otherwise still be on its way), settled entries whose Machine is
+        //    gone or carries another mark.
         let taking_back: super::Ledger = g
             .taking_back
             .iter()
             .filter(|e| {
+                if Entry::parse(e).is_some_and(|entry| read.superseded(&entry)) {
+                    return false;
+                }
                 let unmarked = Entry::parse(e)
                     .and_then(|entry| entry.machine().map(|m| (entry, m)))
                     .and_then(|(entry, m)| read.member(m).map(|member| (entry, member)))

@@ -248,6 +248,41 @@ fn a_pool_node_without_a_machine_is_claimed_then_settled_with_one_decrement() {
     assert_eq!(settle.claims, Some(Ledger::default()));
 }
 
+/// A mark taken back, then the same Machine removed again as a fresh removal (a later stamp) and
+/// deleted by Cluster API: the old taking-back entry is owed nothing; it neither weighs on the
+/// next removal nor is settled, and the repair drops it.
+#[test]
+fn a_taken_back_entry_a_later_removal_replaced_is_owed_nothing_and_dropped() {
+    let members = vec![member("m0", None), member("m1", None), member("m2", None)];
+    // m3 was taken back (stamp 100), removed again (stamp 200, settled) and deleted.
+    let after = read(group(3, "", "", "m3@100"), members.clone());
+    let mut op = remove(&["m1"]);
+    let claim = group_write(op.read(&read(
+        GroupRead {
+            ledger: Ledger::parse(Some("m3@200")),
+            ..after.group.clone()
+        },
+        members,
+    )));
+    assert_eq!(
+        claim.claims,
+        Some(Ledger::parse(Some("m1@100"))),
+        "the next removal proceeds: nothing is owed for m3@100"
+    );
+    let superseded = read(
+        GroupRead {
+            ledger: Ledger::parse(Some("m3@200")),
+            ..after.group
+        },
+        after.members,
+    );
+    assert!(superseded.gone_claims().is_empty());
+    let mut repair = Repair::new(Ripe::All);
+    let cleaned = group_write(repair.read(&superseded));
+    assert_eq!(cleaned.replicas, None, "nothing settled for it");
+    assert_eq!(cleaned.taking_back, Some(Ledger::default()));
+}
+
 #[test]
 fn a_removal_waits_while_another_mark_is_uncovered_and_writes_nothing() {
     let mut op = remove(&["m1"]);

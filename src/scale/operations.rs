@@ -88,6 +88,9 @@ impl Actuator {
     ) -> Result<(), ActuatorError> {
         let me = Arc::clone(self);
         let id = id.to_string();
+        // The time to wait counts from the call's arrival: one queued behind others on the lock
+        // has spent it there, so a busy group's queue drains instead of each waiting in turn.
+        let wait_until = Instant::now() + me.wait;
         spawned(async move {
             let snapshot = me.store.snapshot();
             let group = snapshot
@@ -96,7 +99,6 @@ impl Actuator {
                 .ok_or_else(|| ActuatorError::GroupNotFound { id: id.clone() })?;
             let lock = me.group_lock(&snapshot, &id);
             let _guard = lock.lock().await;
-            let wait_until = Instant::now() + me.wait;
             let mut result = Ok(());
             for mut op in ops {
                 result = me.execute(&id, &group, caller, &mut op, wait_until).await;

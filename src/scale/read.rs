@@ -19,33 +19,46 @@ use crate::snapshot::{NodeGroup, NotServed, Snapshot};
 
 impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
-    /// that read serves it). The group object is read first and its Machines listed last: a
-    /// Machine created or deleted between the two only makes the members newer than the group,
-    /// which every rule allows for.
+    /// that read serves it). The group object, its MachineSets and its Cluster are read together,
+    /// its Machines listed after them: a Machine created or deleted between the two only makes the
+    /// members newer than the group, which every rule allows for.
     pub(super) async fn read(&self, id: &str, group: &NodeGroup) -> Result<Read, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
-        let object = self
-            .get(
-                self.group_api(kind, &key.namespace)?,
-                &key.name,
-                kind.as_str(),
-            )
-            .await?;
-        self.store.record(Some(kind), object);
-        if kind == ScalableKind::MachineDeployment {
-            let sets = self
-                .list(self.set_api(&key.namespace)?, "MachineSets", &key.namespace)
-                .await?;
-            for set in sets.items {
-                self.store.record(Some(ScalableKind::MachineSet), set);
-            }
+        let group_api = self.group_api(kind, &key.namespace)?;
+        let set_api = match kind {
+            ScalableKind::MachineDeployment => Some(self.set_api(&key.namespace)?),
+            _ => None,
+        };
+        let cluster_api = self
+            .cluster_api(&key.namespace)
+            .filter(|_| !group.resource.cluster_name.is_empty());
+        let (object, sets, cluster) = tokio::join!(
+            self.get(group_api, &key.name, kind.as_str()),
+            async {
+                match set_api {
+                    Some(api) => self
+                        .list(api, "MachineSets", &key.namespace)
+                        .await
+                        .map(Some),
+                    None => Ok(None),
+                }
+            },
+            async {
+                match cluster_api {
+                    Some(api) => self
+                        .get(api, &group.resource.cluster_name, "Cluster")
+                        .await
+                        .ok(),
+                    None => None,
+                }
+            },
+        );
+        self.store.record(Some(kind), object?);
+        for set in sets?.map(|list| list.items).unwrap_or_default() {
+            self.store.record(Some(ScalableKind::MachineSet), set);
         }
-        if let (Some(api), false) = (
-            self.cluster_api(&key.namespace),
-            group.resource.cluster_name.is_empty(),
-        ) && let Ok(cluster) = self.get(api, &group.resource.cluster_name, "Cluster").await
-        {
+        if let Some(cluster) = cluster {
             self.store.record_cluster(cluster);
         }
         let machines = self
