@@ -751,16 +751,27 @@ async fn provider_killed_between_mark_and_decrement_is_paid_or_repaired_after_re
             late.as_secs_f64()
         ),
     );
-    let reasons: Vec<String> = capi
-        .events_about(&a0)
-        .await
-        .into_iter()
-        .filter_map(|e| e.reason)
-        .collect();
-    s.check(
-        reasons.iter().any(|r| r == "DeleteMarkRepaired"),
-        &format!("{reasons:?}"),
-    );
+    // The Event is recorded beside the unmark, not before it: polled for.
+    poll_until(
+        &format!("a DeleteMarkRepaired Event about {a0}"),
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let reasons: Vec<String> = capi
+                .events_about(&a0)
+                .await
+                .into_iter()
+                .filter_map(|e| e.reason)
+                .collect();
+            if reasons.iter().any(|r| r == "DeleteMarkRepaired") {
+                Check::Done(())
+            } else {
+                Check::Wait(format!("{reasons:?}"))
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| s.fail(&e));
     // CAPI deleted b0 (its mark paid) and stays at 2; nothing of a went.
     let b_converged = wait_view(
         capi,
