@@ -264,6 +264,21 @@ impl Removal {
         let mut to_settle = 0_i32;
         for name in self.named.clone() {
             let Some(member) = read.member(&name) else {
+                if matches!(Entry::parse(&name), Some(Entry::PoolNode(_))) {
+                    // A pool instance no longer listed: the infrastructure, which picks, removed
+                    // it, perhaps for another decrement. Unless its removal is recorded, it is
+                    // one decrement, as for a listed one.
+                    claims.insert(name.clone(), name.clone());
+                    if g.ledger.contains(&name) || self.settled.contains(&name) {
+                        self.settled.insert(name.clone());
+                    } else {
+                        if !g.claims.contains(&name) {
+                            new_claims.push(name.clone());
+                        }
+                        to_settle += 1;
+                    }
+                    continue;
+                }
                 // Gone: owed if still claimed or being taken back (settled with the rest),
                 // else settled already, or gone for another reason: removed either way.
                 let recorded = g
@@ -688,14 +703,16 @@ fn mark_matches(entry: &str, name: &str, mark: &str) -> bool {
 }
 
 /// The ledger without entries that need no record any more: a Machine's once the Machine is gone
-/// or carries another mark, a pool node's once it left the pool (members are listed after the
-/// group is read, so an entry's Machine existed when the entry was written).
+/// or carries another mark (members are listed after the group is read, so an entry's Machine
+/// existed when the entry was written). Pool entries stay; the repair drops them.
 pub(super) fn pruned(read: &Read) -> Ledger {
     read.group
         .ledger
         .iter()
         .filter(|e| match Entry::parse(e) {
-            Some(Entry::PoolNode(_)) => read.members.iter().any(|m| m.name == *e),
+            // Kept after its instance left the list: CA may still retry it. The repair drops it
+            // once it has stood the grace period unlisted.
+            Some(Entry::PoolNode(_)) => true,
             Some(entry) => entry
                 .machine()
                 .and_then(|m| read.member(m))

@@ -260,7 +260,8 @@ impl Repair {
         // 5. Records nothing needs: taken-back entries a later removal of their Machine replaced,
         //    taken-back entries whose Machine is there without that mark (once ripe: a mark of
         //    that removal could otherwise still be on its way), settled entries whose Machine is
-        //    gone or carries another mark.
+        //    gone or carries another mark, pool entries whose instance has been unlisted for the
+        //    grace period (until then CA may retry it).
         let taking_back: super::Ledger = g
             .taking_back
             .iter()
@@ -285,7 +286,19 @@ impl Repair {
             })
             .map(str::to_string)
             .collect();
-        let ledger = pruned(read);
+        let mut ledger = pruned(read);
+        let unlisted: Vec<String> = ledger
+            .iter()
+            .filter(|e| matches!(Entry::parse(e), Some(Entry::PoolNode(_))))
+            .filter(|e| read.member(e).is_none())
+            .map(str::to_string)
+            .collect();
+        for e in unlisted {
+            self.seen.insert(e.clone());
+            if self.ripe.contains(&e) {
+                ledger.remove(&e);
+            }
+        }
         if taking_back != g.taking_back || ledger != g.ledger {
             return self.write(
                 RepairAction::Cleaned,

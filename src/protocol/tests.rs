@@ -283,6 +283,41 @@ fn a_taken_back_entry_a_later_removal_replaced_is_owed_nothing_and_dropped() {
     assert_eq!(cleaned.taking_back, Some(Ledger::default()));
 }
 
+/// The infrastructure picks which pool instance a decrement removes: one named after it removed
+/// it for another decrement is still one decrement (unless its removal is recorded).
+#[test]
+fn a_pool_node_the_infrastructure_already_removed_is_still_one_decrement() {
+    let gone = pool_node_entry("test:///pool-7");
+    let listed = Member {
+        machineless: true,
+        ..member(&pool_node_entry("test:///pool-5"), None)
+    };
+    let mut op = Removal::new(
+        "pool",
+        Purpose::DeleteNodes,
+        [gone.clone()],
+        Vec::<String>::new(),
+        100,
+    );
+    let claim = group_write(op.read(&read(group(2, "", "", ""), vec![listed.clone()])));
+    assert_eq!(claim.claims, Some(Ledger::parse(Some(&gone))));
+    assert_eq!(op.wrote(Outcome::Landed), Next::Read);
+    let settle = group_write(op.read(&read(group(2, "", &gone, ""), vec![listed.clone()])));
+    assert_eq!(settle.replicas, Some(1));
+    // Recorded already (CA's retry): nothing more.
+    let mut retry = Removal::new(
+        "pool",
+        Purpose::DeleteNodes,
+        [gone.clone()],
+        Vec::<String>::new(),
+        200,
+    );
+    assert_eq!(
+        retry.read(&read(group(1, &gone, "", ""), vec![listed])),
+        Next::Done(Ok(()))
+    );
+}
+
 #[test]
 fn a_removal_waits_while_another_mark_is_uncovered_and_writes_nothing() {
     let mut op = remove(&["m1"]);
