@@ -569,7 +569,11 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
                     m.removed.insert(m.key(id), m.pending);
                 }
             } else if code != Code::FailedPrecondition || ids.len() > 1 {
-                // A partial outcome: learn from the objects which nodes were removed.
+                // A partial outcome: learn from the objects which nodes were removed, once an
+                // operation the handler's timeout cut short has finished.
+                if matches!(code, Code::DeadlineExceeded | Code::Cancelled) {
+                    drain(&sh, &m.id).await?;
+                }
                 let view = GroupView::read(&sh.capi, m.kind, &m.name).await?;
                 for id in &ids {
                     let key = m.key(id);

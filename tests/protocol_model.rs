@@ -9,6 +9,7 @@
 //! - a write never moves replicas away from [min, max] (invariant 2);
 //! - a removal is settled at most once, and our decrements never exceed the removals settled;
 //! - Cluster API deletes an unmarked Machine only for a plain decrement by the user.
+//!
 //! Checked in every final state (no call, write or Cluster API step left, the repair idle):
 //! - every node a call was answered OK for is gone, unless a raise or a user's mark took its place;
 //! - no node a call was refused for is gone, unless a plain decrement by the user took it;
@@ -276,19 +277,16 @@ fn final_violation(w: &World) -> Option<String> {
     not_gone += still_there.len() as u32;
     for (call, answer) in &w.calls {
         let Call::Delete(names) = call else { continue };
-        match answer {
-            Some(Answer::Refused) => {
-                // Gone for another call answered OK for it (CA's retry of a removed node), or
-                // for a decrement by the user, is not this refusal's doing.
-                let taken: Vec<&String> = names
-                    .iter()
-                    .filter(|n| gone(n) && !answered_ok.contains(n))
-                    .collect();
-                if !taken.is_empty() && w.ghost.user_decrements == 0 {
-                    return Some(format!("refused, yet removed: {taken:?}"));
-                }
+        if *answer == Some(Answer::Refused) {
+            // Gone for another call answered OK for it (CA's retry of a removed node), or for a
+            // decrement by the user, is not this refusal's doing.
+            let taken: Vec<&String> = names
+                .iter()
+                .filter(|n| gone(n) && !answered_ok.contains(n))
+                .collect();
+            if !taken.is_empty() && w.ghost.user_decrements == 0 {
+                return Some(format!("refused, yet removed: {taken:?}"));
             }
-            _ => {}
         }
     }
     if not_gone > excused_ok {

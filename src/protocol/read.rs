@@ -174,7 +174,7 @@ impl Read {
             .iter()
             .chain(g.claims.iter())
             .chain(g.taking_back.iter())
-            .filter_map(|e| Entry::parse(e))
+            .filter_map(Entry::parse)
             .any(|e| e.machine() == Some(machine) && e.stamp().is_some_and(|s| s > stamp))
     }
 
