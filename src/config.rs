@@ -181,15 +181,13 @@ pub struct ServeArgs {
         value_parser = parse_duration
     )]
     pub repair_interval: std::time::Duration,
-    /// How old such a mark must be before it is taken back (longer than any removal takes), and
-    /// how long after any raise no mark is taken back: Cluster API's controllers may act on the
-    /// lowered count they cached until they observe the raise. Measured against the real
-    /// MachineDeployment and MachineSet controllers (v1.14.2) on a loaded 2-core machine, 60
-    /// DeleteNodes + IncreaseSize pairs (0 to 1 s apart): both observed the raise 0.25–2.7 s after
-    /// it (median about 1 s), and the MachineSet controller deleted the marked Machine on the
-    /// lowered count up to 1.3 s after the raise (tests/real_capi/grace.rs); the default is more
-    /// than ten times the longest. For as long after a group's last raise, DecreaseTargetSize
-    /// cancels no capacity without a Machine (Cluster API may still be creating Machines for it).
+    /// How long a record must stand unchanged, as this provider sees it, before the repair takes
+    /// it back: a removal's claim or mark that no removal settles (its removal stopped part-way),
+    /// a pool entry whose instance left the list (CA may still retry it). Longer than any removal
+    /// takes; measured on this provider's clock from when it first saw the record, never compared
+    /// with another machine's. What Cluster API has done is not timed: an absorbed mark is taken
+    /// back, and capacity without a Machine cancelled, once Cluster API has observed the group's
+    /// replicas (observedGeneration, its MachineSets' replicas).
     #[arg(
         long = "mark-grace-period",
         env = "CAPI_AUTOSCALER_PROVIDER_MARK_GRACE_PERIOD",

@@ -303,7 +303,7 @@ fn node_of(provider_id: &str) -> ExternalGrpcNode {
 async fn drain(sh: &Shared, id: &str) -> Result<(), String> {
     poll_until(
         &format!("operations of {id} drained"),
-        Duration::from_secs(60),
+        Duration::from_secs(180),
         Duration::from_millis(100),
         || async {
             match increase(sh, id, 100_000).await {

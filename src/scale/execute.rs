@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use kube::api::Patch;
 use serde_json::{Value, json};
 
+use super::Actuator;
 use super::api::{ApiFailure, write_params};
 use super::read::machine_key;
-use super::{Actuator, GroupLock};
 use crate::backend::{ActuatorError, ApiCause};
 use crate::protocol::ledger::{
     CLAIMS_ANNOTATION, LEDGER_ANNOTATION, RESIZES_ANNOTATION, TAKING_BACK_ANNOTATION,
@@ -54,10 +54,9 @@ impl Caller {
 
 impl Actuator {
     /// Runs `op` on `group` to its answer. It waits (reading again every [`POLL`]) at most until
-    /// `wait_until`, then is told its time is up. With `lock`, it holds the group's operation lock
-    /// while it reads and writes and lets it go while it waits: the other operations of the group
-    /// (a raise, a removal that settles what it waits for) go on meanwhile. Every step decides from
-    /// a fresh read and every write is guarded, so the lock only orders, it protects nothing.
+    /// `wait_until`, then is told its time is up. The caller holds the group's operation lock, also
+    /// while it waits: the operations of one provider on one group never interleave (those of
+    /// several providers do, and the model checker explores them).
     pub(super) async fn execute(
         &self,
         id: &str,
@@ -65,12 +64,7 @@ impl Actuator {
         caller: Caller,
         op: &mut Operation,
         wait_until: Instant,
-        lock: Option<&GroupLock>,
     ) -> Result<(), ActuatorError> {
-        let mut held = match lock {
-            Some(lock) => Some(lock.lock().await),
-            None => None,
-        };
         let mut last: Option<Read> = None;
         let mut next = op.start();
         loop {
@@ -101,11 +95,7 @@ impl Actuator {
                 }
                 Next::Wait(_) if Instant::now() + POLL > wait_until => op.expired(),
                 Next::Wait(_) => {
-                    drop(held.take());
                     tokio::time::sleep(POLL).await;
-                    if let Some(lock) = lock {
-                        held = Some(lock.lock().await);
-                    }
                     Next::Read
                 }
                 Next::Done(answer) => return answer.map_err(ActuatorError::from),

@@ -33,7 +33,7 @@ pub struct Actuator {
     waiting: Mutex<repair::Waiting>,
 }
 
-pub(super) type GroupLock = Arc<tokio::sync::Mutex<()>>;
+type GroupLock = Arc<tokio::sync::Mutex<()>>;
 
 /// The provider's backend: the store's snapshot for reads, the actuator for writes.
 #[tonic::async_trait]

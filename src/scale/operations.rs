@@ -98,11 +98,10 @@ impl Actuator {
                 .cloned()
                 .ok_or_else(|| ActuatorError::GroupNotFound { id: id.clone() })?;
             let lock = me.group_lock(&snapshot, &id);
+            let _guard = lock.lock().await;
             let mut result = Ok(());
             for mut op in ops {
-                result = me
-                    .execute(&id, &group, caller, &mut op, wait_until, Some(&lock))
-                    .await;
+                result = me.execute(&id, &group, caller, &mut op, wait_until).await;
                 if result.is_err() {
                     break;
                 }

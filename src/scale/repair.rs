@@ -45,7 +45,7 @@ impl Actuator {
             }
             let mut op = Operation::Repair(Repair::new(Ripe::Only(ripe)));
             if let Err(e) = self
-                .execute(id, &group, Caller::Repair, &mut op, Instant::now(), None)
+                .execute(id, &group, Caller::Repair, &mut op, Instant::now())
                 .await
             {
                 tracing::debug!(group = %id, "repair postponed: {e}");
