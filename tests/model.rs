@@ -545,9 +545,26 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
             } else {
                 0
             };
+            // A fresh node marked over a surplus someone else's decrement left (a cancellation
+            // answered late, say): Cluster API deletes marked Machines first for it, so the
+            // removal is credited that decrement and writes none of its own.
+            let credited = if code == Code::Ok && m.kind == Kind::MachineDeployment {
+                let after = GroupView::read(&sh.capi, m.kind, &m.name).await?;
+                let marked = after.marked();
+                let fresh_marked = ids
+                    .iter()
+                    .filter(|id| !m.removed.contains_key(&m.key(id)))
+                    .filter(|id| marked.contains(id.rsplit('/').next().unwrap_or_default()))
+                    .count() as i64;
+                fresh_marked.min(after.surplus())
+            } else {
+                0
+            };
             let all = before - fresh - absorbable..=before;
             let allowed: BTreeSet<i64> = match code {
-                Code::Ok => (before - fresh - absorbable..=before - fresh + vanished).collect(),
+                Code::Ok => {
+                    (before - fresh - absorbable..=before - fresh + vanished + credited).collect()
+                }
                 Code::FailedPrecondition if before - fresh - absorbable < m.min => {
                     BTreeSet::from([before])
                 }

@@ -261,6 +261,7 @@ impl Removal {
         let mut new_claims: Vec<String> = Vec::new();
         let mut marks: Vec<(String, String, String)> = Vec::new();
         let mut settled_named: Vec<String> = Vec::new();
+        let mut replaced: Vec<String> = Vec::new();
         let mut to_settle = 0_i32;
         for name in self.named.clone() {
             let Some(member) = read.member(&name) else {
@@ -341,6 +342,17 @@ impl Removal {
                     to_settle += 1;
                 }
                 Standing::Unmarked => {
+                    // Its earlier removals being taken back are done with: their marks are
+                    // gone. Dropped with this claim, so that none is taken for owed once
+                    // Cluster API deletes the Machine for this one.
+                    replaced.extend(
+                        g.taking_back
+                            .iter()
+                            .filter(|e| {
+                                Entry::parse(e).is_some_and(|e| e.machine() == Some(name.as_str()))
+                            })
+                            .map(str::to_string),
+                    );
                     // An entry settled or being taken back is never claimed again: a new
                     // mark is a new removal, with a stamp after every recorded one.
                     let live = |e: &String| !g.ledger.contains(e) && !g.taking_back.contains(e);
@@ -407,10 +419,15 @@ impl Removal {
         for e in &new_claims {
             recorded.insert(e.clone());
         }
+        let mut taking_back = g.taking_back.clone();
+        for e in &replaced {
+            taking_back.remove(e);
+        }
         self.phase = Phase::Claiming(new_claims);
         Next::Write(Write::Group(GroupWrite {
             version: g.version.clone(),
             claims: Some(recorded),
+            taking_back: (taking_back != g.taking_back).then_some(taking_back),
             ..GroupWrite::default()
         }))
     }

@@ -318,6 +318,18 @@ fn a_pool_node_the_infrastructure_already_removed_is_still_one_decrement() {
     );
 }
 
+/// A mark taken back (its record still there, the unmark landed), then the node removed again:
+/// the fresh claim drops the old record, so none is left to be taken for owed once Cluster API
+/// deletes the Machine for the new removal (and the ledger entry of that one is pruned).
+#[test]
+fn a_fresh_claim_drops_the_records_of_its_machines_earlier_removals_taken_back() {
+    let members = vec![member("m0", None), member("m1", None), member("m2", None)];
+    let mut op = remove(&["m1"]);
+    let claim = group_write(op.read(&read(group(3, "", "", "m1@50"), members)));
+    assert_eq!(claim.claims, Some(Ledger::parse(Some("m1@100"))));
+    assert_eq!(claim.taking_back, Some(Ledger::default()));
+}
+
 #[test]
 fn a_removal_waits_while_another_mark_is_uncovered_and_writes_nothing() {
     let mut op = remove(&["m1"]);

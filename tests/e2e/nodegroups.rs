@@ -1387,10 +1387,22 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
             tasks.spawn(async move {
                 tokio::time::sleep(delay).await;
                 let start = origin.elapsed();
-                let result = match &op {
+                let mut result = match &op {
                     Some(m) => rpc.delete_nodes(&id, vec![capi.grpc_node(m)]).await,
                     None => rpc.increase(&id, 1).await,
                 };
+                // The group's operations run one at a time: one queued past the call's deadline
+                // is answered DEADLINE_EXCEEDED and goes on to completion. CA asks a removal again
+                // in its next loop, and is answered what the first call did; a raise it counts as
+                // made (its operation makes it, after the answer).
+                let mut asked = 1;
+                while matches!(&result, Err(s) if s.code() == Code::DeadlineExceeded) && asked < 6 {
+                    asked += 1;
+                    result = match &op {
+                        Some(m) => rpc.delete_nodes(&id, vec![capi.grpc_node(m)]).await,
+                        None => Ok(()),
+                    };
+                }
                 (op, start, origin.elapsed(), result)
             });
         }
@@ -1470,8 +1482,25 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
             .filter(|(_, _, _, r)| r.is_ok())
             .filter_map(|(op, _, _, _)| op.clone())
             .collect();
-        let replicas = capi.replicas(Kind::MachineDeployment, &name).await;
-        if replicas != (MACHINES - removed.len() + RAISES) as i64 {
+        // A raise answered DEADLINE_EXCEEDED may still be under way: its write is awaited.
+        let want = (MACHINES - removed.len() + RAISES) as i64;
+        let settled = poll_until(
+            "replicas after every operation",
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || async {
+                match capi.replicas(Kind::MachineDeployment, &name).await {
+                    n if n == want => Check::Done(n),
+                    n => Check::Wait(format!("replicas {n}")),
+                }
+            },
+        )
+        .await;
+        let replicas = match settled {
+            Ok(n) => n,
+            Err(_) => capi.replicas(Kind::MachineDeployment, &name).await,
+        };
+        if replicas != want {
             fail(format!(
                 "replicas {replicas}, not {} ({} removed)",
                 MACHINES - removed.len() + RAISES,
