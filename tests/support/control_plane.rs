@@ -457,6 +457,10 @@ pub(super) async fn start_apiserver(
         let server = format!("https://127.0.0.1:{secure_port}");
         let mut apiserver_args: Vec<String> = vec![
             format!("--etcd-servers={etcd_url}"),
+            // Tests read every version of an object back from etcd (invariant 2 over its whole
+            // history); the apiserver's compaction (every 5 min by default) would drop them from
+            // a longer run.
+            "--etcd-compaction-interval=0".into(),
             "--bind-address=127.0.0.1".into(),
             "--advertise-address=127.0.0.1".into(),
             format!("--secure-port={secure_port}"),
