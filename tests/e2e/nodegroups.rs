@@ -1230,7 +1230,9 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
     for name in ["m0", "m1", "m2"] {
         capi.create_machine(&capi.running(name, md.clone())).await;
     }
-    // A never repairs within the test; B repairs every 100 ms.
+    // A never repairs within the test; B repairs every 100 ms. B's refusal comes after its wait
+    // (half of --request-timeout): a longer timeout keeps it an answer, not a deadline, on a busy
+    // API server.
     let (provider_a, mut a) = provider_for_args(
         &env,
         &["--repair-interval", "1h", "--mark-grace-period", "1h"],
@@ -1238,7 +1240,14 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
     .await;
     let (provider_b, mut b) = provider_for_args(
         &env,
-        &["--repair-interval", "100ms", "--mark-grace-period", "0s"],
+        &[
+            "--repair-interval",
+            "100ms",
+            "--mark-grace-period",
+            "0s",
+            "--request-timeout",
+            "8s",
+        ],
     )
     .await;
     let id = capi.id(Kind::MachineDeployment, "md");
