@@ -656,29 +656,8 @@ impl Removal {
             .collect();
         let own: BTreeSet<String> = self.claims.keys().cloned().collect();
         let balance = read.accounts(&own).balance();
-        let (min, max) = g.bounds.clone().unwrap_or((i32::MIN, i32::MAX));
-        let mut paid = owed.len() - usize::try_from(balance.max(0)).unwrap_or(0).min(owed.len());
-        if !within_bounds(g.replicas, g.replicas - paid as i32, min, max) {
-            paid = 0;
-        }
-        let mut ledger = pruned(read);
-        let mut claims = g.claims.clone();
-        let mut taking_back = g.taking_back.clone();
-        for e in &owed {
-            claims.remove(e);
-            taking_back.remove(e);
-            ledger.insert(e.clone());
-        }
         self.phase = Phase::OwedWritten(reason, owed.clone());
-        let desired = g.replicas - paid as i32;
-        Next::Write(Write::Group(GroupWrite {
-            version: g.version.clone(),
-            replicas: (paid > 0).then_some(desired),
-            ledger: Some(ledger),
-            claims: Some(claims),
-            taking_back: Some(taking_back),
-            resizes: None,
-        }))
+        Next::Write(Write::Group(owed_settlement(read, &owed, balance)))
     }
 
     fn unmark_next(&mut self, reason: Refusal, queue: Vec<(String, String)>) -> Next {
@@ -717,6 +696,36 @@ fn claimed_entry(read: &Read, name: &str) -> Option<String> {
 /// Whether `mark` on Machine `name` is the one `entry` names.
 fn mark_matches(entry: &str, name: &str, mark: &str) -> bool {
     Entry::parse(entry).is_some_and(|e| e.names(name, mark))
+}
+
+/// The write that settles `owed` (removals whose Machine Cluster API took): each moves to the
+/// ledger, replicas lowered by those the surplus (`balance` above 0: someone else's decrement) does
+/// not already pay for, and not at all where that would leave the bounds (Cluster API replaces the
+/// Machine then). Shared by a removal rolling forward and the repair.
+pub(super) fn owed_settlement(read: &Read, owed: &[String], balance: i64) -> GroupWrite {
+    let g = &read.group;
+    let (min, max) = g.bounds.clone().unwrap_or((i32::MIN, i32::MAX));
+    let credits = usize::try_from(balance.max(0)).unwrap_or(0).min(owed.len());
+    let mut paid = i32::try_from(owed.len() - credits).unwrap_or(i32::MAX);
+    if !within_bounds(g.replicas, g.replicas - paid, min, max) {
+        paid = 0;
+    }
+    let mut ledger = pruned(read);
+    let mut claims = g.claims.clone();
+    let mut taking_back = g.taking_back.clone();
+    for e in owed {
+        claims.remove(e);
+        taking_back.remove(e);
+        ledger.insert(e.clone());
+    }
+    GroupWrite {
+        version: g.version.clone(),
+        replicas: (paid > 0).then_some(g.replicas - paid),
+        ledger: Some(ledger),
+        claims: Some(claims),
+        taking_back: Some(taking_back),
+        resizes: None,
+    }
 }
 
 /// The ledger without entries that need no record any more: a Machine's once the Machine is gone

@@ -12,8 +12,8 @@ use std::collections::BTreeSet;
 
 use super::ledger::{Entry, is_our_mark};
 use super::read::{Read, Standing};
-use super::removal::pruned;
-use super::{GroupWrite, Next, Outcome, Write, within_bounds};
+use super::removal::{owed_settlement, pruned};
+use super::{GroupWrite, Next, Outcome, Write};
 
 /// What a round did, for the log, the Events and the metrics.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -145,31 +145,8 @@ impl Repair {
             .chain(read.gone_claims().into_iter().map(str::to_string))
             .collect();
         if !owed.is_empty() {
-            let (min, max) = g.bounds.clone().unwrap_or((i32::MIN, i32::MAX));
-            let credits = usize::try_from(balance.max(0)).unwrap_or(0).min(owed.len());
-            let mut paid = (owed.len() - credits) as i32;
-            if !within_bounds(g.replicas, g.replicas - paid, min, max) {
-                paid = 0;
-            }
-            let mut ledger = pruned(read);
-            let mut claims = g.claims.clone();
-            let mut taking_back = g.taking_back.clone();
-            for e in &owed {
-                claims.remove(e);
-                taking_back.remove(e);
-                ledger.insert(e.clone());
-            }
-            return self.write(
-                RepairAction::Settled(owed),
-                GroupWrite {
-                    version: g.version.clone(),
-                    replicas: (paid > 0).then_some(g.replicas - paid),
-                    ledger: Some(ledger),
-                    claims: Some(claims),
-                    taking_back: Some(taking_back),
-                    resizes: None,
-                },
-            );
+            let write = owed_settlement(read, &owed, balance);
+            return self.write(RepairAction::Settled(owed), write);
         }
         // 2. Claims whose Machine never got (or lost) the mark: a removal stopped before marking.
         //    Moved to the taking-back record, never just dropped: a mark of that removal still on
