@@ -11,6 +11,10 @@ SHELL := bash
 .DEFAULT_GOAL := test
 
 CARGO ?= cargo
+# One clean build per run: incremental state would double the target directory (CI runs on a fresh
+# clone, where it never pays back).
+CARGO_INCREMENTAL ?= 0
+export CARGO_INCREMENTAL
 TEST_LOG ?= target/test-output.log
 
 .PHONY: test fmt-check clippy upstream unit demo image bench fuzz fuzz-smoke load

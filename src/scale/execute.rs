@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use kube::api::Patch;
 use serde_json::{Value, json};
 
-use super::Actuator;
 use super::api::{ApiFailure, write_params};
 use super::read::machine_key;
+use super::{Actuator, GroupLock};
 use crate::backend::{ActuatorError, ApiCause};
 use crate::protocol::ledger::{
     CLAIMS_ANNOTATION, LEDGER_ANNOTATION, RESIZES_ANNOTATION, TAKING_BACK_ANNOTATION,
@@ -53,21 +53,29 @@ impl Caller {
 }
 
 impl Actuator {
-    /// Runs `op` on `group` to its answer. It waits (reading again every [`POLL`]) at most until
-    /// `wait_until`, then is told its time is up. The caller holds the group's operation lock, also
-    /// while it waits: the operations of one provider on one group never interleave (those of
-    /// several providers do, and the model checker explores them).
+    /// Runs `op` on `group` to its answer under the group's operation lock. It waits (reading
+    /// again every [`POLL`]) at most until `wait_until`, then is told its time is up. An operation
+    /// that has written something keeps the lock while it waits: the operations of one provider
+    /// on one group never interleave their writes (those of several providers do, and the model
+    /// checker explores them). One that has written nothing lets the lock go while it waits: it
+    /// is then no different from a call refused and asked again, and a group with CA's calls
+    /// queued does not spend their deadlines on one call's wait.
     pub(super) async fn execute(
         &self,
         id: &str,
         group: &NodeGroup,
         caller: Caller,
         op: &mut Operation,
+        lock: &GroupLock,
         wait_until: Instant,
     ) -> Result<(), ActuatorError> {
+        let mut guard = Some(lock.lock().await);
         let mut last: Option<Read> = None;
         let mut next = op.start();
         loop {
+            if guard.is_none() {
+                guard = Some(lock.lock().await);
+            }
             next = match next {
                 Next::Read => match self.read(id, group).await {
                     Ok(read) => {
@@ -95,6 +103,9 @@ impl Actuator {
                 }
                 Next::Wait(_) if Instant::now() + POLL > wait_until => op.expired(),
                 Next::Wait(_) => {
+                    if op.holds().is_empty() {
+                        guard = None;
+                    }
                     tokio::time::sleep(POLL).await;
                     Next::Read
                 }

@@ -920,6 +920,43 @@ async fn finding_3_someone_elses_mark_and_decrement_are_not_credited_to_our_remo
     );
 }
 
+/// A removal waiting for the group to balance has written nothing, so it lets the group's lock go
+/// while it waits: CA's other calls on the group (its raise here) are answered meanwhile instead of
+/// queueing behind the wait until their deadlines pass.
+#[tokio::test]
+async fn a_removal_waiting_with_nothing_written_lets_the_groups_other_calls_run() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    // Someone else's mark without its decrement: our removal waits for the group to balance.
+    fixture.meanwhile("machines/a", |m| {
+        m["metadata"]["annotations"][keys().delete_machine.as_str()] = json!("yes");
+    });
+    let actuator = Arc::clone(&fixture.actuator);
+    let ours = tokio::spawn(async move { actuator.delete_nodes(GROUP, &[node("c")]).await });
+    within(async {
+        while !fixture.requests().iter().any(|r| r == LIST_MACHINES) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+
+    within(fixture.actuator.increase_size(GROUP, 1))
+        .await
+        .unwrap();
+    assert!(
+        !ours.is_finished(),
+        "the raise was answered while the removal still waits"
+    );
+    assert_eq!(fixture.replicas(), 4);
+
+    let error = within(ours).await.unwrap().unwrap_err();
+    assert!(
+        matches!(&error, ActuatorError::Refused(m) if m.contains("other Machines")),
+        "{error:?}"
+    );
+    assert_eq!(fixture.mark("c"), None, "nothing of the removal written");
+    assert_eq!(fixture.replicas(), 4, "only the raise written");
+}
+
 /// Finding 5: a rollout that began after the snapshot CA's call was checked against is seen by
 /// the removal's own fresh read: refused, nothing written.
 #[tokio::test]

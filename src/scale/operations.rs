@@ -77,7 +77,7 @@ impl Actuator {
         self.run(id, Caller::DeleteNodes, ops).await
     }
 
-    /// Runs `ops` one after the other under the group's lock, on a task of their own: CA's deadline
+    /// Runs `ops` one after the other under the group's lock (`execute`), on a task of their own: CA's deadline
     /// may drop the RPC, but a removal half-way must not be dropped with it. One snapshot build
     /// follows.
     async fn run(
@@ -98,10 +98,11 @@ impl Actuator {
                 .cloned()
                 .ok_or_else(|| ActuatorError::GroupNotFound { id: id.clone() })?;
             let lock = me.group_lock(&snapshot, &id);
-            let _guard = lock.lock().await;
             let mut result = Ok(());
             for mut op in ops {
-                result = me.execute(&id, &group, caller, &mut op, wait_until).await;
+                result = me
+                    .execute(&id, &group, caller, &mut op, &lock, wait_until)
+                    .await;
                 if result.is_err() {
                     break;
                 }

@@ -25,7 +25,7 @@ impl Actuator {
         let mut repaired = 0;
         for (id, _) in snapshot.groups.iter() {
             let group_lock = self.group_lock(&snapshot, id);
-            let _guard = group_lock.lock().await;
+            let guard = group_lock.lock().await;
             // Fresh after taking the lock: an operation that just finished has recorded its writes.
             self.store.refresh();
             let current = self.store.snapshot();
@@ -43,9 +43,18 @@ impl Actuator {
             if !would_write {
                 continue;
             }
+            // The repair decides again from its own fresh read, under the lock again.
+            drop(guard);
             let mut op = Operation::Repair(Repair::new(Ripe::Only(ripe)));
             if let Err(e) = self
-                .execute(id, &group, Caller::Repair, &mut op, Instant::now())
+                .execute(
+                    id,
+                    &group,
+                    Caller::Repair,
+                    &mut op,
+                    &group_lock,
+                    Instant::now(),
+                )
                 .await
             {
                 tracing::debug!(group = %id, "repair postponed: {e}");
