@@ -27,7 +27,7 @@ pub trait Backend: Send + Sync + 'static {
 
 /// Why a scale operation failed, in the domain's terms; the wire module maps each to the status
 /// code CA acts on.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ActuatorError {
     /// No node group has this id (any more).
     #[error("node group {id:?} not found")]

@@ -10,7 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::metrics::info::Info;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 use crate::problem::ProblemKind;
 use crate::snapshot::{NotServed, Snapshot};
@@ -83,24 +83,51 @@ pub const WRITE_OPERATIONS: [&str; 6] = [
 
 pub struct Metrics {
     registry: Registry,
-    rpc_requests: Family<RpcLabels, Counter>,
-    rpc_seconds: Family<MethodLabels, Histogram>,
-    api_writes: Family<WriteLabels, Counter>,
-    api_write_seconds: Family<WriteLabels, Histogram>,
-    watch_events: Family<WatchLabels, Counter>,
-    watch_stale: Family<ResourceLabels, Gauge<f64, AtomicU64>>,
-    watch_stale_after: Gauge<f64, AtomicU64>,
+    calls: Calls,
+    writes: Writes,
+    watches: Watches,
+    groups: Groups,
+}
+
+/// CA's calls: how each was answered and how long it took, those a limit refused, the TLS files
+/// they are served with.
+struct Calls {
+    requests: Family<RpcLabels, Counter>,
+    seconds: Family<MethodLabels, Histogram>,
     rejected: Family<RejectLabels, Counter>,
     tls_reloads: Family<OutcomeLabels, Counter>,
+}
+
+/// Writes to the management cluster.
+struct Writes {
+    count: Family<WriteLabels, Counter>,
+    seconds: Family<WriteLabels, Histogram>,
+}
+
+/// The watches and the snapshots built from them.
+struct Watches {
+    events: Family<WatchLabels, Counter>,
+    stale: Family<ResourceLabels, Gauge<f64, AtomicU64>>,
+    stale_after: Gauge<f64, AtomicU64>,
     snapshot_seconds: Histogram,
-    node_groups: Gauge,
-    group_target: Family<GroupLabels, Gauge>,
-    group_min: Family<GroupLabels, Gauge>,
-    group_max: Family<GroupLabels, Gauge>,
+}
+
+/// What is served: the groups, their sizes, the candidates not served, the problems, readiness.
+struct Groups {
+    served: Gauge,
+    target: Family<GroupLabels, Gauge>,
+    min: Family<GroupLabels, Gauge>,
+    max: Family<GroupLabels, Gauge>,
     not_served: Family<ReasonLabels, Gauge>,
     machines: Gauge,
     problems: Family<KindLabels, Gauge>,
     ready: Gauge,
+}
+
+/// `metric` registered under `name`, and the handle to update it by.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
 }
 
 impl Default for Metrics {
@@ -108,6 +135,185 @@ impl Default for Metrics {
         Self::new()
     }
 }
+
+impl Calls {
+    fn register(registry: &mut Registry) -> Self {
+        let calls = Calls {
+            requests: registered(
+                registry,
+                "grpc_requests",
+                "externalgrpc calls by method and status code",
+                Family::default(),
+            ),
+            seconds: registered(
+                registry,
+                "grpc_request_duration_seconds",
+                "externalgrpc call latency",
+                Family::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(0.000_01, 4.0, 12))
+                }),
+            ),
+            rejected: registered(
+                registry,
+                "grpc_rejected",
+                "CloudProvider calls refused by a limit (message size, decoded size, concurrency, timeout)",
+                Family::default(),
+            ),
+            tls_reloads: registered(
+                registry,
+                "tls_reloads",
+                "TLS certificate, key and client CA files read again after they changed, by outcome",
+                Family::default(),
+            ),
+        };
+        for outcome in ["success", "error"] {
+            calls
+                .tls_reloads
+                .get_or_create(&OutcomeLabels { outcome })
+                .get();
+        }
+        calls
+    }
+}
+
+impl Writes {
+    fn register(registry: &mut Registry) -> Self {
+        let writes = Writes {
+            count: registered(
+                registry,
+                "api_writes",
+                "writes to the management cluster by operation and outcome",
+                Family::default(),
+            ),
+            // From 1 ms (a write on a quiet local API server) to about 65 s (past every retry).
+            seconds: registered(
+                registry,
+                "api_write_duration_seconds",
+                "latency of each write to the management cluster by operation and outcome",
+                Family::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+                }),
+            ),
+        };
+        // Every label value from the start, so a rule sees 0 rather than no series (and
+        // `increase()` sees the first write, repair or failure as one).
+        for operation in WRITE_OPERATIONS {
+            for outcome in ["ok", "conflict", "error"] {
+                writes
+                    .count
+                    .get_or_create(&WriteLabels { operation, outcome })
+                    .get();
+            }
+        }
+        writes.count.get_or_create(&REPAIR_UNMARK).get();
+        writes
+    }
+}
+
+impl Watches {
+    fn register(registry: &mut Registry) -> Self {
+        Watches {
+            events: registered(
+                registry,
+                "watch_events",
+                "watch events by resource and kind of event",
+                Family::default(),
+            ),
+            stale: registered(
+                registry,
+                "watch_stale_seconds",
+                "how long each watch has been failing (or, before its first list, waiting); 0 while it is in sync",
+                Family::default(),
+            ),
+            // The threshold the provider itself turns not ready at, for the alert on the series above.
+            stale_after: registered(
+                registry,
+                "watch_stale_after_seconds",
+                "--watch-stale-after: how long a watch may fail before the provider stops serving",
+                Gauge::default(),
+            ),
+            snapshot_seconds: registered(
+                registry,
+                "snapshot_build_duration_seconds",
+                "time to build a snapshot",
+                Histogram::new(exponential_buckets(0.000_1, 4.0, 10)),
+            ),
+        }
+    }
+}
+
+impl Groups {
+    fn register(registry: &mut Registry) -> Self {
+        let groups = Groups {
+            served: registered(
+                registry,
+                "node_groups",
+                "node groups served",
+                Gauge::default(),
+            ),
+            // Per served group, by the id CA knows it by (CA's own node_group label).
+            target: registered(
+                registry,
+                "node_group_target_size",
+                "target size (spec.replicas) of each node group served",
+                Family::default(),
+            ),
+            min: registered(
+                registry,
+                "node_group_min_size",
+                "configured min size of each node group served",
+                Family::default(),
+            ),
+            max: registered(
+                registry,
+                "node_group_max_size",
+                "max size of each node group served",
+                Family::default(),
+            ),
+            not_served: registered(
+                registry,
+                "node_groups_not_served",
+                "candidate node groups not served (`check`'s NOT SERVED) by reason",
+                Family::default(),
+            ),
+            machines: registered(registry, "machines", "Machines cached", Gauge::default()),
+            problems: registered(
+                registry,
+                "problems",
+                "problems found in the Cluster API objects (see `check`) by kind",
+                Family::default(),
+            ),
+            ready: registered(
+                registry,
+                "ready",
+                "1 while /readyz answers 200 (every watch in sync, some group served), else 0",
+                Gauge::default(),
+            ),
+        };
+        for kind in ProblemKind::ALL {
+            groups
+                .problems
+                .get_or_create(&KindLabels { kind: kind.label() })
+                .set(0);
+        }
+        for reason in NotServed::ALL {
+            groups
+                .not_served
+                .get_or_create(&ReasonLabels {
+                    reason: reason.label(),
+                })
+                .set(0);
+        }
+        groups
+    }
+}
+
+/// The marks the repair took back: `api_writes_total{operation="repair-unmark"}` (their requests
+/// are counted as `unmark-machine`).
+const REPAIR_UNMARK: WriteLabels = WriteLabels {
+    operation: "repair-unmark",
+    outcome: "ok",
+};
 
 impl Metrics {
     pub fn new() -> Self {
@@ -122,174 +328,29 @@ impl Metrics {
                 ("commit", version::COMMIT),
             ]),
         );
-        let rpc_requests = Family::<RpcLabels, Counter>::default();
-        registry.register(
-            "grpc_requests",
-            "externalgrpc calls by method and status code",
-            rpc_requests.clone(),
-        );
-        let rpc_seconds = Family::<MethodLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.000_01, 4.0, 12))
-        });
-        registry.register(
-            "grpc_request_duration_seconds",
-            "externalgrpc call latency",
-            rpc_seconds.clone(),
-        );
-        let api_writes = Family::<WriteLabels, Counter>::default();
-        registry.register(
-            "api_writes",
-            "writes to the management cluster by operation and outcome",
-            api_writes.clone(),
-        );
-        // From 1 ms (a write on a quiet local API server) to about 65 s (past every retry).
-        let api_write_seconds = Family::<WriteLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.001, 2.0, 17))
-        });
-        registry.register(
-            "api_write_duration_seconds",
-            "latency of each write to the management cluster by operation and outcome",
-            api_write_seconds.clone(),
-        );
-        let watch_events = Family::<WatchLabels, Counter>::default();
-        registry.register(
-            "watch_events",
-            "watch events by resource and kind of event",
-            watch_events.clone(),
-        );
-        let watch_stale = Family::<ResourceLabels, Gauge<f64, AtomicU64>>::default();
-        registry.register(
-            "watch_stale_seconds",
-            "how long each watch has been failing (or, before its first list, waiting); 0 while it is in sync",
-            watch_stale.clone(),
-        );
-        // The threshold the provider itself turns not ready at, for the alert on the series above.
-        let watch_stale_after = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "watch_stale_after_seconds",
-            "--watch-stale-after: how long a watch may fail before the provider stops serving",
-            watch_stale_after.clone(),
-        );
-        let rejected = Family::<RejectLabels, Counter>::default();
-        registry.register(
-            "grpc_rejected",
-            "CloudProvider calls refused by a limit (message size, decoded size, concurrency, timeout)",
-            rejected.clone(),
-        );
-        let tls_reloads = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
-            "tls_reloads",
-            "TLS certificate, key and client CA files read again after they changed, by outcome",
-            tls_reloads.clone(),
-        );
-        let snapshot_seconds = Histogram::new(exponential_buckets(0.000_1, 4.0, 10));
-        registry.register(
-            "snapshot_build_duration_seconds",
-            "time to build a snapshot",
-            snapshot_seconds.clone(),
-        );
-        let node_groups = Gauge::default();
-        registry.register("node_groups", "node groups served", node_groups.clone());
-        // Per served group, by the id CA knows it by (CA's own node_group label).
-        let group_target = Family::<GroupLabels, Gauge>::default();
-        registry.register(
-            "node_group_target_size",
-            "target size (spec.replicas) of each node group served",
-            group_target.clone(),
-        );
-        let group_min = Family::<GroupLabels, Gauge>::default();
-        registry.register(
-            "node_group_min_size",
-            "configured min size of each node group served",
-            group_min.clone(),
-        );
-        let group_max = Family::<GroupLabels, Gauge>::default();
-        registry.register(
-            "node_group_max_size",
-            "max size of each node group served",
-            group_max.clone(),
-        );
-        let not_served = Family::<ReasonLabels, Gauge>::default();
-        registry.register(
-            "node_groups_not_served",
-            "candidate node groups not served (`check`'s NOT SERVED) by reason",
-            not_served.clone(),
-        );
-        let machines = Gauge::default();
-        registry.register("machines", "Machines cached", machines.clone());
-        let problems = Family::<KindLabels, Gauge>::default();
-        registry.register(
-            "problems",
-            "problems found in the Cluster API objects (see `check`) by kind",
-            problems.clone(),
-        );
-        let ready = Gauge::default();
-        registry.register(
-            "ready",
-            "1 while /readyz answers 200 (every watch in sync, some group served), else 0",
-            ready.clone(),
-        );
-        // Every label value from the start, so a rule sees 0 rather than no series (and
-        // `increase()` sees the first write, repair or failure as one).
-        for operation in WRITE_OPERATIONS {
-            for outcome in ["ok", "conflict", "error"] {
-                api_writes
-                    .get_or_create(&WriteLabels { operation, outcome })
-                    .get();
-            }
-        }
-        api_writes
-            .get_or_create(&WriteLabels {
-                operation: "repair-unmark",
-                outcome: "ok",
-            })
-            .get();
-        for outcome in ["success", "error"] {
-            tls_reloads.get_or_create(&OutcomeLabels { outcome }).get();
-        }
-        for kind in ProblemKind::ALL {
-            problems
-                .get_or_create(&KindLabels { kind: kind.label() })
-                .set(0);
-        }
-        for reason in NotServed::ALL {
-            not_served
-                .get_or_create(&ReasonLabels {
-                    reason: reason.label(),
-                })
-                .set(0);
-        }
+        let calls = Calls::register(&mut registry);
+        let writes = Writes::register(&mut registry);
+        let watches = Watches::register(&mut registry);
+        let groups = Groups::register(&mut registry);
         Metrics {
             registry,
-            rpc_requests,
-            rpc_seconds,
-            api_writes,
-            api_write_seconds,
-            watch_events,
-            watch_stale,
-            watch_stale_after,
-            rejected,
-            tls_reloads,
-            snapshot_seconds,
-            node_groups,
-            group_target,
-            group_min,
-            group_max,
-            not_served,
-            machines,
-            problems,
-            ready,
+            calls,
+            writes,
+            watches,
+            groups,
         }
     }
 
     pub fn rpc(&self, method: &'static str, code: tonic::Code, elapsed: Duration) {
-        self.rpc_requests
+        self.calls
+            .requests
             .get_or_create(&RpcLabels {
                 method,
                 code: code_name(code),
             })
             .inc();
-        self.rpc_seconds
+        self.calls
+            .seconds
             .get_or_create(&MethodLabels { method })
             .observe(elapsed.as_secs_f64());
     }
@@ -297,8 +358,9 @@ impl Metrics {
     /// One write to the management cluster and how long its request took.
     pub fn api_write(&self, operation: &'static str, outcome: &'static str, elapsed: Duration) {
         let labels = WriteLabels { operation, outcome };
-        self.api_writes.get_or_create(&labels).inc();
-        self.api_write_seconds
+        self.writes.count.get_or_create(&labels).inc();
+        self.writes
+            .seconds
             .get_or_create(&labels)
             .observe(elapsed.as_secs_f64());
     }
@@ -306,28 +368,25 @@ impl Metrics {
     /// A delete mark the repair took back (`api_writes_total{operation="repair-unmark"}`: its
     /// request is counted as `unmark-machine`).
     pub fn mark_repaired(&self) {
-        self.api_writes
-            .get_or_create(&WriteLabels {
-                operation: "repair-unmark",
-                outcome: "ok",
-            })
-            .inc();
+        self.writes.count.get_or_create(&REPAIR_UNMARK).inc();
     }
 
     /// Whether the provider is ready (what /readyz answers).
     pub fn ready(&self, ready: bool) {
-        self.ready.set(i64::from(ready));
+        self.groups.ready.set(i64::from(ready));
     }
 
     pub fn watch_event(&self, resource: &'static str, event: &'static str) {
-        self.watch_events
+        self.watches
+            .events
             .get_or_create(&WatchLabels { resource, event })
             .inc();
     }
 
     /// Seconds the watch of `resource` has been failing (or not yet listed); 0 when in sync.
     pub fn watch_stale(&self, resource: &str, seconds: f64) {
-        self.watch_stale
+        self.watches
+            .stale
             .get_or_create(&ResourceLabels {
                 resource: resource.to_string(),
             })
@@ -336,29 +395,32 @@ impl Metrics {
 
     /// `--watch-stale-after`, the bound [`Metrics::watch_stale`] is judged by.
     pub fn watch_stale_after(&self, after: std::time::Duration) {
-        self.watch_stale_after.set(after.as_secs_f64());
+        self.watches.stale_after.set(after.as_secs_f64());
     }
 
     /// A CloudProvider call refused by a limit, before or instead of its handler.
     pub fn rejected(&self, method: &'static str, reason: &'static str) {
-        self.rejected
+        self.calls
+            .rejected
             .get_or_create(&RejectLabels { method, reason })
             .inc();
     }
 
     pub fn tls_reload(&self, outcome: &'static str) {
-        self.tls_reloads
+        self.calls
+            .tls_reloads
             .get_or_create(&OutcomeLabels { outcome })
             .inc();
     }
 
     pub fn observe_snapshot(&self, snapshot: &Snapshot, elapsed: Duration) {
-        self.snapshot_seconds.observe(elapsed.as_secs_f64());
-        self.node_groups.set(snapshot.groups.len() as i64);
-        self.machines.set(snapshot.machines as i64);
+        self.watches.snapshot_seconds.observe(elapsed.as_secs_f64());
+        self.groups.served.set(snapshot.groups.len() as i64);
+        self.groups.machines.set(snapshot.machines as i64);
         for kind in ProblemKind::ALL {
             let count = snapshot.problems.iter().filter(|p| p.kind == kind).count();
-            self.problems
+            self.groups
+                .problems
                 .get_or_create(&KindLabels { kind: kind.label() })
                 .set(count as i64);
         }
@@ -368,7 +430,8 @@ impl Metrics {
                 .values()
                 .filter(|r| **r == reason)
                 .count();
-            self.not_served
+            self.groups
+                .not_served
                 .get_or_create(&ReasonLabels {
                     reason: reason.label(),
                 })
@@ -379,20 +442,23 @@ impl Metrics {
     /// Target, min and max size of each group `snapshot` serves (groups gone are dropped). Set
     /// when scraped rather than on every snapshot build: it costs a series per group.
     pub fn observe_groups(&self, snapshot: &Snapshot) {
-        for family in [&self.group_target, &self.group_min, &self.group_max] {
+        for family in [&self.groups.target, &self.groups.min, &self.groups.max] {
             family.clear();
         }
         for (id, group) in snapshot.groups.iter() {
             let labels = GroupLabels {
                 node_group: id.to_string(),
             };
-            self.group_target
+            self.groups
+                .target
                 .get_or_create(&labels)
                 .set(i64::from(group.target));
-            self.group_min
+            self.groups
+                .min
                 .get_or_create(&labels)
                 .set(i64::from(group.min));
-            self.group_max
+            self.groups
+                .max
                 .get_or_create(&labels)
                 .set(i64::from(group.max));
         }

@@ -957,6 +957,53 @@ async fn a_removal_waiting_with_nothing_written_lets_the_groups_other_calls_run(
     assert_eq!(fixture.replicas(), 4, "only the raise written");
 }
 
+/// CA asks again for a node whose removal is still under way (its deadline passed, or its next
+/// loop came): the call is answered by that removal, which runs once. Every request after the
+/// settlement is the removal's own last read.
+#[tokio::test]
+async fn delete_nodes_asked_again_while_its_removal_runs_is_answered_by_that_removal() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    // Someone else's mark, their decrement to come: the removal of c waits meanwhile.
+    fixture.meanwhile("machines/a", |m| {
+        m["metadata"]["annotations"][keys().delete_machine.as_str()] = json!("yes");
+    });
+    let api = Arc::clone(&fixture.api);
+    let decrement = tokio::spawn(async move {
+        while !lock(&api).seen.iter().any(|s| s.summary() == LIST_MACHINES) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut api = lock(&api);
+        let version = api.next_version();
+        if let Some(md) = api.objects.get_mut(MD) {
+            md["spec"]["replicas"] = json!(2);
+            md["metadata"]["resourceVersion"] = json!(version);
+        }
+    });
+
+    let c = [node("c")];
+    let (first, again) = within(async {
+        tokio::join!(
+            fixture.actuator.delete_nodes(GROUP, &c),
+            fixture.actuator.delete_nodes(GROUP, &c),
+        )
+    })
+    .await;
+    decrement.await.unwrap();
+
+    assert_eq!((first, again), (Ok(()), Ok(())));
+    assert_eq!(fixture.replicas(), 1, "one decrement of ours, once");
+    let requests = fixture.requests();
+    let settled = requests
+        .iter()
+        .rposition(|r| r == PATCH_MD)
+        .expect("the settlement");
+    assert_eq!(
+        requests[settled + 1..],
+        READ.map(str::to_string),
+        "no second removal ran: {requests:?}"
+    );
+}
+
 /// Finding 5: a rollout that began after the snapshot CA's call was checked against is seen by
 /// the removal's own fresh read: refused, nothing written.
 #[tokio::test]

@@ -31,6 +31,10 @@ pub struct Actuator {
     wait: Duration,
     /// The repair's clock of records seen waiting (`repair::Waiting`).
     waiting: Mutex<repair::Waiting>,
+    /// DeleteNodes in flight, by group and what they remove (`operations::RemovalKey`): CA asking
+    /// again for the same nodes (its deadline passed, or its next loop came) is answered what the
+    /// removal under way does, instead of queueing the same removal behind it.
+    removals: Mutex<HashMap<String, operations::Answer>>,
 }
 
 type GroupLock = Arc<tokio::sync::Mutex<()>>;
@@ -83,6 +87,7 @@ impl Actuator {
             groups: Mutex::new(HashMap::new()),
             wait: Duration::from_secs(3),
             waiting: Mutex::new(HashMap::new()),
+            removals: Mutex::new(HashMap::new()),
         }
     }
 

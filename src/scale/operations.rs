@@ -12,6 +12,7 @@ use super::Actuator;
 use super::execute::Caller;
 use crate::backend::{ActuatorError, NodeToDelete};
 use crate::capi::{ObjectKey, ScalableKind, preflight};
+use crate::lock;
 use crate::protocol::{Cancel, Hold, Operation, Purpose, Raise, Removal, pool_node_entry, refusal};
 use crate::snapshot::{NodeGroup, NodeRef, Snapshot};
 
@@ -61,10 +62,11 @@ impl Actuator {
         refuse_during_rollout(&snapshot, id, "scale-down")?;
         let plan = removal_plan(&snapshot, &self.store.settings().keys, group, nodes)?;
         let mut ops = Vec::new();
-        if plan.held > 0 {
-            let by = u32::try_from(plan.held).unwrap_or(u32::MAX);
+        if !plan.held.is_empty() {
+            let by = u32::try_from(plan.held.len()).unwrap_or(u32::MAX);
             ops.push(Operation::Cancel(Cancel::held(id, by, &token())));
         }
+        let key = plan.key(id);
         if !plan.members.is_empty() {
             ops.push(Operation::Remove(Removal::new(
                 id,
@@ -74,7 +76,30 @@ impl Actuator {
                 now_unix(),
             )));
         }
-        self.run(id, Caller::DeleteNodes, ops).await
+        let mut answer = {
+            let mut removals = lock(&self.removals);
+            match removals.get(&key) {
+                Some(under_way) => under_way.clone(),
+                None => {
+                    let (send, answer) = tokio::sync::watch::channel(None);
+                    removals.insert(key.clone(), answer.clone());
+                    let me = Arc::clone(self);
+                    let id = id.to_string();
+                    tokio::spawn(async move {
+                        let result = me.run(&id, Caller::DeleteNodes, ops).await;
+                        send.send_replace(Some(result));
+                        lock(&me.removals).remove(&key);
+                    });
+                    answer
+                }
+            }
+        };
+        match answer.wait_for(Option::is_some).await {
+            Ok(result) => result.clone().unwrap_or(Ok(())),
+            Err(_) => Err(ActuatorError::Internal(
+                "scale operation ended without an answer".into(),
+            )),
+        }
     }
 
     /// Runs `ops` one after the other under the group's lock (`execute`), on a task of their own: CA's deadline
@@ -175,7 +200,25 @@ fn token() -> String {
 struct RemovalPlan {
     members: Vec<String>,
     pending: Vec<String>,
-    held: usize,
+    /// The instances held back, by the id CA names them by.
+    held: Vec<String>,
+}
+
+/// The answer of a DeleteNodes under way, once it has one.
+pub(super) type Answer = tokio::sync::watch::Receiver<Option<Result<(), ActuatorError>>>;
+
+impl RemovalPlan {
+    /// What tells two DeleteNodes of group `id` apart: the same members (in any order), pending
+    /// members and held-back instances make the same removal.
+    fn key(&self, id: &str) -> String {
+        let mut members = self.members.clone();
+        members.sort();
+        let mut pending = self.pending.clone();
+        pending.sort();
+        let mut held = self.held.clone();
+        held.sort();
+        format!("{id}\n{members:?}\n{pending:?}\n{held:?}")
+    }
 }
 
 /// Whether CA names an instance Cluster API's preflight checks hold back (CA's fake node for it
@@ -198,7 +241,7 @@ fn removal_plan(
     for node in nodes {
         if is_held(node) {
             if seen.insert(format!("held:{}", node.provider_id)) {
-                plan.held += 1;
+                plan.held.push(node.provider_id.clone());
             }
             continue;
         }
