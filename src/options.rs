@@ -343,22 +343,10 @@ pub fn parse_go_duration(input: &str) -> Result<i64, DurationError> {
         }
         let unit_bytes = &s[..i];
         s = &s[i..];
-        let unit: u64 = match unit_bytes {
-            b"ns" => 1,
-            b"us" => 1_000,
-            // U+00B5 micro sign, U+03BC Greek small letter mu
-            b"\xc2\xb5s" | b"\xce\xbcs" => 1_000,
-            b"ms" => 1_000_000,
-            b"s" => 1_000_000_000,
-            b"m" => 60_000_000_000,
-            b"h" => 3_600_000_000_000,
-            _ => {
-                return Err(DurationError::UnknownUnit {
-                    unit: String::from_utf8_lossy(unit_bytes).into_owned(),
-                    input: input.to_string(),
-                });
-            }
-        };
+        let unit = unit_nanos(unit_bytes).ok_or_else(|| DurationError::UnknownUnit {
+            unit: String::from_utf8_lossy(unit_bytes).into_owned(),
+            input: input.to_string(),
+        })?;
         if v > MAX / unit {
             return Err(invalid());
         }
@@ -385,6 +373,21 @@ pub fn parse_go_duration(input: &str) -> Result<i64, DurationError> {
         return Err(invalid());
     }
     Ok(total as i64)
+}
+
+/// Nanoseconds per unit of Go's `time.ParseDuration`.
+fn unit_nanos(unit: &[u8]) -> Option<u64> {
+    Some(match unit {
+        b"ns" => 1,
+        b"us" => 1_000,
+        // U+00B5 micro sign, U+03BC Greek small letter mu
+        b"\xc2\xb5s" | b"\xce\xbcs" => 1_000,
+        b"ms" => 1_000_000,
+        b"s" => 1_000_000_000,
+        b"m" => 60_000_000_000,
+        b"h" => 3_600_000_000_000,
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

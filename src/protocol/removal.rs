@@ -53,6 +53,18 @@ enum Phase {
     Done,
 }
 
+/// What step 1 found: the claim of each named member (new entries to record, marks to write),
+/// the named members already settled, taking-back records a fresh claim replaces, and how many
+/// members this removal still has to settle.
+struct ClaimPlan {
+    claims: BTreeMap<String, String>,
+    new_claims: Vec<String>,
+    marks: Vec<(String, String, String)>,
+    settled_named: Vec<String>,
+    replaced: Vec<String>,
+    to_settle: i32,
+}
+
 /// A removal of some of a group's members.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Removal {
@@ -255,133 +267,17 @@ impl Removal {
                 || g.taking_back.contains(e)
                 || settled.contains(e)
         });
-        // What this decision claims, kept only once it writes (or settles): a removal that waits
-        // has nothing of its own on the group.
-        let mut claims = self.claims.clone();
-        let mut new_claims: Vec<String> = Vec::new();
-        let mut marks: Vec<(String, String, String)> = Vec::new();
-        let mut settled_named: Vec<String> = Vec::new();
-        let mut replaced: Vec<String> = Vec::new();
-        let mut to_settle = 0_i32;
-        for name in self.named.clone() {
-            let Some(member) = read.member(&name) else {
-                if matches!(Entry::parse(&name), Some(Entry::PoolNode(_))) {
-                    // A pool instance no longer listed: the infrastructure, which picks, removed
-                    // it, perhaps for another decrement. Unless its removal is recorded, it is
-                    // one decrement, as for a listed one.
-                    claims.insert(name.clone(), name.clone());
-                    if g.ledger.contains(&name) || self.settled.contains(&name) {
-                        self.settled.insert(name.clone());
-                    } else {
-                        if !g.claims.contains(&name) {
-                            new_claims.push(name.clone());
-                        }
-                        to_settle += 1;
-                    }
-                    continue;
-                }
-                // Gone: owed if still claimed or being taken back (settled with the rest),
-                // else settled already, or gone for another reason: removed either way.
-                let recorded = g
-                    .claims
-                    .iter()
-                    .chain(g.taking_back.iter())
-                    .find(|e| {
-                        Entry::parse(e).is_some_and(|e| {
-                            e.machine() == Some(name.as_str()) && !read.superseded(&e)
-                        })
-                    })
-                    .map(str::to_string);
-                match recorded {
-                    Some(e) => {
-                        claims.insert(name.clone(), e);
-                    }
-                    None => {
-                        let e = claims.get(&name).cloned().unwrap_or_else(|| name.clone());
-                        self.settled.insert(e.clone());
-                        claims.insert(name.clone(), e);
-                    }
-                }
-                continue;
-            };
-            if member.deleting {
-                if let Standing::Claimed(e) | Standing::TakingBack(e) | Standing::Unrecorded(e) =
-                    read.standing(member)
-                {
-                    // Owed: settled with the rest (exactly once, whoever does it first).
-                    claims.insert(name.clone(), e);
-                }
-                continue;
-            }
-            if self.unregistered.contains(&name) && member.registered {
-                return self.stop(refusal::registered(&self.group, &name));
-            }
-            match read.standing(member) {
-                Standing::Settled(e) => {
-                    self.settled.insert(e.clone());
-                    claims.insert(name.clone(), e);
-                    settled_named.push(name.clone());
-                }
-                Standing::TakingBack(_) => {
-                    let refusal = refusal::taking_back(&self.group, &name);
-                    return self.pause(refusal);
-                }
-                Standing::Claimed(e) => {
-                    claims.insert(name.clone(), e);
-                    to_settle += 1;
-                }
-                Standing::Unrecorded(e) => {
-                    claims.insert(name.clone(), e.clone());
-                    new_claims.push(e);
-                    to_settle += 1;
-                }
-                Standing::Foreign => {
-                    let e = read.entry_of(member, "", self.stamp);
-                    claims.insert(name.clone(), e.clone());
-                    new_claims.push(e);
-                    to_settle += 1;
-                }
-                Standing::Unmarked => {
-                    // Its earlier removals being taken back are done with: their marks are
-                    // gone. Dropped with this claim, so that none is taken for owed once
-                    // Cluster API deletes the Machine for this one.
-                    replaced.extend(
-                        g.taking_back
-                            .iter()
-                            .filter(|e| {
-                                Entry::parse(e).is_some_and(|e| e.machine() == Some(name.as_str()))
-                            })
-                            .map(str::to_string),
-                    );
-                    // An entry settled or being taken back is never claimed again: a new
-                    // mark is a new removal, with a stamp after every recorded one.
-                    let live = |e: &String| !g.ledger.contains(e) && !g.taking_back.contains(e);
-                    let known = claims.get(&name).cloned().filter(live);
-                    let e = match known.or_else(|| claimed_entry(read, &name)) {
-                        Some(e) => e,
-                        None if member.machineless => name.clone(),
-                        None => {
-                            let stamp = Ledger::fresh_stamp(
-                                &name,
-                                self.stamp,
-                                &[&g.ledger, &g.claims, &g.taking_back],
-                            );
-                            super::ledger::mark_entry(&name, stamp)
-                        }
-                    };
-                    if !g.claims.contains(&e) {
-                        new_claims.push(e.clone());
-                    }
-                    if !member.machineless
-                        && let Some(Entry::Ours { stamp, .. }) = Entry::parse(&e)
-                    {
-                        marks.push((name.clone(), member.version.clone(), our_mark(stamp)));
-                    }
-                    claims.insert(name.clone(), e);
-                    to_settle += 1;
-                }
-            }
-        }
+        let ClaimPlan {
+            claims,
+            new_claims,
+            marks,
+            settled_named,
+            replaced,
+            to_settle,
+        } = match self.claim_plan(read) {
+            Ok(plan) => plan,
+            Err(next) => return *next,
+        };
         let accounts = read.accounts(&self.named);
         let balance = accounts.balance();
         if !settled_named.is_empty() && balance < 0 {
@@ -430,6 +326,148 @@ impl Removal {
             taking_back: (taking_back != g.taking_back).then_some(taking_back),
             ..GroupWrite::default()
         }))
+    }
+
+    /// Step 1's survey: where each named member stands, what to claim and mark for it.
+    fn claim_plan(&mut self, read: &Read) -> Result<ClaimPlan, Box<Next>> {
+        // What this decision claims, kept only once it writes (or settles): a removal that waits
+        // has nothing of its own on the group.
+        let mut plan = ClaimPlan {
+            claims: self.claims.clone(),
+            new_claims: Vec::new(),
+            marks: Vec::new(),
+            settled_named: Vec::new(),
+            replaced: Vec::new(),
+            to_settle: 0,
+        };
+        for name in self.named.clone() {
+            let Some(member) = read.member(&name) else {
+                self.plan_unlisted(read, &name, &mut plan);
+                continue;
+            };
+            if member.deleting {
+                if let Standing::Claimed(e) | Standing::TakingBack(e) | Standing::Unrecorded(e) =
+                    read.standing(member)
+                {
+                    // Owed: settled with the rest (exactly once, whoever does it first).
+                    plan.claims.insert(name.clone(), e);
+                }
+                continue;
+            }
+            if self.unregistered.contains(&name) && member.registered {
+                return Err(Box::new(self.stop(refusal::registered(&self.group, &name))));
+            }
+            match read.standing(member) {
+                Standing::Settled(e) => {
+                    self.settled.insert(e.clone());
+                    plan.claims.insert(name.clone(), e);
+                    plan.settled_named.push(name.clone());
+                }
+                Standing::TakingBack(_) => {
+                    let refusal = refusal::taking_back(&self.group, &name);
+                    return Err(Box::new(self.pause(refusal)));
+                }
+                Standing::Claimed(e) => {
+                    plan.claims.insert(name.clone(), e);
+                    plan.to_settle += 1;
+                }
+                Standing::Unrecorded(e) => {
+                    plan.claims.insert(name.clone(), e.clone());
+                    plan.new_claims.push(e);
+                    plan.to_settle += 1;
+                }
+                Standing::Foreign => {
+                    let e = read.entry_of(member, "", self.stamp);
+                    plan.claims.insert(name.clone(), e.clone());
+                    plan.new_claims.push(e);
+                    plan.to_settle += 1;
+                }
+                Standing::Unmarked => self.plan_unmarked(read, member, &mut plan),
+            }
+        }
+        Ok(plan)
+    }
+
+    /// A named member the read does not list.
+    fn plan_unlisted(&mut self, read: &Read, name: &str, plan: &mut ClaimPlan) {
+        let g = &read.group;
+        if matches!(Entry::parse(name), Some(Entry::PoolNode(_))) {
+            // A pool instance no longer listed: the infrastructure, which picks, removed it,
+            // perhaps for another decrement. Unless its removal is recorded, it is one decrement,
+            // as for a listed one.
+            plan.claims.insert(name.to_string(), name.to_string());
+            if g.ledger.contains(name) || self.settled.contains(name) {
+                self.settled.insert(name.to_string());
+            } else {
+                if !g.claims.contains(name) {
+                    plan.new_claims.push(name.to_string());
+                }
+                plan.to_settle += 1;
+            }
+            return;
+        }
+        // Gone: owed if still claimed or being taken back (settled with the rest), else settled
+        // already, or gone for another reason: removed either way.
+        let recorded = g
+            .claims
+            .iter()
+            .chain(g.taking_back.iter())
+            .find(|e| {
+                Entry::parse(e).is_some_and(|e| e.machine() == Some(name) && !read.superseded(&e))
+            })
+            .map(str::to_string);
+        let e = match recorded {
+            Some(e) => e,
+            None => {
+                let e = plan
+                    .claims
+                    .get(name)
+                    .cloned()
+                    .unwrap_or_else(|| name.to_string());
+                self.settled.insert(e.clone());
+                e
+            }
+        };
+        plan.claims.insert(name.to_string(), e);
+    }
+
+    /// A named member without a mark: claimed afresh and marked by this removal.
+    fn plan_unmarked(&self, read: &Read, member: &super::Member, plan: &mut ClaimPlan) {
+        let g = &read.group;
+        let name = &member.name;
+        // Its earlier removals being taken back are done with: their marks are gone. Dropped with
+        // this claim, so that none is taken for owed once Cluster API deletes the Machine for this
+        // one.
+        plan.replaced.extend(
+            g.taking_back
+                .iter()
+                .filter(|e| Entry::parse(e).is_some_and(|e| e.machine() == Some(name.as_str())))
+                .map(str::to_string),
+        );
+        // An entry settled or being taken back is never claimed again: a new mark is a new
+        // removal, with a stamp after every recorded one.
+        let live = |e: &String| !g.ledger.contains(e) && !g.taking_back.contains(e);
+        let known = plan.claims.get(name).cloned().filter(live);
+        let e = match known.or_else(|| claimed_entry(read, name)) {
+            Some(e) => e,
+            None if member.machineless => name.clone(),
+            None => {
+                let stamp =
+                    Ledger::fresh_stamp(name, self.stamp, &[&g.ledger, &g.claims, &g.taking_back]);
+                super::ledger::mark_entry(name, stamp)
+            }
+        };
+        if !g.claims.contains(&e) {
+            plan.new_claims.push(e.clone());
+        }
+        if !member.machineless
+            && let Some(Entry::Ours { stamp, .. }) = Entry::parse(&e)
+        {
+            plan.marks
+                .push((name.clone(), member.version.clone(), our_mark(stamp)));
+        }
+        plan.claims.insert(name.clone(), e);
+        plan.to_settle += 1;
     }
 
     /// Waits before anything of this removal is written, or, once something is, takes it back

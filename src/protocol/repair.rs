@@ -128,12 +128,34 @@ impl Repair {
         }
     }
 
+    /// The first of the repair's steps that has something to write, in order.
     fn decide(&mut self, read: &Read) -> Next {
-        let g = &read.group;
+        if let Some(next) = self.settle_owed(read) {
+            return next;
+        }
+        if let Some(next) = self.drop_stale_claims(read) {
+            return next;
+        }
+        if let Some(next) = self.record_marks_to_take_back(read) {
+            return next;
+        }
+        // 4. Marks recorded as being taken back and still there (a take-back interrupted).
+        let leftover: Vec<(String, String)> = read
+            .members
+            .iter()
+            .filter(|m| !m.deleting && matches!(read.standing(m), Standing::TakingBack(_)))
+            .map(|m| (m.name.clone(), m.version.clone()))
+            .collect();
+        if !leftover.is_empty() {
+            return self.unmark_next(read, leftover);
+        }
+        self.clean_records(read).unwrap_or(Next::Done(Ok(())))
+    }
+
+    /// 1. Removals Cluster API acted on (their Machine deleting or gone), never left owed.
+    fn settle_owed(&mut self, read: &Read) -> Option<Next> {
         let none = BTreeSet::new();
-        let accounts = read.accounts(&none);
-        let balance = accounts.balance();
-        // 1. Removals Cluster API acted on (their Machine deleting or gone), never left owed.
+        let balance = read.accounts(&none).balance();
         let owed: Vec<String> = read
             .members
             .iter()
@@ -144,13 +166,18 @@ impl Repair {
             })
             .chain(read.gone_claims().into_iter().map(str::to_string))
             .collect();
-        if !owed.is_empty() {
-            let write = owed_settlement(read, &owed, balance);
-            return self.write(RepairAction::Settled(owed), write);
+        if owed.is_empty() {
+            return None;
         }
-        // 2. Claims whose Machine never got (or lost) the mark: a removal stopped before marking.
-        //    Moved to the taking-back record, never just dropped: a mark of that removal still on
-        //    its way is then one being taken back (unmarked, or settled if Cluster API took it).
+        let write = owed_settlement(read, &owed, balance);
+        Some(self.write(RepairAction::Settled(owed), write))
+    }
+
+    /// 2. Claims whose Machine never got (or lost) the mark: a removal stopped before marking.
+    ///    Moved to the taking-back record, never just dropped: a mark of that removal still on its
+    ///    way is then one being taken back (unmarked, or settled if Cluster API took it).
+    fn drop_stale_claims(&mut self, read: &Read) -> Option<Next> {
+        let g = &read.group;
         let stale: Vec<String> = read
             .stale_claims()
             .into_iter()
@@ -161,28 +188,35 @@ impl Repair {
             .into_iter()
             .filter(|e| self.ripe.contains(e))
             .collect();
-        if !ripe_stale.is_empty() {
-            let mut claims = g.claims.clone();
-            let mut taking_back = g.taking_back.clone();
-            for e in &ripe_stale {
-                claims.remove(e);
-                if matches!(Entry::parse(e), Some(Entry::Ours { .. })) {
-                    taking_back.insert(e.clone());
-                }
-            }
-            return self.write(
-                RepairAction::DroppedStale(ripe_stale),
-                GroupWrite {
-                    version: g.version.clone(),
-                    claims: Some(claims),
-                    taking_back: (taking_back != g.taking_back).then_some(taking_back),
-                    ..GroupWrite::default()
-                },
-            );
+        if ripe_stale.is_empty() {
+            return None;
         }
-        // 3. Marks of ours no removal will settle: claimed and waiting (its removal stopped),
-        //    unrecorded, or settled but absorbed by a raise once Cluster API has observed it and
-        //    deletes nothing more (every settled mark still there is then beyond replicas).
+        let mut claims = g.claims.clone();
+        let mut taking_back = g.taking_back.clone();
+        for e in &ripe_stale {
+            claims.remove(e);
+            if matches!(Entry::parse(e), Some(Entry::Ours { .. })) {
+                taking_back.insert(e.clone());
+            }
+        }
+        Some(self.write(
+            RepairAction::DroppedStale(ripe_stale),
+            GroupWrite {
+                version: g.version.clone(),
+                claims: Some(claims),
+                taking_back: (taking_back != g.taking_back).then_some(taking_back),
+                ..GroupWrite::default()
+            },
+        ))
+    }
+
+    /// 3. Marks of ours no removal will settle: claimed and waiting (its removal stopped),
+    ///    unrecorded, or settled but absorbed by a raise once Cluster API has observed it and
+    ///    deletes nothing more (every settled mark still there is then beyond replicas).
+    fn record_marks_to_take_back(&mut self, read: &Read) -> Option<Next> {
+        let g = &read.group;
+        let none = BTreeSet::new();
+        let accounts = read.accounts(&none);
         let absorbed = g.observed && accounts.owed == 0 && accounts.surplus <= 0;
         let mut take: Vec<String> = Vec::new();
         for m in read
@@ -204,36 +238,31 @@ impl Repair {
                 _ => {}
             }
         }
-        if !take.is_empty() {
-            let mut claims = g.claims.clone();
-            let mut ledger = g.ledger.clone();
-            let mut taking_back = g.taking_back.clone();
-            for e in &take {
-                claims.remove(e);
-                ledger.remove(e);
-                taking_back.insert(e.clone());
-            }
-            return self.write(
-                RepairAction::Recorded(take),
-                GroupWrite {
-                    version: g.version.clone(),
-                    ledger: (ledger != g.ledger).then_some(ledger),
-                    claims: (claims != g.claims).then_some(claims),
-                    taking_back: Some(taking_back),
-                    ..GroupWrite::default()
-                },
-            );
+        if take.is_empty() {
+            return None;
         }
-        // 4. Marks recorded as being taken back and still there (a take-back interrupted).
-        let leftover: Vec<(String, String)> = read
-            .members
-            .iter()
-            .filter(|m| !m.deleting && matches!(read.standing(m), Standing::TakingBack(_)))
-            .map(|m| (m.name.clone(), m.version.clone()))
-            .collect();
-        if !leftover.is_empty() {
-            return self.unmark_next(read, leftover);
+        let mut claims = g.claims.clone();
+        let mut ledger = g.ledger.clone();
+        let mut taking_back = g.taking_back.clone();
+        for e in &take {
+            claims.remove(e);
+            ledger.remove(e);
+            taking_back.insert(e.clone());
         }
+        Some(self.write(
+            RepairAction::Recorded(take),
+            GroupWrite {
+                version: g.version.clone(),
+                ledger: (ledger != g.ledger).then_some(ledger),
+                claims: (claims != g.claims).then_some(claims),
+                taking_back: Some(taking_back),
+                ..GroupWrite::default()
+            },
+        ))
+    }
+
+    fn clean_records(&mut self, read: &Read) -> Option<Next> {
+        let g = &read.group;
         // 5. Records nothing needs: taken-back entries a later removal of their Machine replaced,
         //    taken-back entries whose Machine is there without that mark (once ripe: a mark of
         //    that removal could otherwise still be on its way), settled entries whose Machine is
@@ -276,18 +305,18 @@ impl Repair {
                 ledger.remove(&e);
             }
         }
-        if taking_back != g.taking_back || ledger != g.ledger {
-            return self.write(
-                RepairAction::Cleaned,
-                GroupWrite {
-                    version: g.version.clone(),
-                    ledger: (ledger != g.ledger).then_some(ledger),
-                    taking_back: (taking_back != g.taking_back).then_some(taking_back),
-                    ..GroupWrite::default()
-                },
-            );
+        if taking_back == g.taking_back && ledger == g.ledger {
+            return None;
         }
-        Next::Done(Ok(()))
+        Some(self.write(
+            RepairAction::Cleaned,
+            GroupWrite {
+                version: g.version.clone(),
+                ledger: (ledger != g.ledger).then_some(ledger),
+                taking_back: (taking_back != g.taking_back).then_some(taking_back),
+                ..GroupWrite::default()
+            },
+        ))
     }
 
     fn write(&mut self, action: RepairAction, write: GroupWrite) -> Next {
