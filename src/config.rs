@@ -183,8 +183,9 @@ pub struct ServeArgs {
     pub repair_interval: std::time::Duration,
     /// How long a record must stand unchanged, as this provider sees it, before the repair takes
     /// it back: a removal's claim or mark that no removal settles (its removal stopped part-way),
-    /// a pool entry whose instance left the list (CA may still retry it). Longer than any removal
-    /// takes; measured on this provider's clock from when it first saw the record, never compared
+    /// a pool entry whose instance left the list (CA may still retry it). Longer than a removal
+    /// may still mark in (`--request-timeout` plus 4 s; shorter is warned of); measured on this
+    /// provider's clock from when it first saw the record, never compared
     /// with another machine's. What Cluster API has done is not timed: an absorbed mark is taken
     /// back, and capacity without a Machine cancelled, once Cluster API has observed the group's
     /// replicas (observedGeneration, its MachineSets' replicas).

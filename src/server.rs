@@ -110,6 +110,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let actuator =
         Arc::new(Actuator::new(store, Arc::clone(&metrics)).with_wait(args.request_timeout / 2));
+    // An operation marks only within --request-timeout of its call, each write answered within
+    // the API call timeout: a claim that stood longer than both is no removal's any more.
+    let marking = args.request_timeout + crate::scale::CALL_TIMEOUT;
+    if args.mark_grace_period < marking {
+        tracing::warn!(
+            mark_grace_period = ?args.mark_grace_period,
+            "--mark-grace-period is shorter than --request-timeout plus the API call timeout ({marking:?}): with several providers, a repair could take back the claim of another's removal that may still mark its Machine"
+        );
+    }
     actuator.spawn_repair(args.repair_interval, args.mark_grace_period);
     let service = Service::new(actuator, metrics);
     let router = Server::builder()

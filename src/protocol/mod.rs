@@ -147,6 +147,19 @@ impl Operation {
         ))))
     }
 
+    /// Its time to mark is up: asked instead of a [`Write::Mark`] once the operation is older than
+    /// the shell lets it mark in. The repair takes a claim back once it has stood
+    /// `--mark-grace-period`; a mark written after that could be deleted for another removal's
+    /// decrement, with nothing left to record it. What the operation wrote is taken back instead.
+    pub fn too_late_to_mark(&mut self) -> Next {
+        match self {
+            Operation::Remove(op) => op.too_late_to_mark(),
+            Operation::Cancel(op) => op.too_late_to_mark(),
+            // Neither marks.
+            Operation::Raise(_) | Operation::Repair(_) => Next::Read,
+        }
+    }
+
     /// The time to wait is up.
     pub fn expired(&mut self) -> Next {
         match self {

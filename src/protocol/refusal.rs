@@ -108,6 +108,12 @@ pub(super) fn mark_lost(group: &str, machine: &str) -> Refusal {
     ))
 }
 
+pub(super) fn too_late_to_mark(group: &str) -> Refusal {
+    Refusal::Unavailable(format!(
+        "{group}: the API answered too slowly for this call to mark its Machines within --request-timeout of its arrival (past that, a repair may take its claim back); what it wrote is taken back: ask again"
+    ))
+}
+
 pub(super) fn taking_back(group: &str, machine: &str) -> Refusal {
     Refusal::Precondition(format!(
         "{group}: the delete mark of Machine {machine} is being taken back by a repair: nothing written; ask again once it is gone, as a fresh removal"

@@ -205,6 +205,13 @@ impl Removal {
         }
     }
 
+    /// Out of time to mark (see [`super::Operation::too_late_to_mark`]): its claims are taken
+    /// back, unmarked.
+    pub fn too_late_to_mark(&mut self) -> Next {
+        self.phase = Phase::TakingBack(refusal::too_late_to_mark(&self.group));
+        Next::Read
+    }
+
     /// Out of time while waiting: what this removal still has pending is taken back.
     pub fn expired(&mut self) -> Next {
         match &self.phase {

@@ -183,6 +183,13 @@ impl Cancel {
         }
     }
 
+    pub fn too_late_to_mark(&mut self) -> Next {
+        match &mut self.phase {
+            CancelPhase::Pinning(removal) => removal.too_late_to_mark(),
+            _ => Next::Read,
+        }
+    }
+
     pub fn expired(&mut self) -> Next {
         match &mut self.phase {
             CancelPhase::Pinning(removal) => removal.expired(),

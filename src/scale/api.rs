@@ -12,7 +12,7 @@ use crate::capi::ScalableKind;
 use crate::object::ApiObject;
 
 /// Bound on each API call, below CA's default gRPC deadline (5s).
-const CALL_TIMEOUT: Duration = Duration::from_secs(4);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// An API error, kept apart from conflicts so writes can retry those.
 #[derive(Debug)]

@@ -92,6 +92,11 @@ impl Actuator {
                     }
                     Err(e) => op.read_failed(&e.to_string()),
                 },
+                // Marks only within the call's time (twice the wait: --request-timeout), well
+                // inside the grace period after which the repair takes a claim back.
+                Next::Write(Write::Mark { .. }) if Instant::now() > wait_until + self.wait => {
+                    op.too_late_to_mark()
+                }
                 Next::Write(write) => {
                     let outcome = self.apply(group, caller, &write).await;
                     if outcome == Outcome::Landed

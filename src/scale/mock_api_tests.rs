@@ -529,6 +529,16 @@ impl Fixture {
         }
     }
 
+    /// The actuator waiting at most `wait` (and marking within twice that of a call's arrival).
+    fn waiting(self, wait: Duration) -> Self {
+        let actuator = Arc::try_unwrap(self.actuator)
+            .unwrap_or_else(|_| panic!("the fixture's actuator is shared already"));
+        Fixture {
+            actuator: Arc::new(actuator.with_wait(wait)),
+            api: self.api,
+        }
+    }
+
     /// Makes the next `method` request to `path` meet `fault`.
     fn fault(&self, method: Method, path: &str, fault: Fault) {
         self.fault_at(method, path, 0, fault);
@@ -1001,6 +1011,43 @@ async fn delete_nodes_asked_again_while_its_removal_runs_is_answered_by_that_rem
         requests[settled + 1..],
         READ.map(str::to_string),
         "no second removal ran: {requests:?}"
+    );
+}
+
+/// A removal whose time to mark ran out (the API answered its claim too slowly: here, no time at
+/// all) writes no mark: past it, a repair of another provider may take its claim back, and a mark
+/// written then could be deleted for another removal's decrement with nothing recording it. Its
+/// claim is taken back through the record, nothing else written, the call answered UNAVAILABLE.
+#[tokio::test]
+async fn a_removal_out_of_time_to_mark_takes_its_claim_back_without_marking() {
+    let fixture = Fixture::new(&three_running(3, &[])).waiting(Duration::ZERO);
+
+    let error = within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap_err();
+
+    assert!(
+        matches!(&error, ActuatorError::Api { message, .. } if message.contains("too slowly")),
+        "{error:?}"
+    );
+    assert_eq!(fixture.mark("c"), None, "no mark written");
+    assert!(
+        fixture.patches("machines/c").is_empty(),
+        "{:?}",
+        fixture.requests()
+    );
+    assert_eq!(fixture.replicas(), 3, "no decrement");
+    assert_eq!(
+        fixture.records(CLAIMS_ANNOTATION).unwrap_or_default(),
+        "",
+        "claim taken back"
+    );
+    assert!(
+        fixture
+            .records(TAKING_BACK_ANNOTATION)
+            .is_some_and(|t| t.starts_with("c@")),
+        "the claim recorded as being taken back: {:?}",
+        fixture.records(TAKING_BACK_ANNOTATION)
     );
 }
 

@@ -15,6 +15,7 @@ use crate::snapshot::Snapshot;
 use crate::watch::Store;
 
 mod api;
+pub(crate) use api::CALL_TIMEOUT;
 mod execute;
 mod operations;
 mod read;

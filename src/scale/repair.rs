@@ -2,9 +2,11 @@
 //! each group whose cached objects show something to settle, take back or clean; confirmed from
 //! the API by the round's own fresh read. Records of a removal (a claim, an unrecorded mark, a
 //! taking-back entry on a Machine without its mark) are left alone until this provider has seen
-//! them waiting for `--mark-grace-period`: longer than any operation lives, so a removal in
-//! flight on another provider is never taken back under it. Safety does not rest on that timing
-//! (the protocol's records do it); only how soon a stopped removal is cleaned up.
+//! them waiting for `--mark-grace-period`: longer than a removal may still mark in (the shell
+//! marks only within `--request-timeout` of the call), so a removal in flight on another provider
+//! is never taken back under it. This duration is one the protocol counts on: a claim dropped
+//! under a removal that then marks lets Cluster API delete that Machine for another removal's
+//! decrement (the model checker finds it when a repair may take back what an operation holds).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;

@@ -89,6 +89,9 @@ pub struct Budget {
     pub user: u8,
     /// Repair rounds that write.
     pub repairs: u8,
+    /// Operations told their time to mark is up instead of writing a mark (the API answered them
+    /// too slowly).
+    pub slow: u8,
     /// Reads list the members after the group, other steps between (else one atomic step).
     pub split_reads: bool,
 }
