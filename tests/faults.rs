@@ -413,20 +413,39 @@ async fn client_deadlines_during_an_api_stall_leave_no_unpaid_mark_and_no_lost_d
         ),
     );
 
-    // CA retries `first` and `second` with its usual deadline (10 s in our cloud-config).
+    // CA retries `first` and `second` with its usual deadline (10 s in our cloud-config), in its
+    // next loops until one is answered: a removal that began in the stall and ran out of time to
+    // mark answers UNAVAILABLE (its claim taken back), as does a retry that joined it.
     for machine in [&first, &second] {
-        if let Err(e) = delete_nodes(
-            &rpc,
-            &id,
-            vec![nodes[machine].clone()],
-            Duration::from_secs(10),
+        let answered = poll_until(
+            &format!("DeleteNodes({machine}) after the stall"),
+            Duration::from_secs(60),
+            Duration::from_millis(200),
+            || async {
+                match delete_nodes(
+                    &rpc,
+                    &id,
+                    vec![nodes[machine].clone()],
+                    Duration::from_secs(10),
+                )
+                .await
+                {
+                    Ok(()) => Check::Done(()),
+                    Err(e)
+                        if matches!(
+                            e.code(),
+                            Code::Unavailable | Code::DeadlineExceeded | Code::Aborted
+                        ) =>
+                    {
+                        Check::Wait(e.to_string())
+                    }
+                    Err(e) => Check::Fatal(e.to_string()),
+                }
+            },
         )
-        .await
-        {
-            s.fail(&format!(
-                "DeleteNodes({machine}) after the stall: {e}\n{}",
-                provider.log_contents()
-            ));
+        .await;
+        if let Err(e) = answered {
+            s.fail(&format!("{e}\n{}", provider.log_contents()));
         }
     }
     drain_group(&rpc, &id).await;
