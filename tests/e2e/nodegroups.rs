@@ -1403,9 +1403,11 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
                 // The group's operations run one at a time: one queued past the call's deadline
                 // is answered DEADLINE_EXCEEDED and goes on to completion. CA asks a removal again
                 // in its next loops, and is answered by the removal under way (or what it did); a
-                // raise it counts as made (its operation makes it, after the answer).
+                // raise it counts as made (its operation makes it, after the answer). A removal
+                // queued so long that its time to mark ran out answers UNAVAILABLE: asked again too.
                 let patience = Instant::now() + Duration::from_secs(120);
-                while matches!(&result, Err(s) if s.code() == Code::DeadlineExceeded)
+                while matches!(&result, Err(s) if s.code() == Code::DeadlineExceeded
+                    || (s.code() == Code::Unavailable && op.is_some()))
                     && Instant::now() < patience
                 {
                     result = match &op {
