@@ -564,6 +564,14 @@ impl Fixture {
         object["metadata"]["resourceVersion"] = json!(version);
     }
 
+    /// Someone else (a user, another tool) marks Machine `name` for deletion, their decrement
+    /// still to come: a removal of ours waits for the group to balance meanwhile.
+    fn marked_by_someone_else(&self, name: &str) {
+        self.meanwhile(&format!("machines/{name}"), |m| {
+            m["metadata"]["annotations"][keys().delete_machine.as_str()] = json!("yes");
+        });
+    }
+
     fn object(&self, path: &str) -> Value {
         lock(&self.api).objects[path].clone()
     }
@@ -910,9 +918,7 @@ async fn finding_1_a_mark_the_machine_set_takes_for_an_earlier_decrement_is_stil
 async fn finding_3_someone_elses_mark_and_decrement_are_not_credited_to_our_removal() {
     let fixture = Fixture::new(&three_running(3, &[]));
     // The user marks a (their decrement still to come) before our removal reads.
-    fixture.meanwhile("machines/a", |m| {
-        m["metadata"]["annotations"][keys().delete_machine.as_str()] = json!("yes");
-    });
+    fixture.marked_by_someone_else("a");
     let actuator = Arc::clone(&fixture.actuator);
     let ours = tokio::spawn(async move { actuator.delete_nodes(GROUP, &[node("c")]).await });
     // The user's decrement lands while ours waits for the group to balance.
@@ -937,9 +943,7 @@ async fn finding_3_someone_elses_mark_and_decrement_are_not_credited_to_our_remo
 async fn a_removal_waiting_with_nothing_written_lets_the_groups_other_calls_run() {
     let fixture = Fixture::new(&three_running(3, &[]));
     // Someone else's mark without its decrement: our removal waits for the group to balance.
-    fixture.meanwhile("machines/a", |m| {
-        m["metadata"]["annotations"][keys().delete_machine.as_str()] = json!("yes");
-    });
+    fixture.marked_by_someone_else("a");
     let actuator = Arc::clone(&fixture.actuator);
     let ours = tokio::spawn(async move { actuator.delete_nodes(GROUP, &[node("c")]).await });
     within(async {
@@ -974,9 +978,7 @@ async fn a_removal_waiting_with_nothing_written_lets_the_groups_other_calls_run(
 async fn delete_nodes_asked_again_while_its_removal_runs_is_answered_by_that_removal() {
     let fixture = Fixture::new(&three_running(3, &[]));
     // Someone else's mark, their decrement to come: the removal of c waits meanwhile.
-    fixture.meanwhile("machines/a", |m| {
-        m["metadata"]["annotations"][keys().delete_machine.as_str()] = json!("yes");
-    });
+    fixture.marked_by_someone_else("a");
     let api = Arc::clone(&fixture.api);
     let decrement = tokio::spawn(async move {
         while !lock(&api).seen.iter().any(|s| s.summary() == LIST_MACHINES) {

@@ -32,7 +32,7 @@ pub struct Actuator {
     wait: Duration,
     /// The repair's clock of records seen waiting (`repair::Waiting`).
     waiting: Mutex<repair::Waiting>,
-    /// DeleteNodes in flight, by group and what they remove (`operations::RemovalKey`): CA asking
+    /// DeleteNodes in flight, by group and what they remove (`RemovalPlan::key`): CA asking
     /// again for the same nodes (its deadline passed, or its next loop came) is answered what the
     /// removal under way does, instead of queueing the same removal behind it.
     removals: Mutex<HashMap<String, operations::Answer>>,

@@ -85,6 +85,8 @@ impl Actuator {
                     removals.insert(key.clone(), answer.clone());
                     let me = Arc::clone(self);
                     let id = id.to_string();
+                    // This task owns the answer and its entry; `run` is the operation's own task,
+                    // so a panic in it still ends in an answer and the entry's removal.
                     tokio::spawn(async move {
                         let result = me.run(&id, Caller::DeleteNodes, ops).await;
                         send.send_replace(Some(result));
