@@ -12,6 +12,7 @@
 use capi_autoscaler_provider::capi::{
     ClusterTopology, InfraTemplate, Keys, Machine, Node, ParseError, ScalableKind, ScalableResource,
 };
+use capi_autoscaler_provider::template::NODE_LABELS_COPIED;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Map, Value, json};
@@ -187,8 +188,8 @@ fn parse_all(obj: &Value, keys: &Keys) {
         Ok(c) => assert!(!c.key.name.is_empty()),
         Err(e) => check_error(e, obj),
     }
-    let node = Node::from_json(keys, obj);
-    assert_eq!(node, Node::from_json(keys, obj));
+    let node = Node::from_json(keys, &NODE_LABELS_COPIED, obj);
+    assert_eq!(node, Node::from_json(keys, &NODE_LABELS_COPIED, obj));
     match &node {
         Ok(n) => {
             assert_eq!(obj["metadata"]["name"].as_str().unwrap_or_default(), n.name);

@@ -133,6 +133,8 @@ fn run(u: &mut Unstructured) -> Result<()> {
         cluster_name: "c".into(),
         replicas: u.arbitrary()?,
         status_replicas: None,
+        generation: None,
+        observed_generation: None,
         rolling_out: false,
         preflight: None,
         paused: false,
