@@ -181,14 +181,14 @@ pub struct ServeArgs {
         value_parser = parse_duration
     )]
     pub repair_interval: std::time::Duration,
-    /// How long a record must stand unchanged, as this provider sees it, before the repair takes
-    /// it back: a removal's claim or mark that no removal settles (its removal stopped part-way),
-    /// a pool entry whose instance left the list (CA may still retry it). Longer than a removal
-    /// may still mark in (`--request-timeout` plus 4 s; shorter is warned of); measured on this
-    /// provider's clock from when it first saw the record, never compared
-    /// with another machine's. What Cluster API has done is not timed: an absorbed mark is taken
-    /// back, and capacity without a Machine cancelled, once Cluster API has observed the group's
-    /// replicas (observedGeneration, its MachineSets' replicas).
+    /// How old a record must be before the repair takes it back: a removal's claim or mark that no
+    /// removal settles (its removal stopped part-way), a pool entry whose instance left the list
+    /// (CA may still retry it). Longer than a removal may still mark in (`--request-timeout` plus
+    /// 4 s; shorter is warned of). Counted on the API server's clock (the `Date` of its answers)
+    /// from the record's stamp, its removal's start on that clock; a pool entry has no stamp and
+    /// waits from when this provider first saw it unlisted. What Cluster API has done is not timed:
+    /// an absorbed mark is taken back, and capacity without a Machine cancelled, once Cluster API
+    /// has observed the group's replicas (observedGeneration, its MachineSets' replicas).
     #[arg(
         long = "mark-grace-period",
         env = "CAPI_AUTOSCALER_PROVIDER_MARK_GRACE_PERIOD",

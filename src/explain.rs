@@ -514,9 +514,13 @@ pub async fn run(args: ExplainArgs) -> anyhow::Result<ExitCode> {
         Some(path) => KubeconfigSource::File(path.clone()),
         None => config.management.clone(),
     };
-    let client = crate::startup::client_for(&watched, config.api_ping)
-        .await
-        .context("the cluster cluster-autoscaler watches")?;
+    let client = crate::startup::client_for(
+        &watched,
+        config.api_ping,
+        &crate::server_clock::ServerClock::default(),
+    )
+    .await
+    .context("the cluster cluster-autoscaler watches")?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let pod = pods
         .get_opt(name)

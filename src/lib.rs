@@ -26,6 +26,7 @@ pub mod protocol;
 mod scale;
 pub mod scope;
 pub mod server;
+pub mod server_clock;
 pub mod snapshot;
 mod startup;
 pub mod template;

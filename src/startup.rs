@@ -12,14 +12,16 @@ use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tower::retry::RetryLayer;
+use tower::util::MapResponseLayer;
 use tower::{BoxError, ServiceBuilder};
 
 use crate::apis::CapiApis;
 use crate::config::{ApiPing, Config, KubeconfigSource};
 use crate::metrics::Metrics;
+use crate::server_clock::ServerClock;
 use crate::snapshot::Settings;
 use crate::version;
-use crate::watch::{Store, Streaming, WatchSettings, streams_initial_lists};
+use crate::watch::{ManagementApi, Store, Streaming, WatchSettings, streams_initial_lists};
 
 /// The client configuration for a kubeconfig file, or the inferred (in-cluster) configuration, with
 /// our User-Agent on every request.
@@ -48,10 +50,15 @@ pub async fn kube_config(source: &KubeconfigSource) -> anyhow::Result<kube::Conf
     Ok(config)
 }
 
-/// A client for a kubeconfig file, or the inferred (in-cluster) configuration.
-pub async fn client_for(source: &KubeconfigSource, ping: ApiPing) -> anyhow::Result<Client> {
+/// A client for a kubeconfig file, or the inferred (in-cluster) configuration; `clock` learns the
+/// API server's time from every answer.
+pub async fn client_for(
+    source: &KubeconfigSource,
+    ping: ApiPing,
+    clock: &ServerClock,
+) -> anyhow::Result<Client> {
     let config = kube_config(source).await?;
-    client(config, ping).context("building the Kubernetes client")
+    client(config, ping, clock).context("building the Kubernetes client")
 }
 
 /// A client that speaks HTTP/2 where the API server offers it (ALPN), as client-go does: every
@@ -61,12 +68,14 @@ pub async fn client_for(source: &KubeconfigSource, ping: ApiPing) -> anyhow::Res
 /// a write against a busy API server. Everything else is kube's: TLS identity and roots, server
 /// name, authentication, headers, retries. Through a proxy, kube's client as it is. `ping`: a
 /// connection that answers no HTTP/2 ping is closed, so the watches and writes on it move to a new
-/// one instead of hanging on a dead one.
-pub fn client(config: kube::Config, ping: ApiPing) -> anyhow::Result<Client> {
+/// one instead of hanging on a dead one. `clock` sees the `Date` of every answer.
+pub fn client(config: kube::Config, ping: ApiPing, clock: &ServerClock) -> anyhow::Result<Client> {
     use kube::client::ConfigExt;
 
     if config.proxy_url.is_some() {
-        return Ok(Client::try_from(config)?);
+        return Ok(kube::client::ClientBuilder::try_from(config)?
+            .with_layer(&MapResponseLayer::new(dates_to(clock)))
+            .build());
     }
     // ALPN (h2, http/1.1) is the connector's to set, from the versions enabled below.
     let tls = config.rustls_client_config()?;
@@ -105,9 +114,21 @@ pub fn client(config: kube::Config, ping: ApiPing) -> anyhow::Result<Client> {
         )
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
+        .map_response(dates_to(clock))
         .map_err(BoxError::from)
         .service(http);
     Ok(Client::new(service, config.default_namespace))
+}
+
+/// Hands the headers of each answer to `clock`.
+fn dates_to<B>(
+    clock: &ServerClock,
+) -> impl Fn(http::Response<B>) -> http::Response<B> + Clone + use<B> {
+    let clock = clock.clone();
+    move |response| {
+        clock.saw(response.headers());
+        response
+    }
 }
 
 pub fn settings(config: &Config) -> Settings {
@@ -129,14 +150,20 @@ pub async fn start_store(
     events: bool,
     watch_settings: WatchSettings,
 ) -> anyhow::Result<Arc<Store>> {
-    let management = client_for(&config.management, config.api_ping)
+    // The management cluster's API server stamps and ages the removals' records.
+    let clock = ServerClock::default();
+    let management = client_for(&config.management, config.api_ping, &clock)
         .await
         .context("management cluster")?;
     let workload = match &config.workload {
         Some(path) => Some(
-            client_for(&KubeconfigSource::File(path.clone()), config.api_ping)
-                .await
-                .context("workload cluster")?,
+            client_for(
+                &KubeconfigSource::File(path.clone()),
+                config.api_ping,
+                &ServerClock::default(),
+            )
+            .await
+            .context("workload cluster")?,
         ),
         None => None,
     };
@@ -158,7 +185,10 @@ pub async fn start_store(
         ..watch_settings
     };
     Ok(Store::start(
-        management,
+        ManagementApi {
+            client: management,
+            clock,
+        },
         workload,
         apis,
         settings(config),
@@ -225,7 +255,7 @@ mod tests {
     fn a_tls_server_name_that_is_no_name_is_an_error_naming_it() {
         let mut config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
         config.tls_server_name = Some("not a name".to_string());
-        let error = client(config, ApiPing::default())
+        let error = client(config, ApiPing::default(), &ServerClock::default())
             .err()
             .expect("an invalid server name is refused");
         assert!(
@@ -256,5 +286,45 @@ mod tests {
             agents,
             [format!("capi-autoscaler-provider/{}", version::VERSION)]
         );
+    }
+
+    /// Answers every request on 127.0.0.1 with `{}` dated 2026-01-01T00:00:00Z, as an API server
+    /// whose clock reads that would; stops after `answers` connections.
+    async fn dated_server(answers: usize) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            for _ in 0..answers {
+                let Ok((mut socket, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut request = [0u8; 4096];
+                let _ = socket.read(&mut request).await;
+                let _ = socket
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\nDate: Thu, 01 Jan 2026 00:00:00 GMT\r\n\
+                          Content-Type: application/json\r\nContent-Length: 2\r\n\
+                          Connection: close\r\n\r\n{}",
+                    )
+                    .await;
+            }
+        });
+        format!("http://{address}")
+    }
+
+    #[tokio::test]
+    async fn the_servers_clock_is_learned_from_the_date_of_its_answers() {
+        let server = dated_server(1).await;
+        let config = kube::Config::new(server.parse().unwrap());
+        let clock = ServerClock::default();
+        let client = client(config, ApiPing::default(), &clock).unwrap();
+        let answer = client
+            .request_text(http::Request::get("/version").body(Vec::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(answer, "{}");
+        assert!(clock.is_set());
+        assert_eq!(clock.now(), 1_767_225_600);
     }
 }

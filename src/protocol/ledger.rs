@@ -4,8 +4,9 @@
 //! An entry names one removal: `<machine>@<stamp>` for a mark of ours (the stamp is the one in the
 //! mark's value), `<machine>@<stamp>#<hash>` for a mark someone else wrote on a Machine CA named
 //! (the mark is kept as its writer left it; the hash names that very value), `id:<providerID>` for
-//! a MachinePool node without a Machine. A stamp only tells marks of one Machine apart: it is
-//! never compared with a clock.
+//! a MachinePool node without a Machine. A stamp is its removal's start on the API server's clock
+//! (Unix seconds, raised past every earlier stamp of the same Machine): it tells marks of one
+//! Machine apart, and the repair ages a record by it (`super::Ripe::Aged`).
 
 use std::collections::BTreeSet;
 
@@ -164,6 +165,11 @@ impl<'a> Entry<'a> {
             Entry::PoolNode(_) => false,
         }
     }
+}
+
+/// Whether an entry carries its removal's stamp (a MachinePool instance's does not).
+pub fn has_stamp(entry: &str) -> bool {
+    Entry::parse(entry).and_then(|e| e.stamp()).is_some()
 }
 
 /// A set of entries, as one annotation holds it.

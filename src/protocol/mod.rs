@@ -38,7 +38,9 @@ mod repair;
 mod resize;
 
 pub use cancellation::{Cancellation, CancellationPlan, cancellation, cancellation_plan};
-pub use ledger::{Ledger, Resizes, is_our_mark, our_mark, our_mark_stamp, pool_node_entry};
+pub use ledger::{
+    Ledger, Resizes, has_stamp, is_our_mark, our_mark, our_mark_stamp, pool_node_entry,
+};
 pub use read::{Accounts, GroupRead, Hold, Member, Read, Standing};
 pub use refusal::Refusal;
 pub use removal::{Purpose, Removal};

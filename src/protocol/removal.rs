@@ -74,7 +74,7 @@ pub struct Removal {
     named: BTreeSet<String>,
     /// Members that must still have no Node when marked and when settled.
     unregistered: BTreeSet<String>,
-    /// The stamp new marks start from (a stamp only names a mark, it is never compared to a clock).
+    /// The stamp new marks start from: the removal's start on the API server's clock.
     stamp: u64,
     phase: Phase,
     /// This removal's claims: member → entry.

@@ -2,11 +2,11 @@
 //! no removal will settle, and drops records nothing needs. One group write per round (then the
 //! unmarks it records), decided from a fresh read; the next round picks up from the objects.
 //!
-//! A removal in flight on another provider looks the same as one interrupted: the caller passes
-//! `ripe`, the entries it has seen waiting since longer than its grace period (its own clock,
-//! measuring only its own waiting), and only those are taken back. Safety does not rest on it:
-//! the taking-back record, guarded by the version decided from, makes a settlement decided
-//! before it conflict.
+//! A removal in flight on another provider looks the same as one interrupted: only entries
+//! [`Ripe`] names are taken back, those older than the grace period on the API server's clock
+//! (a removal stamps its entries with its start on that clock and marks only within
+//! `--request-timeout` of it). The taking-back record, guarded by the version decided from, makes
+//! a settlement decided before it conflict.
 
 use std::collections::BTreeSet;
 
@@ -47,9 +47,20 @@ pub struct Repair {
     done: Vec<RepairAction>,
 }
 
-/// Which waiting entries the repair may take back.
+/// Which waiting entries the repair may take back: those whose removal can no longer write.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Ripe {
+    /// By age on the API server's clock (Unix seconds): an entry once `now` is `grace` past its
+    /// stamp (its removal's start; the removal marks only within `--request-timeout` of it); an
+    /// entry with no stamp (a MachinePool instance's) once it is in `unstamped`, the ones the
+    /// caller has seen waiting for the grace period.
+    Aged {
+        now: u64,
+        grace: u64,
+        unstamped: BTreeSet<String>,
+    },
+    /// Exactly these (the model checker's: the records no running operation holds, which is what
+    /// the grace period guarantees).
     Only(BTreeSet<String>),
     /// Every one (the model checker's worst case: a provider that takes back another's removal
     /// in flight).
@@ -59,6 +70,14 @@ pub enum Ripe {
 impl Ripe {
     fn contains(&self, entry: &str) -> bool {
         match self {
+            Ripe::Aged {
+                now,
+                grace,
+                unstamped,
+            } => match Entry::parse(entry).and_then(|e| e.stamp()) {
+                Some(stamp) => *now >= stamp.saturating_add(*grace),
+                None => unstamped.contains(entry),
+            },
             Ripe::Only(set) => set.contains(entry),
             Ripe::All => true,
         }

@@ -657,6 +657,50 @@ fn the_repair_settles_what_cluster_api_acted_on_first() {
     assert!(w.ledger.is_some_and(|l| l.contains("m0@6")));
 }
 
+/// A stamped record is ripe once the API server's clock is the grace period past its stamp, not
+/// a second before; an unstamped one (a MachinePool instance's) only when the caller has seen it
+/// wait that long.
+#[test]
+fn records_ripen_by_their_stamp_on_the_servers_clock_and_unstamped_ones_by_the_callers_sight() {
+    let claimed = read(
+        group(3, "", "m1@100", ""),
+        vec![
+            member("m0", None),
+            member("m1", Some(&our_mark(100))),
+            member("m2", None),
+        ],
+    );
+    let aged = |now| Ripe::Aged {
+        now,
+        grace: 30,
+        unstamped: Default::default(),
+    };
+    assert_eq!(
+        Repair::new(aged(129)).read(&claimed),
+        Next::Done(Ok(())),
+        "29 s old on the server's clock: a removal may be in flight"
+    );
+    let w = group_write(Repair::new(aged(130)).read(&claimed));
+    assert_eq!(w.taking_back, Some(Ledger::parse(Some("m1@100"))));
+
+    let unlisted = pool_node_entry("aws:///a/i-1");
+    let pool = read(group(3, &unlisted, "", ""), vec![member("m0", None)]);
+    let mut fresh = Repair::new(aged(u64::MAX));
+    assert_eq!(
+        fresh.read(&pool),
+        Next::Done(Ok(())),
+        "no stamp: no age from the server's clock"
+    );
+    assert!(fresh.seen().contains(&unlisted));
+    let waited = Ripe::Aged {
+        now: 0,
+        grace: 30,
+        unstamped: [unlisted.clone()].into(),
+    };
+    let w = group_write(Repair::new(waited).read(&pool));
+    assert!(w.ledger.is_none_or(|l| !l.contains(&unlisted)));
+}
+
 #[test]
 fn the_repair_takes_back_only_ripe_records_and_absorbed_marks_once_observed() {
     let claimed = read(

@@ -539,6 +539,14 @@ impl Fixture {
         }
     }
 
+    /// The API server's clock reads `unix` seconds, as the `Date` of an answer would say.
+    fn server_time(&self, unix: u64) {
+        let mut headers = http::HeaderMap::new();
+        let date = httpdate::fmt_http_date(std::time::UNIX_EPOCH + Duration::from_secs(unix));
+        headers.insert(http::header::DATE, date.parse().expect("an HTTP date"));
+        self.actuator.store.server_clock().saw(&headers);
+    }
+
     /// Makes the next `method` request to `path` meet `fault`.
     fn fault(&self, method: Method, path: &str, fault: Fault) {
         self.fault_at(method, path, 0, fault);
@@ -1317,38 +1325,70 @@ async fn a_read_lost_on_the_way_is_read_again_and_the_operation_completes() {
 
 // ===== the repair =====
 
-/// A crashed removal: claimed and marked, never settled. A fresh repair leaves it alone (it may be
-/// in flight on another provider) without asking the API; once it has waited past the grace
-/// period it is recorded as being taken back, then unmarked.
+/// 2026-01-01T00:00:00Z: the API server's clock in the tests that set it, months behind this
+/// machine's.
+const NEW_YEAR: u64 = 1_767_225_600;
+
+/// A crashed removal: claimed and marked, never settled. A repair leaves it alone while it is
+/// younger than the grace period on the API server's clock (it may be in flight on another
+/// provider), without asking the API, whatever this machine's clock says; once the server's clock
+/// is past it, the first round takes it back (no waiting from first sight: a provider that just
+/// started ages it as one that saw it written), recording it first, then unmarking.
 #[tokio::test]
-async fn repair_takes_back_a_stopped_removal_only_once_ripe_recording_it_first() {
+async fn repair_takes_back_a_stopped_removal_once_the_api_servers_clock_is_past_its_grace_recording_it_first()
+ {
+    let stamp = NEW_YEAR - 10;
     let objects = vec![
-        deployment(3, &[(CLAIMS_ANNOTATION, mark_entry("c", 7))]),
+        deployment(3, &[(CLAIMS_ANNOTATION, mark_entry("c", stamp))]),
         machine_set(3),
         machine("a", true, None),
         machine("b", true, None),
-        machine("c", true, Some(our_mark(7))),
+        machine("c", true, Some(our_mark(stamp))),
     ];
     let fixture = Fixture::new(&objects);
+    fixture.server_time(NEW_YEAR);
+    let grace = Duration::from_secs(3600);
 
-    assert_eq!(
-        within(fixture.actuator.repair(Duration::from_secs(3600))).await,
-        0
-    );
+    assert_eq!(within(fixture.actuator.repair(grace)).await, 0);
     assert!(
         fixture.requests().is_empty(),
         "decided from the cache: no API call"
     );
+    assert!(fixture.mark("c").is_some());
 
-    within(fixture.actuator.repair(Duration::ZERO)).await;
+    fixture.server_time(stamp + 3600);
+    within(fixture.actuator.repair(grace)).await;
     assert_eq!(fixture.mark("c"), None);
     let md = fixture.patches(MD);
     assert_eq!(
         md[0]["metadata"]["annotations"][TAKING_BACK_ANNOTATION],
-        json!(mark_entry("c", 7))
+        json!(mark_entry("c", stamp))
     );
     assert!(md[0]["metadata"]["annotations"][CLAIMS_ANNOTATION].is_null());
     assert_eq!(fixture.replicas(), 3);
+}
+
+/// A removal's records carry its start on the API server's clock (rounded up: a `Date` is cut
+/// down to the second), not this machine's.
+#[tokio::test]
+async fn a_removal_stamps_its_records_with_the_api_servers_time() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    fixture.server_time(NEW_YEAR);
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    let mark = fixture.mark("c").expect("c is marked");
+    let stamp = our_mark_stamp(&mark).expect("our mark");
+    assert!(
+        (NEW_YEAR + 1..=NEW_YEAR + 3).contains(&stamp),
+        "stamp {stamp}, the server's clock {NEW_YEAR}"
+    );
+    assert_eq!(
+        fixture.records(LEDGER_ANNOTATION).as_deref(),
+        Some(mark_entry("c", stamp).as_str())
+    );
 }
 
 /// Finding 4 (clocks): an absorbed mark (settled, then a raise) is taken back once Cluster API

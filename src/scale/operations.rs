@@ -43,7 +43,12 @@ impl Actuator {
             )));
         }
         refuse_during_rollout(&self.store.snapshot(), id, "DecreaseTargetSize")?;
-        let op = Operation::Cancel(Cancel::new(id, delta.unsigned_abs(), &token(), now_unix()));
+        let op = Operation::Cancel(Cancel::new(
+            id,
+            delta.unsigned_abs(),
+            &token(),
+            self.store.server_clock().stamp(),
+        ));
         self.run(id, Caller::DecreaseTargetSize, vec![op]).await
     }
 
@@ -73,7 +78,7 @@ impl Actuator {
                 Purpose::DeleteNodes,
                 plan.members,
                 plan.pending,
-                now_unix(),
+                self.store.server_clock().stamp(),
             )));
         }
         let mut answer = {
@@ -172,13 +177,6 @@ async fn spawned(
             "scale operation failed: {e}"
         )))
     })
-}
-
-fn now_unix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 /// A token no other write carries: what tells a size change whose answer was lost from one never

@@ -1,12 +1,15 @@
 //! The repair loop: every interval, a round of the protocol's repair (`crate::protocol::Repair`) on
 //! each group whose cached objects show something to settle, take back or clean; confirmed from
 //! the API by the round's own fresh read. Records of a removal (a claim, an unrecorded mark, a
-//! taking-back entry on a Machine without its mark) are left alone until this provider has seen
-//! them waiting for `--mark-grace-period`: longer than a removal may still mark in (the shell
-//! marks only within `--request-timeout` of the call), so a removal in flight on another provider
-//! is never taken back under it. This duration is one the protocol counts on: a claim dropped
-//! under a removal that then marks lets Cluster API delete that Machine for another removal's
-//! decrement (the model checker finds it when a repair may take back what an operation holds).
+//! taking-back entry on a Machine without its mark) are left alone until they are
+//! `--mark-grace-period` old on the API server's clock (`crate::server_clock`; a record's stamp is
+//! its removal's start on it): longer than a removal may still mark in (the shell marks only
+//! within `--request-timeout` of the call), so a removal in flight on another provider is never
+//! taken back under it, and a provider that just started ages records as one that saw them
+//! written. This duration is one the protocol counts on: a claim dropped under a removal that then
+//! marks lets Cluster API delete that Machine for another removal's decrement (the model checker
+//! finds it when a repair may take back what an operation holds). A MachinePool instance's entry
+//! carries no stamp: it waits the grace period from when this provider first saw it unlisted.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -15,9 +18,10 @@ use std::time::{Duration, Instant};
 use super::Actuator;
 use super::execute::Caller;
 use crate::lock;
-use crate::protocol::{Next, Operation, Repair, RepairAction, Ripe};
+use crate::protocol::{Next, Operation, Repair, RepairAction, Ripe, has_stamp};
+use crate::server_clock::whole_secs;
 
-/// When each waiting record was first seen, by group and entry.
+/// When each waiting record with no stamp was first seen, by group and entry.
 pub(super) type Waiting = HashMap<(String, String), Instant>;
 
 impl Actuator {
@@ -39,7 +43,7 @@ impl Actuator {
             let Ok(cached) = self.cached_read(id, &group) else {
                 continue;
             };
-            let mut look = Repair::new(Ripe::Only(ripe.clone()));
+            let mut look = Repair::new(ripe.clone());
             let would_write = matches!(look.read(&cached), Next::Write(_));
             self.saw(id, look.seen());
             if !would_write {
@@ -47,7 +51,7 @@ impl Actuator {
             }
             // The repair decides again from its own fresh read, under the lock again.
             drop(guard);
-            let mut op = Operation::Repair(Repair::new(Ripe::Only(ripe)));
+            let mut op = Operation::Repair(Repair::new(ripe));
             if let Err(e) = self
                 .execute(
                     id,
@@ -70,21 +74,28 @@ impl Actuator {
         repaired
     }
 
-    /// Records of `id` seen waiting since at least `grace`.
-    fn ripe(&self, id: &str, grace: Duration) -> BTreeSet<String> {
+    /// Records of `id` at least `grace` old: by their stamps on the API server's clock; those
+    /// with none, by how long this provider has seen them waiting.
+    fn ripe(&self, id: &str, grace: Duration) -> Ripe {
         let waiting = lock(&self.waiting);
-        waiting
+        let unstamped = waiting
             .iter()
             .filter(|((group, _), since)| group == id && since.elapsed() >= grace)
             .map(|((_, entry), _)| entry.clone())
-            .collect()
+            .collect();
+        Ripe::Aged {
+            now: self.store.server_clock().now(),
+            grace: whole_secs(grace),
+            unstamped,
+        }
     }
 
-    /// Starts the clock of records seen waiting for the first time; stops it for those no longer.
+    /// Starts the clock of records with no stamp seen waiting for the first time; stops it for
+    /// those no longer.
     fn saw(&self, id: &str, seen: &BTreeSet<String>) {
         let mut waiting = lock(&self.waiting);
         waiting.retain(|(group, entry), _| group != id || seen.contains(entry));
-        for entry in seen {
+        for entry in seen.iter().filter(|e| !has_stamp(e)) {
             waiting
                 .entry((id.to_string(), entry.clone()))
                 .or_insert_with(Instant::now);

@@ -31,6 +31,7 @@ use crate::lock;
 use crate::metrics::Metrics;
 use crate::object::{ApiObject, NodeObject};
 use crate::scope::Scope;
+use crate::server_clock::ServerClock;
 use crate::snapshot::{Settings, Snapshot};
 
 use health::WatchHealth;
@@ -62,12 +63,20 @@ impl Default for WatchSettings {
     }
 }
 
+/// The management cluster's API: its client, and its server's clock as that client's answers show it.
+pub struct ManagementApi {
+    pub client: Client,
+    pub clock: ServerClock,
+}
+
 pub struct Store {
     settings: Settings,
     /// The one namespace discovery specs allow, when they all name the same.
     watch_namespace: Option<String>,
     apis: CapiApis,
     client: Client,
+    /// The API server's clock, as `client`'s answers show it.
+    server_clock: ServerClock,
     index: Mutex<Index>,
     snapshot: ArcSwap<Snapshot>,
     /// Wakes the rebuild loop. Whether there is anything to build is the index's to say (its
@@ -91,7 +100,7 @@ pub struct Store {
 
 impl Store {
     fn new(
-        client: Client,
+        management: ManagementApi,
         apis: CapiApis,
         settings: Settings,
         index: Index,
@@ -103,7 +112,8 @@ impl Store {
             watch_namespace: crate::discovery::watch_namespace(&settings.discovery),
             settings,
             apis,
-            client,
+            client: management.client,
+            server_clock: management.clock,
             index: Mutex::new(index),
             snapshot: ArcSwap::from_pointee(Snapshot::default()),
             changed: Notify::new(),
@@ -121,7 +131,7 @@ impl Store {
     /// Starts the watches. Returns at once; `wait_ready` tells when everything has listed. With `events`,
     /// problems are also recorded as Events on their objects.
     pub fn start(
-        client: Client,
+        management: ManagementApi,
         workload: Option<Client>,
         apis: CapiApis,
         settings: Settings,
@@ -130,12 +140,12 @@ impl Store {
         watch_settings: WatchSettings,
     ) -> Arc<Store> {
         let events = if events {
-            Events::recorded(&client)
+            Events::recorded(&management.client)
         } else {
             Events::logged()
         };
         let store = Arc::new(Store::new(
-            client,
+            management,
             apis,
             settings,
             Index::default(),
@@ -203,7 +213,10 @@ impl Store {
         metrics: Arc<Metrics>,
     ) -> Arc<Store> {
         let store = Arc::new(Store::new(
-            client,
+            ManagementApi {
+                client,
+                clock: ServerClock::default(),
+            },
             apis,
             settings,
             index,
@@ -233,6 +246,10 @@ impl Store {
 
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    pub fn server_clock(&self) -> &ServerClock {
+        &self.server_clock
     }
 
     /// The current snapshot; no lock, no API call.
@@ -495,7 +512,10 @@ mod tests {
     async fn nothing_is_built_before_every_watch_has_listed_but_referenced_infrastructure_is_watched()
      {
         let store = Arc::new(Store::new(
-            unreachable_client(),
+            ManagementApi {
+                client: unreachable_client(),
+                clock: ServerClock::default(),
+            },
             CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
             Settings::default(),
             Index::default(),
