@@ -52,9 +52,10 @@ unit:
 
 # Runs the real cluster-autoscaler (the default version of tests/upstream/cluster-autoscaler.versions,
 # found by tests/upstream/artifact.sh: env CLUSTER_AUTOSCALER, a local mirror or the official image) against
-# this provider; the demo finds the provider binary in target/debug.
-demo: upstream
-	$(CARGO) build --bin capi-autoscaler-provider
+# this provider; the demo finds the provider binary in target/debug. It builds only what it runs, side by
+# side (tests/upstream/demo-build.sh); `make upstream` builds the rest the tests need.
+demo:
+	@CARGO="$(CARGO)" bash tests/upstream/demo-build.sh
 	$(CARGO) run --example demo
 
 # The image without a Docker engine, for linux/amd64 and linux/arm64 (IMAGE_PLATFORMS): static release
