@@ -644,9 +644,11 @@ async fn measure_writes(
         None => None,
     };
     // Groups with room to shrink (replicas ≥ 2 > min 1): the even ones for this provider, the odd
-    // ones for W. Each group is used round-robin, each DeleteNodes on a Node not used before.
+    // ones for W; of each server's, the first half is raised (round-robin), the second half each
+    // loses one Node, once. No Cluster API controller runs here: a raise never gets its Machine and
+    // a mark is never acted on, so a DeleteNodes on a group raised or marked before is (rightly)
+    // refused until Cluster API acts. DeleteNodes samples are therefore at most half the groups.
     let filled: Vec<&fleet::Group> = fleet.groups.iter().filter(|g| g.replicas >= 2).collect();
-    let mut used: BTreeMap<usize, usize> = BTreeMap::new();
     for i in 0..options.writes {
         for (parity, server) in [(0, "ours"), (1, "W")] {
             let (client, run) = match server {
@@ -661,18 +663,16 @@ async fn measure_writes(
                 },
             };
             let mine: Vec<usize> = (parity..filled.len()).step_by(2).collect();
-            if mine.is_empty() {
+            let (raised, shrunk) = mine.split_at(mine.len() / 2);
+            if raised.is_empty() {
                 continue;
             }
-            let a = filled[mine[i % mine.len()]];
-            writes::increase(admin, client, fleet, a, run).await;
-            let slot = mine[(i + mine.len() / 2) % mine.len()];
-            let b = filled[slot];
-            let k = used.entry(slot).or_insert(0);
-            // Keep every group above its min: at most replicas − min Nodes removed.
-            if *k + 1 < (b.replicas - b.min).max(0) as usize {
-                writes::delete(admin, client, fleet, b, *k, run).await;
-                *k += 1;
+            writes::increase(admin, client, fleet, filled[raised[i % raised.len()]], run).await;
+            // Keep every group above its min.
+            if let Some(&slot) = shrunk.get(i)
+                && filled[slot].replicas - filled[slot].min > 1
+            {
+                writes::delete(admin, client, fleet, filled[slot], 0, run).await;
             }
         }
         if i % 10 == 9 {
