@@ -171,10 +171,21 @@ impl Index {
 
     /// The keys and resourceVersions of the Machines cached in `namespace` (`None` for one that could
     /// not be read).
-    pub fn machine_versions_in(&self, namespace: &str) -> Vec<(ObjectKey, Option<String>)> {
+    /// The Machines of `namespace` with their versions; with `selector` (label key, value), only
+    /// those whose cached labels carry it.
+    pub fn machine_versions_in(
+        &self,
+        namespace: &str,
+        selector: Option<(&str, &str)>,
+    ) -> Vec<(ObjectKey, Option<String>)> {
         self.machines
             .iter()
             .filter(|(k, _)| k.namespace == namespace)
+            .filter(|(_, m)| {
+                selector.is_none_or(|(key, value)| {
+                    m.as_ref().is_ok_and(|m| m.labels.get(key) == Some(value))
+                })
+            })
             .map(|(k, m)| {
                 let version = m.as_ref().ok().map(|m| m.resource_version.clone());
                 (k.clone(), version)

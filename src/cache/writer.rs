@@ -190,13 +190,15 @@ pub(crate) fn apply<const S: bool>(
     true
 }
 
-/// The Machines of `namespace` as one LIST at `list_version` returned them: each is applied, and a
-/// cached Machine the list lacks is gone, unless its cached version is newer than the list (it was
-/// created after it).
+/// The Machines of `namespace` as one LIST at `list_version` returned them, all of them or, with
+/// `selector` (label key, value), those carrying that label: each is applied, and a cached Machine the
+/// list should have had (one the selector matches as cached) but lacks is gone, unless its cached
+/// version is newer than the list (it was created after it).
 pub(crate) fn machines_listed(
     index: &mut Index,
     keys: &Keys,
     namespace: &str,
+    selector: Option<(&str, &str)>,
     list_version: Option<&str>,
     items: Vec<ApiObject>,
 ) {
@@ -204,7 +206,7 @@ pub(crate) fn machines_listed(
     for obj in items {
         apply(index, keys, &Watched::Machine, obj);
     }
-    for (key, version) in index.machine_versions_in(namespace) {
+    for (key, version) in index.machine_versions_in(namespace, selector) {
         if !listed.contains(&key) && !is_older(version.as_deref(), list_version) {
             index.delete_machine(&key);
         }
@@ -374,13 +376,52 @@ mod tests {
             machine("kept", "7", Some(mark)),
             machine("unseen", "8", None),
         ];
-        machines_listed(&mut index, &keys, "ns", Some("40"), items);
+        machines_listed(&mut index, &keys, "ns", None, Some("40"), items);
         let names: Vec<String> = index
-            .machine_versions_in("ns")
+            .machine_versions_in("ns", None)
             .into_iter()
             .map(|(k, v)| format!("{} {}", k.name, v.unwrap_or_default()))
             .collect();
         assert_eq!(names, vec!["kept 7", "newer 50", "unseen 8"]);
+    }
+
+    #[test]
+    fn a_list_by_label_drops_only_the_gone_machines_that_carry_the_label() {
+        let (keys, mut index) = (keys(), Index::default());
+        let labelled = |name: &str, value: &str| {
+            object(json!({
+                "apiVersion": "cluster.x-k8s.io/v1beta2",
+                "kind": "Machine",
+                "metadata": {
+                    "name": name, "namespace": "ns", "uid": format!("uid-{name}"), "resourceVersion": "5",
+                    "labels": {keys.deployment_name_label.as_str(): value},
+                },
+                "spec": {"clusterName": "c1"},
+            }))
+        };
+        for object in [
+            labelled("gone", "md"),
+            labelled("kept", "md"),
+            labelled("elsewhere", "other"),
+            machine("unlabelled", "5", None),
+        ] {
+            apply(&mut index, &keys, &Watched::Machine, object);
+        }
+        let selector = (keys.deployment_name_label.as_str(), "md");
+        machines_listed(
+            &mut index,
+            &keys,
+            "ns",
+            Some(selector),
+            Some("40"),
+            vec![labelled("kept", "md")],
+        );
+        let names: Vec<String> = index
+            .machine_versions_in("ns", None)
+            .into_iter()
+            .map(|(k, _)| k.name.to_string())
+            .collect();
+        assert_eq!(names, vec!["elsewhere", "kept", "unlabelled"]);
     }
 
     #[test]

@@ -191,19 +191,64 @@ struct Rule {
 struct Seen {
     method: Method,
     path: String,
+    /// A LIST's `labelSelector` (`key=value`, the one form the actuator sends).
+    selector: Option<String>,
     body: Option<Value>,
 }
 
 impl Seen {
-    /// `PATCH_C`, `LIST_MACHINES`.
+    /// `PATCH_C`, `LIST_MACHINES`, `LIST machines labelled key=value`.
     fn summary(&self) -> String {
         let verb = if self.method == Method::GET && !self.path.contains('/') {
             "LIST"
         } else {
             self.method.as_str()
         };
-        format!("{verb} {}", self.path)
+        match &self.selector {
+            Some(selector) => format!("{verb} {} labelled {selector}", self.path),
+            None => format!("{verb} {}", self.path),
+        }
     }
+
+    /// Whether `object` is one this request's selector selects (every one without a selector).
+    fn selects(&self, object: &Value) -> bool {
+        self.selector.as_deref().is_none_or(|selector| {
+            selector.split_once('=').is_some_and(|(key, value)| {
+                object["metadata"]["labels"][key].as_str() == Some(value)
+            })
+        })
+    }
+}
+
+/// A query parameter's value, percent-decoded.
+fn query_value(query: &str, name: &str) -> Option<String> {
+    let raw = query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))?;
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// The management cluster's API as far as the actuator uses it (see the module docs).
@@ -393,7 +438,7 @@ impl FakeApi {
                 let items: Vec<Value> = self
                     .objects
                     .iter()
-                    .filter(|(p, _)| p.starts_with(&prefix))
+                    .filter(|(p, o)| p.starts_with(&prefix) && request.selects(o))
                     .map(|(_, o)| o.clone())
                     .collect();
                 (
@@ -466,6 +511,10 @@ async fn serve(mut handle: Handle<Request<Body>, Response<Body>>, api: Arc<Mutex
                 .strip_prefix(API_PREFIX)
                 .unwrap_or(parts.uri.path())
                 .to_string(),
+            selector: parts
+                .uri
+                .query()
+                .and_then(|q| query_value(q, "labelSelector")),
             body: serde_json::from_slice(&bytes).ok(),
         };
         let content_type = parts
@@ -1321,6 +1370,82 @@ async fn a_read_lost_on_the_way_is_read_again_and_the_operation_completes() {
 
     assert_eq!(fixture.replicas(), 3);
     assert_eq!(fixture.landed(MD), 1, "written once");
+}
+
+/// A group's fresh read lists its MachineSets and Machines by the label Cluster API gives them
+/// (the namespace may hold thousands of others), and a Machine of another group that the listing
+/// does not return stays in the cache.
+#[tokio::test]
+async fn a_groups_fresh_read_lists_only_what_carries_its_label_and_keeps_the_others_cached() {
+    let keys = keys();
+    let own = |mut object: Value| {
+        object["metadata"]["labels"] = json!({keys.deployment_name_label.as_str(): "md"});
+        object
+    };
+    let mut other = machine("x", true, None);
+    other["metadata"]["labels"] = json!({keys.deployment_name_label.as_str(): "other"});
+    other["metadata"]["ownerReferences"][0]["name"] = json!("other-1");
+    let objects = vec![
+        deployment(2, &[]),
+        own(machine_set(2)),
+        own(machine("a", true, None)),
+        own(machine("b", true, None)),
+        other,
+    ];
+    let fixture = Fixture::new(&objects);
+
+    within(fixture.actuator.increase_size(GROUP, 1))
+        .await
+        .unwrap();
+
+    let selector = format!("{}=md", keys.deployment_name_label);
+    let lists: Vec<String> = fixture
+        .requests()
+        .into_iter()
+        .filter(|r| r.starts_with("LIST"))
+        .collect();
+    assert!(
+        lists.contains(&format!("{LIST_SETS} labelled {selector}"))
+            && lists.contains(&format!("{LIST_MACHINES} labelled {selector}"))
+            && lists.iter().all(|r| r.ends_with(&selector)),
+        "{lists:?}"
+    );
+    assert_eq!(fixture.replicas(), 3);
+    assert!(
+        fixture
+            .actuator
+            .store
+            .cached_machine(&crate::capi::ObjectKey::new(NS, "x"))
+            .is_some(),
+        "another group's Machine is not gone for being outside the selection"
+    );
+}
+
+/// A member the cache holds without the group's label (made by someone other than Cluster API):
+/// the namespace's Machines are listed, so the read still sees every member.
+#[tokio::test]
+async fn a_member_without_the_groups_label_makes_the_fresh_read_list_the_namespace() {
+    let keys = keys();
+    let mut a = machine("a", true, None);
+    a["metadata"]["labels"] = json!({keys.deployment_name_label.as_str(): "md"});
+    let objects = vec![
+        deployment(2, &[]),
+        machine_set(2),
+        a,
+        machine("b", true, None),
+    ];
+    let fixture = Fixture::new(&objects);
+
+    within(fixture.actuator.increase_size(GROUP, 1))
+        .await
+        .unwrap();
+
+    let requests = fixture.requests();
+    assert!(
+        requests.iter().any(|r| r == LIST_MACHINES) && requests.iter().any(|r| r == LIST_SETS),
+        "{requests:?}"
+    );
+    assert_eq!(fixture.replicas(), 3);
 }
 
 // ===== the repair =====

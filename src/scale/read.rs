@@ -21,7 +21,9 @@ impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
     /// that read serves it). The group object, its MachineSets and its Cluster are read together,
     /// its Machines listed after them: a Machine created or deleted between the two only makes the
-    /// members newer than the group, which every rule allows for.
+    /// members newer than the group, which every rule allows for. MachineSets and Machines are
+    /// listed by the label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write
+    /// costs the group's objects, not the namespace's.
     pub(super) async fn read(&self, id: &str, group: &NodeGroup) -> Result<Read, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
@@ -33,12 +35,46 @@ impl Actuator {
         let cluster_api = self
             .cluster_api(&key.namespace)
             .filter(|_| !group.resource.cluster_name.is_empty());
+        let keys = &self.store.settings().keys;
+        let snapshot = self.store.snapshot();
+        let set_selector = Self::own_label(
+            &keys.deployment_name_label,
+            &key.name,
+            snapshot.machine_sets_of(&key).iter().map(|k| {
+                self.store
+                    .cached_resource(ScalableKind::MachineSet, k)
+                    .map(|s| s.labels.get(&keys.deployment_name_label).cloned())
+            }),
+        );
+        let machine_label = match kind {
+            ScalableKind::MachineDeployment => &keys.deployment_name_label,
+            ScalableKind::MachineSet => &keys.set_name_label,
+            ScalableKind::MachinePool => &keys.pool_name_label,
+        };
+        let machine_selector = Self::own_label(
+            machine_label,
+            &key.name,
+            snapshot
+                .group(id)
+                .into_iter()
+                .flat_map(|g| {
+                    g.instances
+                        .iter()
+                        .filter_map(|i| i.machine.as_ref())
+                        .chain(g.unlisted.iter())
+                })
+                .map(|k| {
+                    self.store
+                        .cached_machine(k)
+                        .map(|m| m.labels.get(machine_label).map(str::to_string))
+                }),
+        );
         let (object, sets, cluster) = tokio::join!(
             self.get(group_api, &key.name, kind.as_str()),
             async {
                 match set_api {
                     Some(api) => self
-                        .list(api, "MachineSets", &key.namespace)
+                        .list(api, "MachineSets", &key.namespace, set_selector.as_ref())
                         .await
                         .map(Some),
                     None => Ok(None),
@@ -62,10 +98,18 @@ impl Actuator {
             self.store.record_cluster(cluster);
         }
         let machines = self
-            .list(self.machine_api(&key.namespace), "Machines", &key.namespace)
+            .list(
+                self.machine_api(&key.namespace),
+                "Machines",
+                &key.namespace,
+                machine_selector.as_ref(),
+            )
             .await?;
         self.store.record_machines(
             &key.namespace,
+            machine_selector
+                .as_ref()
+                .map(|(k, v)| (k.as_str(), v.as_str())),
             machines.metadata.resource_version.as_deref(),
             machines.items,
         );
@@ -137,14 +181,40 @@ impl Actuator {
             .map_err(|e| other(e, &what))
     }
 
+    /// `label=name`, the selector of a group's own objects (Cluster API labels a MachineDeployment's
+    /// MachineSets and Machines with `…/deployment-name`, a MachineSet's Machines with `…/set-name`,
+    /// a MachinePool's with `…/pool-name`), when every one of them the cache holds (`cached`: each
+    /// one's value of that label; `None`: not cached) carries it; else `None`, and the namespace is
+    /// listed: an object of the group without the label (made by someone else than Cluster API), or a
+    /// name longer than a label value may be (Cluster API then labels with a hash of it).
+    fn own_label(
+        label: &str,
+        name: &str,
+        mut cached: impl Iterator<Item = Option<Option<String>>>,
+    ) -> Option<(String, String)> {
+        let labelled =
+            name.len() <= 63 && cached.all(|value| value.flatten().as_deref() == Some(name));
+        labelled.then(|| (label.to_string(), name.to_string()))
+    }
+
     async fn list(
         &self,
         api: Api<crate::object::ApiObject>,
         what: &str,
         namespace: &str,
+        selector: Option<&(String, String)>,
     ) -> Result<kube::core::ObjectList<crate::object::ApiObject>, ActuatorError> {
-        let what = format!("listing the {what} of namespace {namespace}");
-        call(&what, api.list(&ListParams::default()))
+        let (what, params) = match selector {
+            Some((label, value)) => (
+                format!("listing the {what} of namespace {namespace} labelled {label}={value}"),
+                ListParams::default().labels(&format!("{label}={value}")),
+            ),
+            None => (
+                format!("listing the {what} of namespace {namespace}"),
+                ListParams::default(),
+            ),
+        };
+        call(&what, api.list(&params))
             .await
             .map_err(|e| other(e, &what))
     }

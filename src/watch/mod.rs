@@ -352,11 +352,13 @@ impl Store {
         }
     }
 
-    /// The Machines of `namespace` as a LIST just returned them (see [`index::machines_listed`]);
-    /// the snapshot is rebuilt at once, since the caller decides from it next.
+    /// The Machines of `namespace` (those carrying `selector`'s label, when given) as a LIST just
+    /// returned them (see [`index::machines_listed`]); the snapshot is rebuilt at once, since the
+    /// caller decides from it next.
     pub fn record_machines(
         self: &Arc<Self>,
         namespace: &str,
+        selector: Option<(&str, &str)>,
         list_version: Option<&str>,
         items: Vec<ApiObject>,
     ) {
@@ -364,6 +366,7 @@ impl Store {
             &mut lock(&self.index),
             &self.settings.keys,
             namespace,
+            selector,
             list_version,
             items,
         );
