@@ -657,19 +657,24 @@ fn the_repair_settles_what_cluster_api_acted_on_first() {
     assert!(w.ledger.is_some_and(|l| l.contains("m0@6")));
 }
 
+/// Three Machines, m1 marked by a removal stamped `stamp` that claimed it and stopped there.
+fn claimed_m1(stamp: u64) -> Read {
+    read(
+        group(3, "", &format!("m1@{stamp}"), ""),
+        vec![
+            member("m0", None),
+            member("m1", Some(&our_mark(stamp))),
+            member("m2", None),
+        ],
+    )
+}
+
 /// A stamped record is ripe once the API server's clock is the grace period past its stamp, not
 /// a second before; an unstamped one (a MachinePool instance's) only when the caller has seen it
 /// wait that long.
 #[test]
 fn records_ripen_by_their_stamp_on_the_servers_clock_and_unstamped_ones_by_the_callers_sight() {
-    let claimed = read(
-        group(3, "", "m1@100", ""),
-        vec![
-            member("m0", None),
-            member("m1", Some(&our_mark(100))),
-            member("m2", None),
-        ],
-    );
+    let claimed = claimed_m1(100);
     let aged = |now| Ripe::Aged {
         now,
         grace: 30,
@@ -703,14 +708,7 @@ fn records_ripen_by_their_stamp_on_the_servers_clock_and_unstamped_ones_by_the_c
 
 #[test]
 fn the_repair_takes_back_only_ripe_records_and_absorbed_marks_once_observed() {
-    let claimed = read(
-        group(3, "", "m1@6", ""),
-        vec![
-            member("m0", None),
-            member("m1", Some(&our_mark(6))),
-            member("m2", None),
-        ],
-    );
+    let claimed = claimed_m1(6);
     let mut young = Repair::new(Ripe::Only(Default::default()));
     assert_eq!(
         young.read(&claimed),

@@ -35,40 +35,7 @@ impl Actuator {
         let cluster_api = self
             .cluster_api(&key.namespace)
             .filter(|_| !group.resource.cluster_name.is_empty());
-        let keys = &self.store.settings().keys;
-        let snapshot = self.store.snapshot();
-        let set_selector = Self::own_label(
-            &keys.deployment_name_label,
-            &key.name,
-            snapshot.machine_sets_of(&key).iter().map(|k| {
-                self.store
-                    .cached_resource(ScalableKind::MachineSet, k)
-                    .map(|s| s.labels.get(&keys.deployment_name_label).cloned())
-            }),
-        );
-        let machine_label = match kind {
-            ScalableKind::MachineDeployment => &keys.deployment_name_label,
-            ScalableKind::MachineSet => &keys.set_name_label,
-            ScalableKind::MachinePool => &keys.pool_name_label,
-        };
-        let machine_selector = Self::own_label(
-            machine_label,
-            &key.name,
-            snapshot
-                .group(id)
-                .into_iter()
-                .flat_map(|g| {
-                    g.instances
-                        .iter()
-                        .filter_map(|i| i.machine.as_ref())
-                        .chain(g.unlisted.iter())
-                })
-                .map(|k| {
-                    self.store
-                        .cached_machine(k)
-                        .map(|m| m.labels.get(machine_label).map(str::to_string))
-                }),
-        );
+        let (set_selector, machine_selector) = self.own_selectors(id, group);
         let (object, sets, cluster) = tokio::join!(
             self.get(group_api, &key.name, kind.as_str()),
             async {
@@ -137,15 +104,10 @@ impl Actuator {
             Vec::new()
         };
         let machines: Vec<Arc<Machine>> = served
-            .map(|g| {
-                g.instances
-                    .iter()
-                    .filter_map(|i| i.machine.as_ref())
-                    .chain(g.unlisted.iter())
-                    .filter_map(|k| self.store.cached_machine(k))
-                    .collect()
-            })
-            .unwrap_or_default();
+            .into_iter()
+            .flat_map(member_machines)
+            .filter_map(|k| self.store.cached_machine(k))
+            .collect();
         // A MachinePool's instances without a Machine are members; another group's instances
         // without one are capacity a preflight check holds, not members.
         let pool_instances: Vec<&str> = served
@@ -181,6 +143,41 @@ impl Actuator {
             .map_err(|e| other(e, &what))
     }
 
+    /// The selectors of the group's MachineSets and of its Machines ([`Actuator::own_label`]).
+    fn own_selectors(&self, id: &str, group: &NodeGroup) -> (Selector, Selector) {
+        let keys = &self.store.settings().keys;
+        let snapshot = self.store.snapshot();
+        let key = &group.resource.key;
+        let sets = Self::own_label(
+            &keys.deployment_name_label,
+            &key.name,
+            snapshot.machine_sets_of(key).iter().map(|k| {
+                self.store
+                    .cached_resource(ScalableKind::MachineSet, k)
+                    .map(|s| s.labels.get(&keys.deployment_name_label).cloned())
+            }),
+        );
+        let label = match group.kind() {
+            ScalableKind::MachineDeployment => &keys.deployment_name_label,
+            ScalableKind::MachineSet => &keys.set_name_label,
+            ScalableKind::MachinePool => &keys.pool_name_label,
+        };
+        let machines = Self::own_label(
+            label,
+            &key.name,
+            snapshot
+                .group(id)
+                .into_iter()
+                .flat_map(member_machines)
+                .map(|k| {
+                    self.store
+                        .cached_machine(k)
+                        .map(|m| m.labels.get(label).map(str::to_string))
+                }),
+        );
+        (sets, machines)
+    }
+
     /// `label=name`, the selector of a group's own objects (Cluster API labels a MachineDeployment's
     /// MachineSets and Machines with `…/deployment-name`, a MachineSet's Machines with `…/set-name`,
     /// a MachinePool's with `…/pool-name`), when every one of them the cache holds (`cached`: each
@@ -191,7 +188,7 @@ impl Actuator {
         label: &str,
         name: &str,
         mut cached: impl Iterator<Item = Option<Option<String>>>,
-    ) -> Option<(String, String)> {
+    ) -> Selector {
         let labelled =
             name.len() <= 63 && cached.all(|value| value.flatten().as_deref() == Some(name));
         labelled.then(|| (label.to_string(), name.to_string()))
@@ -218,6 +215,18 @@ impl Actuator {
             .await
             .map_err(|e| other(e, &what))
     }
+}
+
+/// A label selector `(key, value)`; `None`: the whole namespace.
+type Selector = Option<(String, String)>;
+
+/// The Machines a group's members are: its instances' and those it no longer lists.
+fn member_machines(group: &NodeGroup) -> impl Iterator<Item = &ObjectKey> {
+    group
+        .instances
+        .iter()
+        .filter_map(|i| i.machine.as_ref())
+        .chain(group.unlisted.iter())
 }
 
 fn api_namespace(api: &Api<crate::object::ApiObject>) -> String {
