@@ -157,7 +157,12 @@ impl Removal {
             }
             (Phase::SettleWritten(entries), Outcome::Landed) => {
                 self.settled.extend(entries);
-                // Claims still pending (the group did not balance for them) wait for the next read.
+                // Every claim settled: a read could only confirm it (step 3 answers OK whatever it
+                // shows), so the answer goes now. Claims still pending (the group did not balance
+                // for them) wait for the next read.
+                if self.claims.values().all(|e| self.settled.contains(e)) {
+                    return self.finish(Ok(()));
+                }
                 self.phase = Phase::Settling;
                 Next::Read
             }

@@ -4,11 +4,12 @@
 
 use std::time::{Duration, Instant};
 
+use kube::ResourceExt;
 use kube::api::Patch;
 use serde_json::{Value, json};
 
 use super::api::{ApiFailure, write_params};
-use super::read::machine_key;
+use super::read::{OwnWrites, machine_key};
 use super::{Actuator, GroupLock};
 use crate::backend::{ActuatorError, ApiCause};
 use crate::protocol::ledger::{
@@ -71,13 +72,14 @@ impl Actuator {
     ) -> Result<(), ActuatorError> {
         let mut guard = Some(lock.lock().await);
         let mut last: Option<Read> = None;
+        let mut own = OwnWrites::default();
         let mut next = op.start();
         loop {
             if guard.is_none() {
                 guard = Some(lock.lock().await);
             }
             next = match next {
-                Next::Read => match self.read(id, group).await {
+                Next::Read => match self.read(id, group, &own).await {
                     Ok(read) => {
                         let next = op.read(&read);
                         last = Some(read);
@@ -98,7 +100,8 @@ impl Actuator {
                     op.too_late_to_mark()
                 }
                 Next::Write(write) => {
-                    let outcome = self.apply(group, caller, &write).await;
+                    let (outcome, version) = self.apply(group, caller, &write).await;
+                    own.after(&outcome, version);
                     if outcome == Outcome::Landed
                         && let (Write::Group(w), Some(read)) = (&write, &last)
                     {
@@ -119,8 +122,14 @@ impl Actuator {
         }
     }
 
-    /// Makes one guarded write; what it did, in the protocol's terms.
-    async fn apply(&self, group: &NodeGroup, caller: Caller, write: &Write) -> Outcome {
+    /// Makes one guarded write; what it did, in the protocol's terms, and the resourceVersion
+    /// its answer carried.
+    async fn apply(
+        &self,
+        group: &NodeGroup,
+        caller: Caller,
+        write: &Write,
+    ) -> (Outcome, Option<String>) {
         let kind = group.kind();
         let key = &group.resource.key;
         let (api, name, patch, what, label) = match write {
@@ -132,7 +141,7 @@ impl Actuator {
                     format!("writing {kind} {key}"),
                     caller.label(),
                 ),
-                Err(e) => return Outcome::Rejected(Refusal::Failed(e.to_string())),
+                Err(e) => return (Outcome::Rejected(Refusal::Failed(e.to_string())), None),
             },
             Write::Mark {
                 machine,
@@ -169,8 +178,10 @@ impl Actuator {
             api.patch(&name, &write_params(), &Patch::Merge(&patch)),
         )
         .await;
+        let mut version = None;
         let outcome = match result {
             Ok(object) => {
+                version = object.resource_version();
                 let recorded = match write {
                     Write::Group(_) => Some(kind),
                     _ => None,
@@ -192,7 +203,7 @@ impl Actuator {
             _ => "error",
         };
         self.metrics.api_write(label, counted, started.elapsed());
-        outcome
+        (outcome, version)
     }
 
     /// Records a Normal Event on the group for a size change written (best effort: the write
