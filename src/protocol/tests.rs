@@ -194,15 +194,14 @@ fn a_removal_claims_then_marks_then_settles_with_one_decrement() {
     let claim = group_write(op.read(&start));
     assert_eq!(claim.claims, Some(Ledger::parse(Some("m1@100"))));
     assert_eq!(claim.replicas, None, "nothing lowered before the mark");
-    assert_eq!(op.wrote(Outcome::Landed), Next::Read);
-    let claimed = read(group(3, "", "m1@100", ""), start.members.clone());
     assert_eq!(
-        op.read(&claimed),
+        op.wrote(Outcome::Landed),
         Next::Write(Write::Mark {
             machine: "m1".into(),
             version: "v-m1".into(),
             value: our_mark(100),
-        })
+        }),
+        "the claim landed over the version read: the mark as planned, guarded by m1's version read"
     );
     assert_eq!(op.wrote(Outcome::Landed), Next::Read);
     let marked = read(
@@ -230,15 +229,14 @@ fn a_removal_claims_then_marks_then_settles_with_one_decrement() {
 fn a_settle_that_leaves_a_claim_pending_reads_again() {
     let mut op = remove(&["m1", "m2"]);
     let members = vec![member("m0", None), member("m1", None), member("m2", None)];
-    let claim = group_write(op.read(&read(group(3, "", "", ""), members.clone())));
+    let claim = group_write(op.read(&read(group(3, "", "", ""), members)));
     assert_eq!(claim.claims, Some(Ledger::parse(Some("m1@100,m2@100"))));
-    assert_eq!(op.wrote(Outcome::Landed), Next::Read);
-    let claimed = read(group(3, "", "m1@100,m2@100", ""), members);
-    assert!(matches!(op.read(&claimed), Next::Write(Write::Mark { .. })));
-    assert!(matches!(
-        op.wrote(Outcome::Landed),
-        Next::Write(Write::Mark { .. })
-    ));
+    for _ in 0..2 {
+        assert!(matches!(
+            op.wrote(Outcome::Landed),
+            Next::Write(Write::Mark { .. })
+        ));
+    }
     assert_eq!(op.wrote(Outcome::Landed), Next::Read);
     let short = read(
         group(3, "", "m1@100,m2@100", ""),

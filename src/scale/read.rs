@@ -21,12 +21,12 @@ use crate::snapshot::{NodeGroup, NotServed, Snapshot};
 impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
     /// that read serves it). The group object and its Cluster are read first (from etcd), then its
-    /// MachineSets and Machines are listed side by side, each no older than the group as read and
-    /// this operation's own writes ([`OwnWrites`]), and the Machines again if they came back older
-    /// than the MachineSets. So the read is what one read of all of them at one moment after the
-    /// operation's writes would show, the members possibly newer, which every rule allows for, without
-    /// the wait a consistent list costs whenever anything was written since the API server's cache
-    /// last heard from etcd. MachineSets and Machines are listed by the label Cluster API gives a
+    /// MachineSets are listed no older than the group as read and this operation's own writes
+    /// ([`OwnWrites`]), then its Machines no older than that and the MachineSets as listed. So the
+    /// read is what reading all of them after the operation's writes would show, the Machines no
+    /// older than the MachineSets, the members possibly newer than the group, which every rule
+    /// allows for, without the wait a consistent list costs whenever anything was written since the
+    /// API server's cache last heard from etcd. MachineSets and Machines are listed by the label Cluster API gives a
     /// group's own (see [`Actuator::own_label`]), so a write costs the group's objects, not the
     /// namespace's.
     pub(super) async fn read(
@@ -62,43 +62,34 @@ impl Actuator {
         if let Some(cluster) = cluster {
             self.store.record_cluster(cluster);
         }
-        let list_machines = |floor: Option<u64>| {
-            self.list(
+        let sets = match set_api {
+            Some(api) => Some(
+                self.list(
+                    api,
+                    "MachineSets",
+                    &key.namespace,
+                    set_selector.as_ref(),
+                    floor,
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        // No older than the MachineSets either: one that reports having acted shows the Machines
+        // it began deleting.
+        let machines_floor = match (&sets, floor) {
+            (Some(sets), Some(floor)) => list_version(sets).map(|v| v.max(floor)),
+            (_, floor) => floor,
+        };
+        let machines = self
+            .list(
                 self.machine_api(&key.namespace),
                 "Machines",
                 &key.namespace,
                 machine_selector.as_ref(),
-                floor,
+                machines_floor,
             )
-        };
-        let (sets, machines) = tokio::join!(
-            async {
-                match set_api {
-                    Some(api) => self
-                        .list(
-                            api,
-                            "MachineSets",
-                            &key.namespace,
-                            set_selector.as_ref(),
-                            floor,
-                        )
-                        .await
-                        .map(Some),
-                    None => Ok(None),
-                }
-            },
-            list_machines(floor),
-        );
-        let (sets, mut machines) = (sets?, machines?);
-        if let Some(sets) = &sets {
-            let sets_version = list_version(sets);
-            if list_version(&machines)
-                .zip(sets_version)
-                .is_none_or(|(m, s)| m < s)
-            {
-                machines = list_machines(sets_version).await?;
-            }
-        }
+            .await?;
         for set in sets.map(|list| list.items).unwrap_or_default() {
             self.store.record(Some(ScalableKind::MachineSet), set);
         }
