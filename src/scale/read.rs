@@ -22,7 +22,7 @@ impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
     /// that read serves it). The group object and its Cluster are read first (from etcd), then its
     /// MachineSets are listed no older than the group as read and this operation's own writes
-    /// ([`OwnWrites`]), then its Machines no older than that and the MachineSets as listed. So the
+    /// ([`OwnWrites`]), then its Machines no older than that and each MachineSet as listed. So the
     /// read is what reading all of them after the operation's writes would show, the Machines no
     /// older than the MachineSets, the members possibly newer than the group, which every rule
     /// allows for, without the wait a consistent list costs whenever anything was written since the
@@ -75,10 +75,11 @@ impl Actuator {
             ),
             None => None,
         };
-        // No older than the MachineSets either: one that reports having acted shows the Machines
-        // it began deleting.
+        // No older than any MachineSet as read either: one that reports having acted shows the
+        // Machines it began deleting. Its own version, not the list's: that is only how far the API
+        // server's cache of MachineSets had got, and asking the Machines' cache for it would wait.
         let machines_floor = match (&sets, floor) {
-            (Some(sets), Some(floor)) => list_version(sets).map(|v| v.max(floor)),
+            (Some(sets), Some(floor)) => newest_version(&sets.items).map(|v| v.max(floor)),
             (_, floor) => floor,
         };
         let machines = self
@@ -289,12 +290,12 @@ impl OwnWrites {
     }
 }
 
-/// The resourceVersion a LIST answered at, as a number.
-fn list_version<K>(list: &kube::core::ObjectList<K>) -> Option<u64>
-where
-    K: Clone,
-{
-    list.metadata.resource_version.as_deref()?.parse().ok()
+/// The newest resourceVersion of `objects` as a number (0 for none); `None` if one is not a number.
+fn newest_version(objects: &[crate::object::ApiObject]) -> Option<u64> {
+    objects.iter().try_fold(0, |newest, o| {
+        let version = o.resource_version()?.parse::<u64>().ok()?;
+        Some(version.max(newest))
+    })
 }
 
 /// The Machines a group's members are: its instances' and those it no longer lists.
