@@ -582,10 +582,10 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         }
     };
 
-    // DeleteNodes: its first read answered (the group and its Cluster together, then its
-    // MachineSets, then its Machines: three rounds); the claim it writes next is held.
+    // DeleteNodes: its first read answered (the group, its MachineSets and its Cluster together,
+    // then its Machines: two rounds); the claim it writes next is held.
     wait_quiet(&s).await;
-    proxy.hold_after_answers(3);
+    proxy.hold_after_answers(2);
     let removal = delete_nodes(&rpc, &id, vec![victim_node], Duration::from_secs(10)).await;
     s.check(
         code_of(&removal) == Code::Ok,
@@ -625,7 +625,7 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
 
     // IncreaseSize: its read answered as above, its write is held.
     wait_quiet(&s).await;
-    proxy.hold_after_answers(3);
+    proxy.hold_after_answers(2);
     let increase = increase_size(&rpc, &id, 1, Duration::from_secs(10)).await;
     s.check(
         code_of(&increase) == Code::Ok,
@@ -851,11 +851,11 @@ async fn kill_between_mark_and_decrement(
     let capi = &s.capi;
     let node = node_of(s, machine).await;
     let (proxy, provider, rpc) = proxied_provider(s, &[]).await;
-    // Before its mark the provider reads (the group and its Cluster together, then its
-    // MachineSets, then its Machines: three rounds) and claims the removal on the group: those four
+    // Before its mark the provider reads (the group, its MachineSets and its Cluster together,
+    // then its Machines: two rounds), claims the removal on the group and reads again: those five
     // rounds of answers pass.
     wait_quiet(s).await;
-    proxy.hold_answers_after(4);
+    proxy.hold_answers_after(5);
     let asked = Instant::now();
     let call = {
         let rpc = rpc.clone();
@@ -1530,9 +1530,9 @@ async fn bounds_lowered_during_increase_size_are_those_of_the_version_written_ov
         &series("increase-size", "conflict"),
     )
     .await;
-    // Its read answered (the group and its Cluster together, then its MachineSets, then its
-    // Machines: three rounds), its write held.
-    proxy.hold_after_answers(3);
+    // Its read answered (the group, its MachineSets and its Cluster together, then its
+    // Machines: two rounds), its write held.
+    proxy.hold_after_answers(2);
     let call = {
         let rpc = rpc.clone();
         let id = id.clone();

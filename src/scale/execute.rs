@@ -4,12 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use kube::ResourceExt;
 use kube::api::Patch;
 use serde_json::{Value, json};
 
 use super::api::{ApiFailure, write_params};
-use super::read::{OwnWrites, machine_key};
+use super::read::machine_key;
 use super::{Actuator, GroupLock};
 use crate::backend::{ActuatorError, ApiCause};
 use crate::protocol::ledger::{
@@ -72,14 +71,13 @@ impl Actuator {
     ) -> Result<(), ActuatorError> {
         let mut guard = Some(lock.lock().await);
         let mut last: Option<Read> = None;
-        let mut own = OwnWrites::default();
         let mut next = op.start();
         loop {
             if guard.is_none() {
                 guard = Some(lock.lock().await);
             }
             next = match next {
-                Next::Read => match self.read(id, group, &own).await {
+                Next::Read => match self.read(id, group).await {
                     Ok(read) => {
                         let next = op.read(&read);
                         last = Some(read);
@@ -100,8 +98,7 @@ impl Actuator {
                     op.too_late_to_mark()
                 }
                 Next::Write(write) => {
-                    let (outcome, version) = self.apply(group, caller, &write).await;
-                    own.after(&outcome, version);
+                    let outcome = self.apply(group, caller, &write).await;
                     if outcome == Outcome::Landed
                         && let (Write::Group(w), Some(read)) = (&write, &last)
                     {
@@ -122,14 +119,8 @@ impl Actuator {
         }
     }
 
-    /// Makes one guarded write; what it did, in the protocol's terms, and the resourceVersion
-    /// its answer carried.
-    async fn apply(
-        &self,
-        group: &NodeGroup,
-        caller: Caller,
-        write: &Write,
-    ) -> (Outcome, Option<String>) {
+    /// Makes one guarded write; what it did, in the protocol's terms.
+    async fn apply(&self, group: &NodeGroup, caller: Caller, write: &Write) -> Outcome {
         let kind = group.kind();
         let key = &group.resource.key;
         let (api, name, patch, what, label) = match write {
@@ -141,7 +132,7 @@ impl Actuator {
                     format!("writing {kind} {key}"),
                     caller.label(),
                 ),
-                Err(e) => return (Outcome::Rejected(Refusal::Failed(e.to_string())), None),
+                Err(e) => return Outcome::Rejected(Refusal::Failed(e.to_string())),
             },
             Write::Mark {
                 machine,
@@ -178,10 +169,8 @@ impl Actuator {
             api.patch(&name, &write_params(), &Patch::Merge(&patch)),
         )
         .await;
-        let mut version = None;
         let outcome = match result {
             Ok(object) => {
-                version = object.resource_version();
                 let recorded = match write {
                     Write::Group(_) => Some(kind),
                     _ => None,
@@ -203,7 +192,7 @@ impl Actuator {
             _ => "error",
         };
         self.metrics.api_write(label, counted, started.elapsed());
-        (outcome, version)
+        outcome
     }
 
     /// Records a Normal Event on the group for a size change written (best effort: the write

@@ -5,8 +5,7 @@
 
 use std::sync::Arc;
 
-use kube::ResourceExt;
-use kube::api::{Api, ListParams, VersionMatch};
+use kube::api::{Api, ListParams};
 
 use super::Actuator;
 use super::api::{call, other};
@@ -15,26 +14,17 @@ use crate::capi::{Keys, Machine, ObjectKey, ScalableKind, ScalableResource, scal
 use crate::protocol::ledger::{
     CLAIMS_ANNOTATION, LEDGER_ANNOTATION, RESIZES_ANNOTATION, TAKING_BACK_ANNOTATION,
 };
-use crate::protocol::{GroupRead, Hold, Ledger, Member, Outcome, Read, Resizes, pool_node_entry};
+use crate::protocol::{GroupRead, Hold, Ledger, Member, Read, Resizes, pool_node_entry};
 use crate::snapshot::{NodeGroup, NotServed, Snapshot};
 
 impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
-    /// that read serves it). The group object and its Cluster are read first (from etcd), then its
-    /// MachineSets are listed no older than the group as read and this operation's own writes
-    /// ([`OwnWrites`]), then its Machines no older than that and each MachineSet as listed. So the
-    /// read is what reading all of them after the operation's writes would show, the Machines no
-    /// older than the MachineSets, the members possibly newer than the group, which every rule
-    /// allows for, without the wait a consistent list costs whenever anything was written since the
-    /// API server's cache last heard from etcd. MachineSets and Machines are listed by the label Cluster API gives a
-    /// group's own (see [`Actuator::own_label`]), so a write costs the group's objects, not the
-    /// namespace's.
-    pub(super) async fn read(
-        &self,
-        id: &str,
-        group: &NodeGroup,
-        own: &OwnWrites,
-    ) -> Result<Read, ActuatorError> {
+    /// that read serves it). The group object, its MachineSets and its Cluster are read together,
+    /// its Machines listed after them: a Machine created or deleted between the two only makes the
+    /// members newer than the group, which every rule allows for. MachineSets and Machines are
+    /// listed by the label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write
+    /// costs the group's objects, not the namespace's.
+    pub(super) async fn read(&self, id: &str, group: &NodeGroup) -> Result<Read, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
         let group_api = self.group_api(kind, &key.namespace)?;
@@ -46,8 +36,18 @@ impl Actuator {
             .cluster_api(&key.namespace)
             .filter(|_| !group.resource.cluster_name.is_empty());
         let (set_selector, machine_selector) = self.own_selectors(id, group);
-        let (object, cluster) =
-            tokio::join!(self.get(group_api, &key.name, kind.as_str()), async {
+        let (object, sets, cluster) = tokio::join!(
+            self.get(group_api, &key.name, kind.as_str()),
+            async {
+                match set_api {
+                    Some(api) => self
+                        .list(api, "MachineSets", &key.namespace, set_selector.as_ref())
+                        .await
+                        .map(Some),
+                    None => Ok(None),
+                }
+            },
+            async {
                 match cluster_api {
                     Some(api) => self
                         .get(api, &group.resource.cluster_name, "Cluster")
@@ -55,45 +55,23 @@ impl Actuator {
                         .ok(),
                     None => None,
                 }
-            },);
-        let object = object?;
-        let floor = own.floor(object.resource_version().as_deref());
-        self.store.record(Some(kind), object);
+            },
+        );
+        self.store.record(Some(kind), object?);
+        for set in sets?.map(|list| list.items).unwrap_or_default() {
+            self.store.record(Some(ScalableKind::MachineSet), set);
+        }
         if let Some(cluster) = cluster {
             self.store.record_cluster(cluster);
         }
-        let sets = match set_api {
-            Some(api) => Some(
-                self.list(
-                    api,
-                    "MachineSets",
-                    &key.namespace,
-                    set_selector.as_ref(),
-                    floor,
-                )
-                .await?,
-            ),
-            None => None,
-        };
-        // No older than any MachineSet as read either: one that reports having acted shows the
-        // Machines it began deleting. Its own version, not the list's: that is only how far the API
-        // server's cache of MachineSets had got, and asking the Machines' cache for it would wait.
-        let machines_floor = match (&sets, floor) {
-            (Some(sets), Some(floor)) => newest_version(&sets.items).map(|v| v.max(floor)),
-            (_, floor) => floor,
-        };
         let machines = self
             .list(
                 self.machine_api(&key.namespace),
                 "Machines",
                 &key.namespace,
                 machine_selector.as_ref(),
-                machines_floor,
             )
             .await?;
-        for set in sets.map(|list| list.items).unwrap_or_default() {
-            self.store.record(Some(ScalableKind::MachineSet), set);
-        }
         self.store.record_machines(
             &key.namespace,
             machine_selector
@@ -216,15 +194,12 @@ impl Actuator {
         labelled.then(|| (label.to_string(), name.to_string()))
     }
 
-    /// Lists `what` of `namespace` (those labelled `selector`), no older than `floor`; without
-    /// one, as they are now (a consistent list).
     async fn list(
         &self,
         api: Api<crate::object::ApiObject>,
         what: &str,
         namespace: &str,
         selector: Option<&(String, String)>,
-        floor: Option<u64>,
     ) -> Result<kube::core::ObjectList<crate::object::ApiObject>, ActuatorError> {
         let (what, params) = match selector {
             Some((label, value)) => (
@@ -236,12 +211,6 @@ impl Actuator {
                 ListParams::default(),
             ),
         };
-        let params = match floor {
-            Some(version) => params
-                .at(&version.to_string())
-                .matching(VersionMatch::NotOlderThan),
-            None => params,
-        };
         call(&what, api.list(&params))
             .await
             .map_err(|e| other(e, &what))
@@ -250,53 +219,6 @@ impl Actuator {
 
 /// A label selector `(key, value)`; `None`: the whole namespace.
 type Selector = Option<(String, String)>;
-
-/// What an operation's next read must show of its own writes.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(super) enum OwnWrites {
-    /// None landed yet.
-    #[default]
-    None,
-    /// The newest resourceVersion one of them got back.
-    Newest(String),
-    /// One went unanswered and may have landed: only a consistent read is sure to show it.
-    Unanswered,
-}
-
-impl OwnWrites {
-    /// After `outcome` of a write whose answer carried `version`.
-    pub(super) fn after(&mut self, outcome: &Outcome, version: Option<String>) {
-        match (outcome, version) {
-            (Outcome::Unknown, _) => *self = OwnWrites::Unanswered,
-            (Outcome::Landed, Some(version)) if *self != OwnWrites::Unanswered => {
-                *self = OwnWrites::Newest(version)
-            }
-            (Outcome::Landed, None) => *self = OwnWrites::Unanswered,
-            _ => {}
-        }
-    }
-
-    /// The oldest state a read may list: the group object as just read (`group_version`) and these
-    /// writes. `None` (a consistent list) once a write went unanswered, or when a version is not a
-    /// number (Kubernetes 1.35 made resourceVersions comparable, KEP-5504; older servers' are
-    /// etcd revisions all the same).
-    pub(super) fn floor(&self, group_version: Option<&str>) -> Option<u64> {
-        let group = group_version?.parse::<u64>().ok()?;
-        match self {
-            OwnWrites::None => Some(group),
-            OwnWrites::Newest(v) => v.parse::<u64>().ok().map(|v| v.max(group)),
-            OwnWrites::Unanswered => None,
-        }
-    }
-}
-
-/// The newest resourceVersion of `objects` as a number (0 for none); `None` if one is not a number.
-fn newest_version(objects: &[crate::object::ApiObject]) -> Option<u64> {
-    objects.iter().try_fold(0, |newest, o| {
-        let version = o.resource_version()?.parse::<u64>().ok()?;
-        Some(version.max(newest))
-    })
-}
 
 /// The Machines a group's members are: its instances' and those it no longer lists.
 fn member_machines(group: &NodeGroup) -> impl Iterator<Item = &ObjectKey> {
