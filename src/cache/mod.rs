@@ -11,6 +11,7 @@ use crate::capi::{
     ScalableResource,
 };
 use crate::problem::Problem;
+use crate::protocol::ledger::RECORD_ANNOTATIONS;
 
 #[cfg(test)]
 mod tests;
@@ -274,9 +275,19 @@ impl Index {
         }
     }
 
-    pub fn apply_cluster(&mut self, cluster: ClusterTopology) {
+    /// Returns whether it changed anything: every write's fresh read records the group's Cluster,
+    /// and the same Cluster again must not cost a snapshot built from scratch.
+    pub fn apply_cluster(&mut self, cluster: ClusterTopology) -> bool {
+        if self
+            .clusters
+            .get(&cluster.key)
+            .is_some_and(|cached| **cached == cluster)
+        {
+            return false;
+        }
         self.journal.other = true;
         self.clusters.insert(cluster.key.clone(), Arc::new(cluster));
+        true
     }
 
     pub fn delete_cluster(&mut self, key: &ObjectKey) {
@@ -360,9 +371,19 @@ fn referenced_infra_kind(parsed: &Parsed<ScalableResource>) -> Option<InfraKind>
     reference.as_ref().ok().map(InfraKind::of)
 }
 
+/// Whether two sets of annotations differ at most in the protocol's records
+/// ([`RECORD_ANNOTATIONS`]), which only the write path reads.
+fn same_but_records(a: &BTreeMap<String, String>, b: &BTreeMap<String, String>) -> bool {
+    fn served(m: &BTreeMap<String, String>) -> impl Iterator<Item = (&String, &String)> {
+        m.iter()
+            .filter(|(k, _)| !RECORD_ANNOTATIONS.contains(&k.as_str()))
+    }
+    a == b || served(a).eq(served(b))
+}
+
 /// Whether a new version of a resource changes only what a rebuild of its own group (and, for a
 /// MachineSet, of its MachineDeployment's) picks up: replica counts (not whether there are any), the
-/// resourceVersion, the rollout state.
+/// resourceVersion, the rollout state, the protocol's records.
 fn same_layout(a: &ScalableResource, b: &ScalableResource) -> bool {
     same_but_counts(a, b, |x, y| x.is_some() == y.is_some())
 }
@@ -399,7 +420,7 @@ pub(crate) fn same_but_counts(
         && *key == b.key
         && *uid == b.uid
         && *labels == b.labels
-        && *annotations == b.annotations
+        && same_but_records(annotations, &b.annotations)
         && *cluster_name == b.cluster_name
         && same_replicas(*replicas, b.replicas)
         && *paused == b.paused

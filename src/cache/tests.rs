@@ -162,6 +162,68 @@ fn a_new_replica_count_is_local_to_its_group_and_any_other_change_is_not() {
     );
 }
 
+/// The write path writes its records (claims, ledger, resize tokens) on the group object with
+/// every operation, and reads its Cluster with every fresh read: neither may cost a snapshot built
+/// from scratch (60 ms at 10,000 Machines, a second at 100,000, per write).
+#[test]
+fn the_protocols_records_are_local_to_their_group_and_the_same_cluster_again_changes_nothing() {
+    let keys = Keys::default();
+    let with = |rv: &str, records: Value| {
+        let mut json = md("a", rv, 3, json!({}), None).into_json();
+        for (k, v) in records.as_object().into_iter().flatten() {
+            json["metadata"]["annotations"][k] = v.clone();
+        }
+        object(json)
+    };
+    let mut index = settled(|index, keys| {
+        apply(index, keys, &MD, with("1", json!({})));
+        apply(index, keys, &Watched::Cluster, cluster("c1", false));
+    });
+    apply(
+        &mut index,
+        &keys,
+        &MD,
+        with("2", json!({"capi-autoscaler-provider/claims": "m1@5"})),
+    );
+    assert_eq!(journal(&index), (vec!["a".into()], vec![], false));
+
+    index.take_journal();
+    apply(
+        &mut index,
+        &keys,
+        &MD,
+        with(
+            "3",
+            json!({"capi-autoscaler-provider/removed": "m1@5", "example.com/team": "x"}),
+        ),
+    );
+    assert_eq!(
+        journal(&index),
+        (vec![], vec![], true),
+        "another annotation with them is not the protocol's"
+    );
+
+    index.take_journal();
+    assert!(!apply(
+        &mut index,
+        &keys,
+        &Watched::Cluster,
+        cluster("c1", false)
+    ));
+    assert!(!index.changed_since_snapshot(), "the same Cluster again");
+    assert!(apply(
+        &mut index,
+        &keys,
+        &Watched::Cluster,
+        cluster("c1", true)
+    ));
+    assert_eq!(
+        journal(&index),
+        (vec![], vec![], true),
+        "paused: everything"
+    );
+}
+
 #[test]
 fn a_new_delete_mark_is_local_and_a_new_provider_id_is_not() {
     let keys = Keys::default();

@@ -183,7 +183,7 @@ pub(crate) fn apply<const S: bool>(
         }
         Prepared::Cluster(cluster) => {
             if let Some(cluster) = cluster {
-                index.apply_cluster(cluster);
+                return index.apply_cluster(cluster);
             }
         }
     }

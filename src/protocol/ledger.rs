@@ -34,6 +34,16 @@ pub const RESIZES_ANNOTATION: &str = "capi-autoscaler-provider/resizes";
 /// Written by earlier versions with the time of the last raise; no longer read or written.
 pub const RAISED_ANNOTATION: &str = "capi-autoscaler-provider/raised";
 
+/// The protocol's records on a group object: read by the write path alone, never by what the
+/// snapshot serves.
+pub const RECORD_ANNOTATIONS: [&str; 5] = [
+    LEDGER_ANNOTATION,
+    CLAIMS_ANNOTATION,
+    TAKING_BACK_ANNOTATION,
+    RESIZES_ANNOTATION,
+    RAISED_ANNOTATION,
+];
+
 /// Marks written by this provider end with this; the value starts with `unix <stamp>`.
 const MARK_SUFFIX: &str = " by capi-autoscaler-provider";
 
