@@ -852,10 +852,10 @@ async fn kill_between_mark_and_decrement(
     let node = node_of(s, machine).await;
     let (proxy, provider, rpc) = proxied_provider(s, &[]).await;
     // Before its mark the provider reads (the group, its MachineSets and its Cluster together,
-    // then its Machines: two rounds), claims the removal on the group and reads again: those five
-    // rounds of answers pass.
+    // then its Machines: two rounds) and claims the removal on the group: those three rounds of
+    // answers pass.
     wait_quiet(s).await;
-    proxy.hold_answers_after(5);
+    proxy.hold_answers_after(3);
     let asked = Instant::now();
     let call = {
         let rpc = rpc.clone();

@@ -1,11 +1,13 @@
 //! A removal: DeleteNodes of some of a group's nodes, or the pinning of pending Machines a
-//! DecreaseTargetSize cancels. Four steps, each decided from a fresh read:
+//! DecreaseTargetSize cancels. Four steps, each decided from a fresh read but the marks, which
+//! follow their claim as step 1 planned them:
 //!
 //! 1. **Claim**: the named Machines' entries go into the group's claims (one guarded write), only
 //!    while the group balances ([`Accounts::balance`] zero): every mark Cluster API would delete
 //!    first has its unit of surplus, so a mark written now is deleted only for its own decrement.
 //! 2. **Mark**: each named Machine without a mark gets ours, with the claim's stamp (guarded by the
-//!    Machine's version). A Machine carrying a mark already is claimed as it is.
+//!    Machine's version step 1 read: one marked or changed since conflicts, and is decided again
+//!    from a fresh read). A Machine carrying a mark already is claimed as it is.
 //! 3. **Settle**: the claims move to the ledger in the write that lowers replicas by one each,
 //!    less the surplus someone else's decrement left (credited: Cluster API deletes the marked
 //!    Machine for that decrement). A Machine Cluster API already took for another decrement is
@@ -35,8 +37,8 @@ pub enum Purpose {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Phase {
     Deciding,
-    /// The claims write is in flight with these new entries.
-    Claiming(Vec<String>),
+    /// The claims write is in flight; then these marks, as step 1 planned them.
+    Claiming(Vec<(String, String, String)>),
     /// Marks to write, in order: (Machine, version, value).
     Marking(Vec<(String, String, String)>),
     Settling,
@@ -146,10 +148,11 @@ impl Removal {
             self.attempts += 1;
         }
         match (phase, outcome) {
-            (Phase::Claiming(_), Outcome::Landed) => {
-                // Marks are decided from a read that shows the claims: one of them may have been
-                // marked meanwhile by another removal of the same node.
-                Next::Read
+            (Phase::Claiming(marks), Outcome::Landed) => {
+                // The claims landed over the version step 1 read, so no other removal claimed in
+                // between; each mark is guarded by the version of its Machine step 1 read, so one
+                // marked meanwhile (by anyone) conflicts and is decided again from a fresh read.
+                self.next_mark(marks)
             }
             (Phase::Marking(mut queue), Outcome::Landed) => {
                 queue.remove(0);
@@ -157,7 +160,12 @@ impl Removal {
             }
             (Phase::SettleWritten(entries), Outcome::Landed) => {
                 self.settled.extend(entries);
-                // Claims still pending (the group did not balance for them) wait for the next read.
+                // Every claim settled: a read could only confirm it (step 3 answers OK whatever it
+                // shows), so the answer goes now. Claims still pending (the group did not balance
+                // for them) wait for the next read.
+                if self.claims.values().all(|e| self.settled.contains(e)) {
+                    return self.finish(Ok(()));
+                }
                 self.phase = Phase::Settling;
                 Next::Read
             }
@@ -326,7 +334,7 @@ impl Removal {
         for e in &replaced {
             taking_back.remove(e);
         }
-        self.phase = Phase::Claiming(new_claims);
+        self.phase = Phase::Claiming(marks);
         Next::Write(Write::Group(GroupWrite {
             version: g.version.clone(),
             claims: Some(recorded),
