@@ -1,6 +1,7 @@
 //! The writer fed watch events as the store receives them: what each does to the index and its
 //! journal, without a cluster.
 
+use crate::protocol::ledger::{CLAIMS_ANNOTATION, LEDGER_ANNOTATION};
 use serde_json::{Value, json};
 
 use super::writer::{Watched, apply, delete, prepare, reset};
@@ -183,7 +184,7 @@ fn the_protocols_records_are_local_to_their_group_and_the_same_cluster_again_cha
         &mut index,
         &keys,
         &MD,
-        with("2", json!({"capi-autoscaler-provider/claims": "m1@5"})),
+        with("2", json!({CLAIMS_ANNOTATION: "m1@5"})),
     );
     assert_eq!(journal(&index), (vec!["a".into()], vec![], false));
 
@@ -194,7 +195,7 @@ fn the_protocols_records_are_local_to_their_group_and_the_same_cluster_again_cha
         &MD,
         with(
             "3",
-            json!({"capi-autoscaler-provider/removed": "m1@5", "example.com/team": "x"}),
+            json!({LEDGER_ANNOTATION: "m1@5", "example.com/team": "x"}),
         ),
     );
     assert_eq!(
