@@ -37,6 +37,7 @@ pub mod refusal;
 mod removal;
 mod repair;
 mod resize;
+mod settlement;
 
 pub use cancellation::{Cancellation, CancellationPlan, cancellation, cancellation_plan};
 pub use ledger::{

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 
 use super::ledger::{Entry, is_our_mark};
 use super::read::{Read, Standing};
-use super::removal::{owed_settlement, pruned};
+use super::settlement::{owed_settlement, pruned};
 use super::{GroupWrite, Next, Outcome, Write};
 
 /// What a round did, for the log, the Events and the metrics.
