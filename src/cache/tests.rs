@@ -1,13 +1,13 @@
 //! The writer fed watch events as the store receives them: what each does to the index and its
 //! journal, without a cluster.
 
-use crate::protocol::ledger::{CLAIMS_ANNOTATION, LEDGER_ANNOTATION};
 use serde_json::{Value, json};
 
 use super::writer::{Watched, apply, delete, prepare, reset};
 use super::*;
 use crate::capi::Keys;
 use crate::object::{ApiObject, NodeObject};
+use crate::protocol::ledger::{CLAIMS_ANNOTATION, LEDGER_ANNOTATION};
 
 const MD: Watched = Watched::Scalable(ScalableKind::MachineDeployment);
 const E2E_GROUP: &str = "infrastructure.cluster.x-k8s.io";
