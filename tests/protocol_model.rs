@@ -25,7 +25,8 @@ use std::hash::{Hash, Hasher};
 use std::time::Instant;
 
 use capi_autoscaler_provider::protocol::{
-    Cancel, Next, Operation, Outcome, Purpose, Raise, Removal, Repair, Ripe, Write, is_our_mark,
+    Cancel, Next, Operation, Outcome, Purpose, Raise, Read, Removal, Repair, Ripe, Write,
+    is_our_mark,
 };
 use world::{Answer, Budget, Call, Running, Step, UserAction, World};
 
@@ -174,13 +175,13 @@ fn provider_steps(w: &World, p: usize, out: &mut Vec<World>) {
         Step::Next(Next::Read) => {
             let mut n = w.clone();
             let read = n.read(n.group_read());
-            n.advance(p, |op| op.read(&read));
+            n.advance(p, |op| op.read(&as_read_by(op, read)));
             out.push(n);
         }
         Step::Listed(group) => {
             let mut n = w.clone();
             let read = n.read(group.clone());
-            n.advance(p, |op| op.read(&read));
+            n.advance(p, |op| op.read(&as_read_by(op, read)));
             out.push(n);
         }
         Step::Next(Next::Write(write)) => {
@@ -232,6 +233,15 @@ fn provider_steps(w: &World, p: usize, out: &mut Vec<World>) {
         }
         Step::Next(Next::Done(_)) => {}
     }
+}
+
+/// The read as the shell gives it to `op`: without members for an operation that decides from
+/// the group alone.
+fn as_read_by(op: &Operation, mut read: Read) -> Read {
+    if !op.reads_members() {
+        read.members.clear();
+    }
+    read
 }
 
 /// Whether a repair round run alone now would write anything.

@@ -88,6 +88,7 @@ impl Member {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Read {
     pub group: GroupRead,
+    /// Empty for an operation that does not read them ([`super::Operation::reads_members`]).
     pub members: Vec<Member>,
 }
 

@@ -660,6 +660,27 @@ fn a_raise_is_written_once_even_when_its_answer_is_lost() {
     ));
 }
 
+/// The shell lists no Machines for a raise: whatever its members, a raise decides the same, and
+/// every other operation (each reads marks and registrations) asks for them.
+#[test]
+fn a_raise_decides_from_the_group_alone_and_only_a_raise_skips_the_members() {
+    let members = vec![
+        member("m0", None),
+        member("m1", Some(&our_mark(7))),
+        member("m2", Some("yes")),
+    ];
+    for replicas in [1, 2, 3, 4] {
+        let g = group(replicas, "", "", "");
+        let with = Raise::new("md", 2, "t").read(&read(g.clone(), members.clone()));
+        let without = Raise::new("md", 2, "t").read(&read(g, vec![]));
+        assert_eq!(with, without, "replicas {replicas}");
+    }
+    assert!(!Operation::Raise(Raise::new("md", 1, "t")).reads_members());
+    assert!(Operation::Cancel(Cancel::new("md", 1, "t", 1)).reads_members());
+    assert!(Operation::Remove(remove(&["m1"])).reads_members());
+    assert!(Operation::Repair(Repair::new(Ripe::All)).reads_members());
+}
+
 #[test]
 fn capacity_without_a_machine_is_cancelled_only_once_cluster_api_has_acted() {
     let members = vec![member("m0", None), member("m1", None)];

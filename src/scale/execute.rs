@@ -77,7 +77,7 @@ impl Actuator {
                 guard = Some(lock.lock().await);
             }
             next = match next {
-                Next::Read => match self.read(id, group).await {
+                Next::Read => match self.read(id, group, op.reads_members()).await {
                     Ok(read) => {
                         let next = op.read(&read);
                         last = Some(read);

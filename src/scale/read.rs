@@ -23,8 +23,14 @@ impl Actuator {
     /// its Machines listed after them: a Machine created or deleted between the two only makes the
     /// members newer than the group, which every rule allows for. MachineSets and Machines are
     /// listed by the label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write
-    /// costs the group's objects, not the namespace's.
-    pub(super) async fn read(&self, id: &str, group: &NodeGroup) -> Result<Read, ActuatorError> {
+    /// costs the group's objects, not the namespace's. Without `members` (an operation that
+    /// decides from the group alone) no Machine is listed and the read has none.
+    pub(super) async fn read(
+        &self,
+        id: &str,
+        group: &NodeGroup,
+        members: bool,
+    ) -> Result<Read, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
         let group_api = self.group_api(kind, &key.namespace)?;
@@ -63,6 +69,13 @@ impl Actuator {
         }
         if let Some(cluster) = cluster {
             self.store.record_cluster(cluster);
+        }
+        if !members {
+            // The holds come from the snapshot: built over what was just read.
+            self.store.refresh();
+            let mut read = self.cached_read(id, group)?;
+            read.members.clear();
+            return Ok(read);
         }
         let machines = self
             .list(
