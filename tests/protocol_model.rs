@@ -25,7 +25,7 @@ use std::hash::{Hash, Hasher};
 use std::time::Instant;
 
 use capi_autoscaler_provider::protocol::{
-    Cancel, Next, Operation, Outcome, Purpose, Raise, Read, Removal, Repair, Ripe, Write,
+    Cancel, Hold, Next, Operation, Outcome, Purpose, Raise, Read, Removal, Repair, Ripe, Write,
     is_our_mark,
 };
 use world::{Answer, Budget, Call, Running, Step, UserAction, World};
@@ -235,11 +235,16 @@ fn provider_steps(w: &World, p: usize, out: &mut Vec<World>) {
     }
 }
 
-/// The read as the shell gives it to `op`: without members for an operation that decides from
-/// the group alone.
+/// The read as the shell gives it to `op`: for an operation that decides from the group object
+/// and its Cluster alone, without members, and what Cluster API observed and a rollout as a stale
+/// cache may have them (not observed, no rollout).
 fn as_read_by(op: &Operation, mut read: Read) -> Read {
     if !op.reads_members() {
         read.members.clear();
+        read.group.observed = false;
+        if matches!(read.group.hold, Some(Hold::RollingOut(_))) {
+            read.group.hold = None;
+        }
     }
     read
 }

@@ -2,8 +2,9 @@
 //! the repair, as state machines fed what the API returned and asked for the next step.
 //!
 //! An operation starts with [`Next::Read`]; the shell reads the group object and then lists its
-//! members ([`Read`]; not for an operation that decides from the group alone,
-//! [`Operation::reads_members`]) and feeds them to [`Operation::read`]; the operation answers with the next
+//! members ([`Read`]; neither its MachineSets nor its members for an operation that decides from
+//! the group object and its Cluster alone, [`Operation::reads_members`]) and feeds them to
+//! [`Operation::read`]; the operation answers with the next
 //! guarded write ([`Write`]), a wait for Cluster API or another writer ([`Next::Wait`], the shell
 //! reads again a moment later, or calls [`Operation::expired`] once its time is up), or its answer
 //! ([`Next::Done`]). What a write did comes back through [`Operation::wrote`]: landed, a conflict
@@ -117,9 +118,11 @@ impl Operation {
         Next::Read
     }
 
-    /// Whether its decisions read the group's members. A raise decides from the group object alone
-    /// (replicas, bounds, holds, its token), so the shell lists no Machines for it: a list the API
-    /// server answers only once its cache has caught up, the larger part of a raise's time.
+    /// Whether its decisions read the group's members and what Cluster API observed. A raise
+    /// decides from the group object and its Cluster alone (replicas, bounds, its token, a pause or
+    /// a managed topology; a rollout does not refuse it), so the shell lists neither MachineSets nor
+    /// Machines for it: lists the API server answers only once its cache has caught up, most of a
+    /// raise's time.
     pub fn reads_members(&self) -> bool {
         !matches!(self, Operation::Raise(_))
     }

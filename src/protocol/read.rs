@@ -88,7 +88,8 @@ impl Member {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Read {
     pub group: GroupRead,
-    /// Empty for an operation that does not read them ([`super::Operation::reads_members`]).
+    /// Empty for an operation that does not read them ([`super::Operation::reads_members`]); its
+    /// group's `observed` and a [`Hold::RollingOut`] are then as cached, which it does not read.
     pub members: Vec<Member>,
 }
 

@@ -660,19 +660,24 @@ fn a_raise_is_written_once_even_when_its_answer_is_lost() {
     ));
 }
 
-/// The shell lists no Machines for a raise: whatever its members, a raise decides the same, and
-/// every other operation (each reads marks and registrations) asks for them.
+/// The shell lists neither MachineSets nor Machines for a raise: whatever its members, what Cluster
+/// API observed and a rollout, a raise decides the same; every other operation (each reads marks,
+/// registrations and what Cluster API observed) asks for them.
 #[test]
-fn a_raise_decides_from_the_group_alone_and_only_a_raise_skips_the_members() {
+fn a_raise_decides_from_the_group_and_its_cluster_alone_and_only_a_raise_skips_the_lists() {
     let members = vec![
         member("m0", None),
         member("m1", Some(&our_mark(7))),
         member("m2", Some("yes")),
     ];
+    let rolling_out = Some(Hold::RollingOut("new MachineSet".into()));
     for replicas in [1, 2, 3, 4] {
         let g = group(replicas, "", "", "");
         let with = Raise::new("md", 2, "t").read(&read(g.clone(), members.clone()));
-        let without = Raise::new("md", 2, "t").read(&read(g, vec![]));
+        let mut stale = g.clone();
+        stale.observed = false;
+        stale.hold = rolling_out.clone();
+        let without = Raise::new("md", 2, "t").read(&read(stale, vec![]));
         assert_eq!(with, without, "replicas {replicas}");
     }
     assert!(!Operation::Raise(Raise::new("md", 1, "t")).reads_members());

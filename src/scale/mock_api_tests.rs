@@ -729,8 +729,8 @@ fn reads_then(writes: &[&str]) -> Vec<String> {
 
 // ===== IncreaseSize =====
 
-/// A raise decides from the group object alone: its Machines are not listed (the API server
-/// answers a list only once its cache has caught up).
+/// A raise decides from the group object and its Cluster alone: neither its MachineSets nor its
+/// Machines are listed (the API server answers a list only once its cache has caught up).
 #[tokio::test]
 async fn increase_size_writes_replicas_and_its_token_guarded_by_the_version_read() {
     let fixture = Fixture::new(&three_running(3, &[]));
@@ -741,7 +741,7 @@ async fn increase_size_writes_replicas_and_its_token_guarded_by_the_version_read
 
     assert_eq!(
         fixture.requests(),
-        [GET_MD, LIST_SETS, GET_CLUSTER, PATCH_MD].map(String::from)
+        [GET_MD, GET_CLUSTER, PATCH_MD].map(String::from)
     );
     let patch = &fixture.patches(MD)[0];
     assert_eq!(patch["metadata"]["resourceVersion"], json!("1"));

@@ -24,7 +24,8 @@ impl Actuator {
     /// members newer than the group, which every rule allows for. MachineSets and Machines are
     /// listed by the label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write
     /// costs the group's objects, not the namespace's. Without `members` (an operation that
-    /// decides from the group alone) no Machine is listed and the read has none.
+    /// decides from the group object and its Cluster alone) neither MachineSets nor Machines are
+    /// listed: the read has no members, and what Cluster API observed and a rollout are as cached.
     pub(super) async fn read(
         &self,
         id: &str,
@@ -35,13 +36,16 @@ impl Actuator {
         let key = group.resource.key.clone();
         let group_api = self.group_api(kind, &key.namespace)?;
         let set_api = match kind {
-            ScalableKind::MachineDeployment => Some(self.set_api(&key.namespace)?),
+            ScalableKind::MachineDeployment if members => Some(self.set_api(&key.namespace)?),
             _ => None,
         };
         let cluster_api = self
             .cluster_api(&key.namespace)
             .filter(|_| !group.resource.cluster_name.is_empty());
-        let (set_selector, machine_selector) = self.own_selectors(id, group);
+        let (set_selector, machine_selector) = match members {
+            true => self.own_selectors(id, group),
+            false => (None, None),
+        };
         let (object, sets, cluster) = tokio::join!(
             self.get(group_api, &key.name, kind.as_str()),
             async {
