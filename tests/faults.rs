@@ -623,9 +623,10 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         &format!("CAPI deleted {removed:?}, want only {victim}"),
     );
 
-    // IncreaseSize: its read answered as above, its write is held.
+    // IncreaseSize: its read answered (the group and its Cluster together: one round, a raise
+    // lists nothing), its write is held.
     wait_quiet(&s).await;
-    proxy.hold_after_answers(2);
+    proxy.hold_after_answers(1);
     let increase = increase_size(&rpc, &id, 1, Duration::from_secs(10)).await;
     s.check(
         code_of(&increase) == Code::Ok,
@@ -1530,9 +1531,9 @@ async fn bounds_lowered_during_increase_size_are_those_of_the_version_written_ov
         &series("increase-size", "conflict"),
     )
     .await;
-    // Its read answered (the group, its MachineSets and its Cluster together, then its
-    // Machines: two rounds), its write held.
-    proxy.hold_after_answers(2);
+    // Its read answered (the group and its Cluster together: one round, a raise lists
+    // nothing), its write held.
+    proxy.hold_after_answers(1);
     let call = {
         let rpc = rpc.clone();
         let id = id.clone();

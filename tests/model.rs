@@ -29,11 +29,12 @@
 //! Real Cluster API acts seconds after a write under this load (its informers, queues and the
 //! MachineSet controller's one-at-a-time creations), so a pending Machine a DecreaseTargetSize
 //! cancels may have registered by then; the provider pins it with our mark (paid in the ledger)
-//! before the decrement, so it is still the one to go. Capacity without a Machine is cancelled by
-//! a decrement alone, and only [`GRACE_SECS`] after the group's last raise (refused before,
-//! nothing written): a Machine Cluster API creates meanwhile (its MachineSet still acting on the
-//! raise) could register and be the one its scale-down removes. A registered Machine CAPI deleted
-//! without our mark fails the run. A DeleteNodes naming a Machine so pinned,
+//! before the decrement, so it is still the one to go. Capacity without a Machine is never
+//! cancelled by a decrement alone while Cluster API is creating Machines for it, the replacements
+//! of Machines being deleted included (refused, nothing written): a Machine it creates meanwhile
+//! could register here within a second or two, as fast as the MachineSet acts on a decrement, and
+//! be the one its scale-down removes. A registered Machine CAPI deleted without our mark fails the
+//! run. A DeleteNodes naming a Machine so pinned,
 //! or one CAPI is already deleting unmarked, is answered OK without a write. A DecreaseTargetSize
 //! cancels capacity without a Machine by a write of its own first, so one refused (a pending
 //! Machine registered before it was marked) or unanswered after that write lowered replicas by
@@ -603,7 +604,9 @@ async fn sequential(sh: Arc<Shared>, mut m: Model, seed: u64) -> Result<u64, Str
                         }
                     };
                     if done {
-                        m.removed.insert(key, false);
+                        // A node removed before this call keeps what a raise did to it since: its
+                        // mark may still be the absorbed one.
+                        m.removed.entry(key).or_insert(false);
                     } else if code == Code::NotFound {
                         m.removed.remove(&key);
                     }

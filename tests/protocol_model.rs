@@ -61,7 +61,7 @@ fn successors(w: &World) -> Vec<World> {
             let mut n = w.clone();
             n.machines.remove(name);
             out.push(n);
-        } else if !m.registered && !m.fresh {
+        } else if !m.registered {
             let mut n = w.clone();
             if let Some(m) = n.machines.get_mut(name) {
                 m.registered = true;
@@ -379,11 +379,10 @@ fn trace(start: &World, end: &World, parents: &HashMap<u64, u64>) -> String {
     let mut lines = vec![start.line()];
     let mut current = start.clone();
     for h in hashes.iter().skip(1) {
-        let next = successors(&current).into_iter().map(|mut n| {
-            n.settle_fresh();
-            n
-        });
-        match next.into_iter().find(|n| state_hash(n) == *h) {
+        match successors(&current)
+            .into_iter()
+            .find(|n| state_hash(n) == *h)
+        {
             Some(n) => {
                 lines.push(n.line());
                 current = n;
@@ -431,8 +430,7 @@ fn explore(start: World, limit: usize) -> Result<Report, String> {
             }
         }
         let parent = state_hash(&w);
-        for mut n in successors(&w) {
-            n.settle_fresh();
+        for n in successors(&w) {
             if let std::collections::hash_map::Entry::Vacant(e) = seen.entry(state_hash(&n)) {
                 e.insert(parent);
                 stack.push(n);

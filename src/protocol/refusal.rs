@@ -129,6 +129,6 @@ pub(super) fn gave_up(group: &str, what: &str) -> Refusal {
 
 pub(super) fn not_observed(group: &str) -> Refusal {
     Refusal::Precondition(format!(
-        "{group}: Cluster API has not yet acted on the group's last change (its observedGeneration, or its MachineSet's replicas, lag), or is creating Machines for it: capacity without a Machine may still become one; nothing written, retry in a moment"
+        "{group}: Cluster API has not yet acted on the group's last change (its observedGeneration, or its MachineSet's replicas, lag), or is creating Machines for it (also the replacements of Machines being deleted): capacity without a Machine may still become one; nothing written, retry in a moment"
     ))
 }

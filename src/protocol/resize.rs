@@ -208,8 +208,14 @@ impl Cancel {
             Err(why) => return Next::Done(Err(refusal::bounds_unreadable(&self.group, why))),
         };
         // Cluster API may still be creating Machines for a change it has not observed: one it
-        // creates after this decision could not be pinned.
-        let creating = read.members.len() < usize::try_from(g.replicas).unwrap_or(0) && !g.held;
+        // creates after this decision could not be pinned. A Machine being deleted counts toward
+        // the MachineSet's replicas only until it is gone, and then its replacement is created:
+        // capacity without a Machine that a decrement would race (the replacement may register
+        // before the MachineSet acts on the decrement, and one of the registered Machines would
+        // go, unmarked). So only Machines not being deleted cover replicas; the replacement is
+        // pinned once it exists.
+        let active = read.members.iter().filter(|m| !m.deleting).count();
+        let creating = active < usize::try_from(g.replicas).unwrap_or(0) && !g.held;
         if !g.observed || creating {
             // Machines it is creating become pending Machines to pin, in a moment.
             return Next::Wait(refusal::not_observed(&self.group));

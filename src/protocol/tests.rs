@@ -707,6 +707,34 @@ fn capacity_without_a_machine_is_cancelled_only_once_cluster_api_has_acted() {
     assert_eq!(w.replicas, Some(2));
 }
 
+/// A Machine being deleted still counts toward its MachineSet's replicas, but once it is gone the
+/// MachineSet creates its replacement: a decrement decided while it is deleting races that
+/// replacement, which may register before the MachineSet acts on the decrement (Cluster API then
+/// deletes a registered Machine, unmarked: seen with the real manager). So the cancellation waits
+/// for the replacement and pins it.
+#[test]
+fn the_replacement_of_a_machine_being_deleted_is_pinned_not_raced_by_a_decrement() {
+    let mut members = vec![
+        member("m0", None),
+        member("m1", None),
+        deleting(member("m2", None)),
+    ];
+    assert!(
+        matches!(
+            Cancel::new("md", 1, "t", 100).read(&read(group(3, "", "", ""), members.clone())),
+            Next::Wait(_)
+        ),
+        "no decrement while the MachineSet has a replacement to create"
+    );
+    // m2 gone, its replacement p0 created: pinned (claimed and marked) before the decrement.
+    members.pop();
+    members.push(pending("p0"));
+    let claim =
+        group_write(Cancel::new("md", 1, "t", 100).read(&read(group(3, "", "", ""), members)));
+    assert_eq!(claim.replicas, None);
+    assert_eq!(claim.claims, Some(Ledger::parse(Some("p0@100"))));
+}
+
 #[test]
 fn a_decrease_pins_pending_machines_and_never_reaches_a_registered_one() {
     let members = vec![member("m0", None), member("m1", None), pending("p0")];

@@ -1252,6 +1252,36 @@ async fn decrease_target_size_waits_for_cluster_api_to_observe_the_last_change()
     assert_eq!(fixture.replicas(), 4, "nothing written");
 }
 
+/// A Machine being deleted still counts toward its MachineSet's replicas, and once it is gone
+/// Cluster API creates its replacement: a decrement then races the replacement (seen with the real
+/// manager: a replacement got its providerID 0.1 s after the MachineSet deleted it, unmarked, for
+/// such a decrement; registered a moment sooner, a registered Machine would have gone). So the
+/// cancellation waits for the replacement, to pin it, and out of time refuses without a write.
+#[tokio::test]
+async fn decrease_target_size_does_not_race_the_replacement_of_a_machine_being_deleted() {
+    let mut going = machine("c", true, None);
+    going["metadata"]["deletionTimestamp"] = json!("2026-11-29T00:00:00Z");
+    let objects = vec![
+        deployment(3, &[]),
+        machine_set(3),
+        machine("a", true, None),
+        machine("b", true, None),
+        going,
+    ];
+    let fixture = Fixture::new(&objects);
+
+    let error = within(fixture.actuator.decrease_target_size(GROUP, -1))
+        .await
+        .unwrap_err();
+
+    assert!(
+        matches!(&error, ActuatorError::Refused(m) if m.contains("replacements of Machines being deleted")),
+        "{error:?}"
+    );
+    assert!(fixture.seen().iter().all(|s| s.method != Method::PATCH));
+    assert_eq!(fixture.replicas(), 3);
+}
+
 #[tokio::test]
 async fn decrease_target_size_pins_a_pending_machine_and_settles_it() {
     let objects = vec![

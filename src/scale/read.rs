@@ -165,15 +165,19 @@ impl Actuator {
         let keys = &self.store.settings().keys;
         let snapshot = self.store.snapshot();
         let key = &group.resource.key;
-        let sets = Self::own_label(
-            &keys.deployment_name_label,
-            &key.name,
-            snapshot.machine_sets_of(key).iter().map(|k| {
-                self.store
-                    .cached_resource(ScalableKind::MachineSet, k)
-                    .map(|s| s.labels.get(&keys.deployment_name_label).cloned())
-            }),
-        );
+        // Only a MachineDeployment's read lists MachineSets.
+        let sets = match group.kind() {
+            ScalableKind::MachineDeployment => Self::own_label(
+                &keys.deployment_name_label,
+                &key.name,
+                snapshot.machine_sets_of(key).iter().map(|k| {
+                    self.store
+                        .cached_resource(ScalableKind::MachineSet, k)
+                        .map(|s| s.labels.get(&keys.deployment_name_label).cloned())
+                }),
+            ),
+            _ => None,
+        };
         let label = match group.kind() {
             ScalableKind::MachineDeployment => &keys.deployment_name_label,
             ScalableKind::MachineSet => &keys.set_name_label,

@@ -13,6 +13,8 @@
 //!   generation. It acts on the replicas its last sync gave it: a raise it has not observed yet
 //!   does not stop it deleting for the count before;
 //! - a Machine being deleted goes (drain and infrastructure done), a Machine gets its Node.
+//!   A Machine may get its Node at any step after it is created: no timing is assumed between a
+//!   machine booting and a write of ours landing or Cluster API acting on it.
 //!   What the model leaves out: Machine status writes (they only make marks conflict more), the
 //!   MachineSet's cache of Machines lagging a mark (its reconcile is woken by the mark itself).
 
@@ -31,12 +33,6 @@ pub struct Machine {
     pub mark: Option<String>,
     pub deleting: bool,
     pub registered: bool,
-    /// Created by the MachineSet controller while a write of ours decided before was in flight:
-    /// it gets its Node only once that write has landed (or failed) and Cluster API has acted on
-    /// it. A machine boots and its kubelet registers tens of seconds after it is created; a write
-    /// lands milliseconds after it is decided and Cluster API reconciles within a second. The one
-    /// timing the model assumes.
-    pub fresh: bool,
 }
 
 /// Who asked for what, and what they were answered.
@@ -204,7 +200,6 @@ impl World {
                     mark: None,
                     deleting: false,
                     registered: true,
-                    fresh: false,
                 },
             );
         }
@@ -440,7 +435,6 @@ impl World {
                         mark: None,
                         deleting: false,
                         registered: false,
-                        fresh: self.writes_in_flight() || self.deployment_pending(),
                     },
                 );
             }
@@ -602,27 +596,5 @@ fn step_line(step: &Step) -> String {
                 format!("unmark {machine}")
             }
         },
-    }
-}
-
-impl World {
-    /// Whether a write of ours is decided and not yet landed or failed.
-    pub fn writes_in_flight(&self) -> bool {
-        self.late.is_some()
-            || self.providers.iter().any(|p| {
-                p.running
-                    .as_ref()
-                    .is_some_and(|r| matches!(r.step, Step::Next(Next::Write(_))))
-            })
-    }
-
-    /// Machines created while writes were in flight stop being fresh once none is and Cluster
-    /// API has acted on every one.
-    pub fn settle_fresh(&mut self) {
-        if !self.writes_in_flight() && !self.deployment_pending() && !self.set_pending() {
-            for m in self.machines.values_mut() {
-                m.fresh = false;
-            }
-        }
     }
 }

@@ -482,6 +482,9 @@ pub(super) async fn start_apiserver(
             "--v=1".into(),
         ];
         apiserver_args.extend(extra_args.iter().map(|a| a.to_string()));
+        if std::env::var_os("CAPI_E2E_AUDIT").is_some() {
+            apiserver_args.extend(audit_args(dir));
+        }
         let mut apiserver =
             match procs::spawn_logged(&bin.join("kube-apiserver"), &apiserver_args, &apiserver_log)
             {
@@ -640,4 +643,31 @@ async fn wait_apiserver(
         },
     )
     .await
+}
+
+/// With `CAPI_E2E_AUDIT` set: an audit log of every write to Cluster API's scalable objects and
+/// Machines (`audit.log` beside the apiserver's log, kept with `CAPI_E2E_KEEP`), the timeline a
+/// failed real-CAPI run is read from: which write came when, from whom, over which version.
+fn audit_args(dir: &Path) -> Vec<String> {
+    let policy = dir.join("audit-policy.yaml");
+    let text = r#"apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Request
+  verbs: [create, update, patch, delete]
+  resources:
+  - group: cluster.x-k8s.io
+    resources: [machines, machinesets, machinedeployments, machinepools]
+- level: None
+"#;
+    if let Err(e) = std::fs::write(&policy, text) {
+        eprintln!("audit policy {}: {e}", policy.display());
+        return Vec::new();
+    }
+    vec![
+        format!("--audit-policy-file={}", policy.display()),
+        format!("--audit-log-path={}", dir.join("audit.log").display()),
+        "--audit-log-maxsize=0".into(),
+    ]
 }
