@@ -196,6 +196,137 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
     ));
 }
 
+/// DecreaseTargetSize while a Machine of the group is being deleted, against the real MachineSet
+/// controller. The Machine (held in deletion by a finalizer of the test, as a slow drain or
+/// infrastructure would) still counts toward its MachineSet's replicas, so after a raise back to 3
+/// Cluster API creates nothing until it is gone, and then creates its replacement. A decrement now
+/// would race that replacement (it may register before the MachineSet acts on the decrement, and a
+/// registered Machine go unmarked: what the random test caught): the call is refused with nothing
+/// written. Released, the Machine goes, the replacement registers, and no other Machine goes.
+#[tokio::test]
+async fn a_decrease_while_a_machine_is_being_deleted_waits_for_its_replacement() {
+    const HOLD: &str = "e2e.capi-autoscaler-provider/hold";
+    let s = RealCapiNamespace::new(&[]).await;
+    s.plain_group("replace", ("1", "5", 3)).await;
+    let machines = s.machines("replace", 3).await;
+    let deleted = s.watch_deletions();
+    let provider = s.provider().await;
+    let (mut rpc, id) = s.served_group(&provider).await;
+    let fail = |message: String| -> ! { s.fail(message, &provider, None) };
+    let held = machines[0].clone();
+    let machine_api = api(&s.client, &s.ns, "v1beta2", "Machine");
+    let finalizers = |extra: Option<&str>| {
+        let machine_api = machine_api.clone();
+        let held = held.clone();
+        let extra = extra.map(str::to_string);
+        async move {
+            let machine = machine_api
+                .get(&held)
+                .await
+                .unwrap_or_else(|e| panic!("get Machine {held}: {e}"));
+            let mut list: Vec<String> = machine
+                .metadata
+                .finalizers
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|f| f != HOLD)
+                .collect();
+            list.extend(extra);
+            json!({"metadata": {"finalizers": list, "resourceVersion": machine.metadata.resource_version}})
+        }
+    };
+    s.patch("Machine", &held, finalizers(Some(HOLD)).await)
+        .await;
+
+    let node = s.grpc_node(&held).await;
+    if let Err(e) = rpc.delete_nodes(&id, vec![node]).await {
+        fail(format!("DeleteNodes of {held}: {e}"));
+    }
+    s.until(
+        &format!("{held} being deleted, held by the test's finalizer"),
+        MACHINES,
+        &provider,
+        None,
+        || async {
+            match deleted.names().contains(&held) {
+                true => Check::Done(()),
+                false => Check::Wait(format!("deleted {:?}", deleted.names())),
+            }
+        },
+    )
+    .await;
+    if let Err(e) = rpc.increase(&id, 1).await {
+        fail(format!("IncreaseSize back to 3: {e}"));
+    }
+    // The MachineSet has acted on 3: it counts the held Machine, so it creates nothing yet.
+    let sets = api(&s.client, &s.ns, "v1beta2", "MachineSet");
+    s.until(
+        "the MachineSet at 3 replicas, observed",
+        MACHINES,
+        &provider,
+        None,
+        || async {
+            match support::real_capi::of_deployment(&sets, "replace").await {
+                Ok(list) if list.len() == 1 => {
+                    let ms = &list[0].data;
+                    let observed =
+                        ms["status"]["observedGeneration"].as_i64() >= list[0].metadata.generation;
+                    match (ms["spec"]["replicas"].as_i64(), observed) {
+                        (Some(3), true) => Check::Done(()),
+                        other => Check::Wait(format!("MachineSet replicas, observed: {other:?}")),
+                    }
+                }
+                Ok(list) => Check::Wait(format!("{} MachineSets", list.len())),
+                Err(e) => Check::Wait(e),
+            }
+        },
+    )
+    .await;
+    let before = machines_of(&s.client, &s.ns, "replace")
+        .await
+        .unwrap_or_else(|e| fail(e));
+
+    let refusal = match rpc.decrease(&id, -1).await {
+        Ok(()) => fail(format!(
+            "DecreaseTargetSize(-1) answered OK beside {held} being deleted; Machines {before:?}"
+        )),
+        Err(e) => e,
+    };
+    if refusal.code() != tonic::Code::FailedPrecondition
+        || !refusal
+            .message()
+            .contains("replacements of Machines being deleted")
+    {
+        fail(format!("DecreaseTargetSize(-1): {refusal:?}"));
+    }
+    match s.replicas("replace").await {
+        Ok(3) => {}
+        other => fail(format!(
+            "replicas after the refused DecreaseTargetSize: {other:?}"
+        )),
+    }
+
+    s.patch("Machine", &held, finalizers(None).await).await;
+    let after = s
+        .wait_settled(
+            "the held Machine gone and replaced: 3 Machines with Nodes, none marked",
+            "replace",
+            3,
+        )
+        .await
+        .unwrap_or_else(|e| fail(e));
+    let gone = deleted.names();
+    if gone != BTreeSet::from([held.clone()]) {
+        fail(format!("Machines deleted: {gone:?}, want only {held}"));
+    }
+    procs::announce(&format!(
+        "e2e: scenario real-capi-decrease-beside-a-deletion passed in {:.1}s: DecreaseTargetSize refused \
+         while {held} was being deleted ({}), replicas kept at 3; released, it was replaced: {after:?}",
+        s.started.elapsed().as_secs_f64(),
+        refusal.message(),
+    ));
+}
+
 /// A MachineHealthCheck remediating one Machine while this provider removes another of the same
 /// group: the real MachineSet controller deletes the unhealthy Machine and replaces it, and deletes
 /// the marked one; replicas drop by exactly one (no double decrement), the third Machine is never
