@@ -693,6 +693,11 @@ impl Fixture {
         self.annotation(MD, key)
     }
 
+    /// Whether the provider sent no PATCH at all (a refusal that wrote nothing).
+    fn wrote_nothing(&self) -> bool {
+        self.seen().iter().all(|s| s.method != Method::PATCH)
+    }
+
     /// The PATCH requests to `path` that landed (answered 2xx), in order, with their bodies.
     fn landed(&self, path: &str) -> usize {
         self.patches(path).len()
@@ -1207,7 +1212,7 @@ async fn finding_7_a_group_whose_topology_sets_replicas_is_never_written() {
         matches!(error, ActuatorError::GroupNotFound { .. }),
         "{error:?}"
     );
-    assert!(fixture.seen().iter().all(|s| s.method != Method::PATCH));
+    assert!(fixture.wrote_nothing());
 }
 
 // ===== DecreaseTargetSize =====
@@ -1278,7 +1283,7 @@ async fn decrease_target_size_does_not_race_the_replacement_of_a_machine_being_d
         matches!(&error, ActuatorError::Refused(m) if m.contains("replacements of Machines being deleted")),
         "{error:?}"
     );
-    assert!(fixture.seen().iter().all(|s| s.method != Method::PATCH));
+    assert!(fixture.wrote_nothing());
     assert_eq!(fixture.replicas(), 3);
 }
 
@@ -1315,7 +1320,7 @@ async fn decrease_target_size_that_would_remove_a_registered_node_is_refused_wit
         matches!(&error, ActuatorError::Refused(m) if m.contains("attempt to delete existing nodes")),
         "{error:?}"
     );
-    assert!(fixture.seen().iter().all(|s| s.method != Method::PATCH));
+    assert!(fixture.wrote_nothing());
 }
 
 /// Finding 6: a MachinePool with MachinePool Machines pins its pending Machine like a

@@ -204,7 +204,7 @@ async fn delete_nodes_and_increase_size_back_to_back_never_cost_an_unmarked_mach
 /// registered Machine go unmarked: what the random test caught): the call is refused with nothing
 /// written. Released, the Machine goes, the replacement registers, and no other Machine goes.
 #[tokio::test]
-async fn a_decrease_while_a_machine_is_being_deleted_waits_for_its_replacement() {
+async fn a_decrease_while_a_machine_is_being_deleted_is_refused_and_only_that_machine_goes() {
     const HOLD: &str = "e2e.capi-autoscaler-provider/hold";
     let s = RealCapiNamespace::new(&[]).await;
     s.plain_group("replace", ("1", "5", 3)).await;

@@ -14,6 +14,8 @@
 //!
 //! Environment: `CAPI_E2E_KEEP=1` keeps the work directory (certificates, kubeconfigs, logs) even
 //! when every test passed; it is always kept when a test panicked, and its path is printed.
+//! `CAPI_E2E_AUDIT=1` makes each control plane's kube-apiserver write an audit log of the writes to
+//! Cluster API's Machines and scalable objects (`control-plane/audit.log` in that directory).
 
 pub mod artifacts;
 pub mod autoscaler;
