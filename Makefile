@@ -35,12 +35,17 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --all-targets -- -D warnings
 
-# Builds (or finds in the cache) etcd, kube-apiserver, kube-scheduler, kube-controller-manager and the
-# Cluster API CRDs, then each pinned real Cluster API core manager with its 13 CRDs: tests/upstream/capi
-# (v1.14.2, a Go module of its own) and every subdirectory there with a go.mod (v1.13: v1.13.6), then
-# promtool (tests/upstream/promtool: the alerts' unit tests, tests/monitoring.rs); prints the cache dirs.
+# Builds (or finds in the cache) etcd, kube-apiserver, kube-scheduler and the Cluster API CRDs, then
+# kube-controller-manager, then kube-apiserver and kube-scheduler of every Kubernetes release pinned in
+# tests/upstream/k8s (v1.33, v1.37: the management-cluster matrix), then each pinned real Cluster API core
+# manager with its 13 CRDs: tests/upstream/capi (v1.14.2, a Go module of its own) and every subdirectory
+# there with a go.mod (v1.13: v1.13.6), then promtool (tests/upstream/promtool: the alerts' unit tests,
+# tests/monitoring.rs); prints the cache dirs.
 upstream:
-	@start=$$(date +%s); bash tests/upstream/build.sh; nice bash tests/upstream/capi/build.sh; \
+	@start=$$(date +%s); bash tests/upstream/build.sh; nice bash tests/upstream/build.sh kube-controller-manager; \
+	for pin in tests/upstream/k8s/*/go.mod; do \
+	  nice bash tests/upstream/build.sh "$$(basename "$$(dirname "$$pin")")"; done; \
+	nice bash tests/upstream/capi/build.sh; \
 	for pin in tests/upstream/capi/*/go.mod; do \
 	  nice bash tests/upstream/capi/build.sh "$$(basename "$$(dirname "$$pin")")"; done; \
 	nice bash tests/upstream/promtool/build.sh; \

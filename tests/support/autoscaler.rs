@@ -65,7 +65,7 @@ pub fn ensure_scheduler(cp: &ControlPlane) {
     let mut started = lock(&STARTED);
     if !started.iter().any(|(server, _)| *server == cp.server) {
         let result = spawn_scheduler(
-            &cp.upstream.join("bin"),
+            &cp.bin,
             &cp.dir.join("kube-scheduler.log"),
             cp.admin_kubeconfig(),
         );

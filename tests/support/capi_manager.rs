@@ -133,10 +133,11 @@ pub fn capi_manager_of(pin: Option<&str>) -> &'static CapiManager {
 }
 
 /// A real CAPI manager of the default release on a control plane of its own named `name`
-/// (`named_control_plane(name)`, files in the work directory's `capi-manager-<name>`), started on
-/// first use: for scenarios that run what must not reach the shared control plane's other
-/// scenarios (a kube-controller-manager, tests/support/controller_manager.rs).
-pub fn capi_manager_apart(name: &str) -> &'static CapiManager {
+/// (`named_control_plane(name, setup)`, files in the work directory's `capi-manager-<name>`),
+/// started on first use: for scenarios that run what must not reach the shared control plane's
+/// other scenarios (a kube-controller-manager, tests/support/controller_manager.rs), or on another
+/// Kubernetes release ([`Setup::on_kubernetes`]).
+pub fn capi_manager_apart(name: &str, setup: Setup) -> &'static CapiManager {
     type Started = &'static Result<CapiManager, String>;
     static APART: Mutex<Vec<(String, Started)>> = Mutex::new(Vec::new());
     // Held while starting: a second caller for the same name waits for the same start.
@@ -144,7 +145,7 @@ pub fn capi_manager_apart(name: &str) -> &'static CapiManager {
     let started = match apart.iter().find(|(n, _)| n == name) {
         Some((_, started)) => *started,
         None => {
-            let cp = named_control_plane(name, Setup::real_capi());
+            let cp = named_control_plane(name, setup);
             let started: Started = Box::leak(Box::new(start_on_thread(cp, None, Some(name))));
             apart.push((name.to_string(), started));
             started

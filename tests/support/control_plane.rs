@@ -44,6 +44,9 @@ pub struct Setup {
     /// Also install the shipped CRDs moved to the group in the cache's `renamed-group` file
     /// (`cluster.example.dev`), for `CAPI_GROUP` tests.
     pub renamed_group: bool,
+    /// The kube-apiserver and kube-scheduler of the Kubernetes release pinned in
+    /// tests/upstream/k8s/<pin> (the management-cluster matrix), instead of the default's.
+    pub kubernetes: Option<&'static str>,
 }
 
 impl Setup {
@@ -51,23 +54,34 @@ impl Setup {
         Setup {
             crds: CrdSet::Shipped,
             renamed_group: false,
+            kubernetes: None,
         }
     }
     pub const fn v1beta1() -> Setup {
         Setup {
             crds: CrdSet::V1beta1,
             renamed_group: false,
+            kubernetes: None,
         }
     }
     pub const fn real_capi() -> Setup {
         Setup {
             crds: CrdSet::RealCapi,
             renamed_group: false,
+            kubernetes: None,
         }
     }
     pub const fn with_renamed_group(self) -> Setup {
         Setup {
             renamed_group: true,
+            ..self
+        }
+    }
+    /// Runs the kube-apiserver and kube-scheduler of tests/upstream/k8s/`pin` (see
+    /// [`pinned_kubernetes`]).
+    pub const fn on_kubernetes(self, pin: &'static str) -> Setup {
+        Setup {
+            kubernetes: Some(pin),
             ..self
         }
     }
@@ -91,6 +105,11 @@ pub struct ControlPlane {
     pub server: String,
     /// The upstream cache directory (bin/, crds/).
     pub upstream: PathBuf,
+    /// Where its etcd, kube-apiserver and kube-scheduler are: the upstream cache's bin/, or for a
+    /// pinned Kubernetes ([`Setup::kubernetes`]) a bin/ of the control plane's own linking them.
+    pub bin: PathBuf,
+    /// The version of its kube-apiserver (`v1.36.3`).
+    pub kubernetes_version: String,
     /// Certificates, kubeconfigs and logs.
     pub dir: PathBuf,
     /// The API group of the renamed CRD set (whether or not it is installed).
@@ -316,15 +335,73 @@ async fn wait_for_binding(admin: &Client, user: &str, cluster_role: &str) {
 
 /// Runs tests/upstream/build.sh (builds on first use, else answers at once) and returns its cache dir.
 pub fn upstream_dir() -> Result<PathBuf, String> {
+    upstream_build(&[], false)
+}
+
+/// tests/upstream/build.sh `what` (`kube-controller-manager`, or a pin of tests/upstream/k8s): its
+/// cache dir, built on first use.
+pub fn upstream_dir_of(what: &str) -> Result<PathBuf, String> {
+    upstream_build(&[what], true)
+}
+
+fn upstream_build(args: &[&str], nice: bool) -> Result<PathBuf, String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/build.sh");
-    procs::finished_cache_dir(&script, &[], false)
+    procs::finished_cache_dir(&script, args, nice)
+}
+
+/// The Kubernetes releases pinned for the management-cluster matrix: each subdirectory of
+/// tests/upstream/k8s with a go.mod (`v1.33`, `v1.37`), by name.
+pub fn pinned_kubernetes() -> Vec<&'static str> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/k8s");
+    let mut pins: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("go.mod").is_file())
+        .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(String::from))
+        .collect();
+    pins.sort();
+    pins.into_iter()
+        .map(|p| &*Box::leak(p.into_boxed_str()))
+        .collect()
+}
+
+/// The bin/ a control plane runs from: the upstream cache's, or for a pinned Kubernetes one in `dir`
+/// with the default build's etcd and the pin's kube-apiserver and kube-scheduler; and that
+/// kube-apiserver's version.
+fn control_plane_bin(
+    upstream: &Path,
+    pin: Option<&str>,
+    dir: &Path,
+) -> Result<(PathBuf, String), String> {
+    let version = |built: &Path| {
+        std::fs::read_to_string(built.join("k8s-version"))
+            .map(|v| v.trim().to_string())
+            .map_err(|e| format!("read {}/k8s-version: {e}", built.display()))
+    };
+    let Some(pin) = pin else {
+        return Ok((upstream.join("bin"), version(upstream)?));
+    };
+    let pinned = upstream_dir_of(pin)?;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).map_err(|e| format!("create {}: {e}", bin.display()))?;
+    for (name, from) in [
+        ("etcd", upstream),
+        ("kube-apiserver", pinned.as_path()),
+        ("kube-scheduler", pinned.as_path()),
+    ] {
+        let link = bin.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(from.join("bin").join(name), &link)
+            .map_err(|e| format!("link {}: {e}", link.display()))?;
+    }
+    Ok((bin, version(&pinned)?))
 }
 
 async fn start(setup: Setup, dir: PathBuf) -> Result<ControlPlane, String> {
     let t0 = Instant::now();
     let upstream = upstream_dir()?;
+    let (bin, kubernetes_version) = control_plane_bin(&upstream, setup.kubernetes, &dir)?;
     let t_upstream = t0.elapsed();
-    let bin = upstream.join("bin");
     let renamed_group = std::fs::read_to_string(upstream.join("renamed-group"))
         .map_err(|e| format!("read {}/renamed-group: {e}", upstream.display()))?
         .trim()
@@ -373,6 +450,8 @@ async fn start(setup: Setup, dir: PathBuf) -> Result<ControlPlane, String> {
         setup,
         server,
         upstream,
+        bin,
+        kubernetes_version,
         dir,
         renamed_group,
         etcd_log,

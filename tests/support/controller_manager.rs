@@ -1,4 +1,4 @@
-//! The real kube-controller-manager (built by tests/upstream/build.sh from the same pinned Go modules
+//! The real kube-controller-manager (built by `tests/upstream/build.sh kube-controller-manager` from the same pinned Go modules
 //! as kube-apiserver and kube-scheduler) with only the controllers a scenario needs: the disruption
 //! controller (a PodDisruptionBudget's status: healthy pods, disruptions allowed), the ReplicaSet and
 //! Deployment controllers (an evicted pod is recreated). It runs on a control plane of its own with a
@@ -12,6 +12,7 @@ use std::sync::Mutex;
 
 use super::capi_manager::{CapiManager, capi_manager_apart};
 use super::control_plane::ControlPlane;
+use super::control_plane::{Setup, upstream_dir_of};
 use super::procs;
 
 /// The controllers started (`--controllers`).
@@ -21,7 +22,7 @@ pub const CONTROLLERS: &str = "disruption,replicaset,deployment";
 /// CRDs and webhooks) with a kube-controller-manager beside it, both started on first use and kept
 /// until the test binary exits.
 pub fn capi_with_controller_manager() -> &'static CapiManager {
-    let manager = capi_manager_apart("controllers");
+    let manager = capi_manager_apart("controllers", Setup::real_capi());
     ensure_controller_manager(manager.cp);
     manager
 }
@@ -32,12 +33,14 @@ pub fn ensure_controller_manager(cp: &ControlPlane) {
     static STARTED: Mutex<Vec<(String, Result<(), String>)>> = Mutex::new(Vec::new());
     let mut started = STARTED.lock().unwrap_or_else(|e| e.into_inner());
     if !started.iter().any(|(server, _)| *server == cp.server) {
-        let result = spawn(
-            &cp.upstream.join("bin"),
-            &cp.dir,
-            &cp.dir.join("kube-controller-manager.log"),
-            cp.admin_kubeconfig(),
-        );
+        let result = upstream_dir_of("kube-controller-manager").and_then(|built| {
+            spawn(
+                &built.join("bin"),
+                &cp.dir,
+                &cp.dir.join("kube-controller-manager.log"),
+                cp.admin_kubeconfig(),
+            )
+        });
         started.push((cp.server.clone(), result));
     }
     if let Some((_, Err(e))) = started.iter().find(|(server, _)| *server == cp.server) {

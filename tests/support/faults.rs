@@ -535,7 +535,7 @@ impl ApiServer {
     pub fn of(cp: &ControlPlane) -> ApiServer {
         let port = super::capi::socket_addr_of(&cp.server).port();
         let wanted = format!("--secure-port={port}");
-        let program = cp.upstream.join("bin").join("kube-apiserver");
+        let program = cp.bin.join("kube-apiserver");
         let mut found = Vec::new();
         for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
             let Some(pid) = entry

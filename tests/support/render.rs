@@ -94,14 +94,14 @@ pub fn chart() -> PathBuf {
     super::artifacts::resolved(&["cluster-autoscaler-chart"])
 }
 
-/// The Kubernetes version the tests run (tests/upstream/build.sh's `K8S_VERSION`): `helm template` is told
-/// it, as `helm install` would learn it from the cluster.
+/// The Kubernetes version the tests run (the `k8s.io/kubernetes` that tests/upstream/go.mod pins): `helm
+/// template` is told it, as `helm install` would learn it from the cluster.
 pub fn kube_version() -> &'static str {
-    include_str!("../upstream/build.sh")
+    include_str!("../upstream/go.mod")
         .lines()
-        .find_map(|l| l.strip_prefix("K8S_VERSION="))
-        .expect("K8S_VERSION= in tests/upstream/build.sh")
-        .trim()
+        .find_map(|l| l.trim().strip_prefix("k8s.io/kubernetes "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("k8s.io/kubernetes in tests/upstream/go.mod")
 }
 
 /// This repository's chart (deploy/helm) as `helm dependency update` leaves it, the official chart

@@ -28,7 +28,7 @@ static WORKLOAD: OnceLock<Result<WorkloadCluster, String>> = OnceLock::new();
 /// The workload cluster of this test binary, started on first use (blocks while starting).
 pub fn workload_cluster(cp: &ControlPlane) -> &'static WorkloadCluster {
     let started = WORKLOAD.get_or_init(|| {
-        let bin = cp.upstream.join("bin");
+        let bin = cp.bin.clone();
         std::thread::Builder::new()
             .name("e2e-workload-cluster".into())
             .spawn(move || {

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # What `make demo` builds before the demo starts: only what it runs, the independent builds side by side.
-#   control-plane       etcd, kube-apiserver, kube-scheduler (and kube-controller-manager, which the tests
-#                       use: one cache for both) and the CRDs: build.sh
+#   control-plane       etcd, kube-apiserver, kube-scheduler and the CRDs: build.sh
 #   capi-manager        the Cluster API core manager of the default release: capi/build.sh
 #   provider            this provider and the demo: cargo build --bin capi-autoscaler-provider --example demo
 #   cluster-autoscaler  the default pinned release: artifact.sh cluster-autoscaler
 # The two Go builds run one after the other (side by side they would compile the packages they share
-# twice); the other steps beside them. Not built: what only `make test` needs (the other Cluster API
-# release, promtool: `make upstream`).
+# twice: the Cluster API manager is pinned to the same Kubernetes client libraries); the other steps
+# beside them, the cargo build at a lower priority (the Go builds are the longer path). Not built: what
+# only `make test` needs (kube-controller-manager, the other Kubernetes and Cluster API releases,
+# promtool: `make upstream`).
 # One line per step when it starts, with the time it took on the 2-core development machine from empty
 # caches, and one when it ends; each step's output goes to $DEMO_BUILD_LOGS/<step>.log (default
 # target/demo-build/), whose end is printed when the step fails. What is built already is found in seconds
@@ -41,7 +42,7 @@ pids=()
 (step control-plane "13 min" bash "$HERE/build.sh" &&
   step capi-manager "2 min" bash "$HERE/capi/build.sh") &
 pids+=($!)
-step provider "10 min" "$CARGO" build --bin capi-autoscaler-provider --example demo &
+step provider "10 min" nice -n 10 "$CARGO" build --bin capi-autoscaler-provider --example demo &
 pids+=($!)
 step cluster-autoscaler "5 s" bash "$HERE/artifact.sh" cluster-autoscaler &
 pids+=($!)

@@ -83,6 +83,7 @@ require (
 	github.com/modern-go/reflect2 v1.0.3-0.20250322232337-35a7c28c31ee // indirect
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
 	github.com/mxk/go-flowrate v0.0.0-20140419014527-cca7078d478f // indirect
+	github.com/onsi/gomega v1.42.1 // indirect
 	github.com/opencontainers/cgroups v0.0.6 // indirect
 	github.com/opencontainers/go-digest v1.0.0 // indirect
 	github.com/opencontainers/image-spec v1.1.1 // indirect
@@ -99,7 +100,6 @@ require (
 	github.com/soheilhy/cmux v0.1.5 // indirect
 	github.com/spf13/cobra v1.10.2 // indirect
 	github.com/spf13/pflag v1.0.10 // indirect
-	github.com/stoewer/go-strcase v1.3.0 // indirect
 	github.com/tmc/grpc-websocket-proxy v0.0.0-20220101234140-673ab2c3ae75 // indirect
 	github.com/x448/float16 v0.8.4 // indirect
 	github.com/xiang90/probing v0.0.0-20221125231312-a49e3df8f510 // indirect
@@ -148,28 +148,28 @@ require (
 	k8s.io/apimachinery v0.36.3 // indirect
 	k8s.io/apiserver v0.36.3 // indirect
 	k8s.io/client-go v0.36.3 // indirect
-	k8s.io/cloud-provider v0.36.2 // indirect
+	k8s.io/cloud-provider v0.36.3 // indirect
 	k8s.io/cluster-bootstrap v0.36.3 // indirect
 	k8s.io/component-base v0.36.3 // indirect
-	k8s.io/component-helpers v0.36.2 // indirect
-	k8s.io/controller-manager v0.36.2 // indirect
-	k8s.io/cri-api v0.36.2 // indirect
+	k8s.io/component-helpers v0.36.3 // indirect
+	k8s.io/controller-manager v0.36.3 // indirect
+	k8s.io/cri-api v0.36.3 // indirect
 	k8s.io/cri-client v0.0.0 // indirect
 	k8s.io/csi-translation-lib v0.0.0 // indirect
-	k8s.io/dynamic-resource-allocation v0.36.2 // indirect
+	k8s.io/dynamic-resource-allocation v0.36.3 // indirect
 	k8s.io/endpointslice v0.0.0 // indirect
 	k8s.io/externaljwt v0.0.0 // indirect
 	k8s.io/klog/v2 v2.140.0 // indirect
-	k8s.io/kms v0.36.2 // indirect
+	k8s.io/kms v0.36.3 // indirect
 	k8s.io/kube-aggregator v0.0.0 // indirect
 	k8s.io/kube-controller-manager v0.0.0 // indirect
 	k8s.io/kube-openapi v0.0.0-20260317180543-43fb72c5454a // indirect
 	k8s.io/kube-proxy v0.0.0 // indirect
 	k8s.io/kube-scheduler v0.0.0 // indirect
 	k8s.io/kubectl v0.0.0 // indirect
-	k8s.io/kubelet v0.36.2 // indirect
-	k8s.io/kubernetes v1.36.2 // indirect
-	k8s.io/metrics v0.36.2 // indirect
+	k8s.io/kubelet v0.36.3 // indirect
+	k8s.io/kubernetes v1.36.3 // indirect
+	k8s.io/metrics v0.36.3 // indirect
 	k8s.io/mount-utils v0.0.0 // indirect
 	k8s.io/pod-security-admission v0.0.0 // indirect
 	k8s.io/streaming v0.36.3 // indirect
@@ -182,68 +182,68 @@ require (
 	sigs.k8s.io/yaml v1.6.0 // indirect
 )
 
-replace k8s.io/api => k8s.io/api v0.36.2
+replace k8s.io/api => k8s.io/api v0.36.3
 
-replace k8s.io/apiextensions-apiserver => k8s.io/apiextensions-apiserver v0.36.2
+replace k8s.io/apiextensions-apiserver => k8s.io/apiextensions-apiserver v0.36.3
 
-replace k8s.io/apimachinery => k8s.io/apimachinery v0.36.2
+replace k8s.io/apimachinery => k8s.io/apimachinery v0.36.3
 
-replace k8s.io/apiserver => k8s.io/apiserver v0.36.2
+replace k8s.io/apiserver => k8s.io/apiserver v0.36.3
 
-replace k8s.io/cli-runtime => k8s.io/cli-runtime v0.36.2
+replace k8s.io/cli-runtime => k8s.io/cli-runtime v0.36.3
 
-replace k8s.io/client-go => k8s.io/client-go v0.36.2
+replace k8s.io/client-go => k8s.io/client-go v0.36.3
 
-replace k8s.io/cloud-provider => k8s.io/cloud-provider v0.36.2
+replace k8s.io/cloud-provider => k8s.io/cloud-provider v0.36.3
 
-replace k8s.io/cluster-bootstrap => k8s.io/cluster-bootstrap v0.36.2
+replace k8s.io/cluster-bootstrap => k8s.io/cluster-bootstrap v0.36.3
 
-replace k8s.io/code-generator => k8s.io/code-generator v0.36.2
+replace k8s.io/code-generator => k8s.io/code-generator v0.36.3
 
-replace k8s.io/component-base => k8s.io/component-base v0.36.2
+replace k8s.io/component-base => k8s.io/component-base v0.36.3
 
-replace k8s.io/component-helpers => k8s.io/component-helpers v0.36.2
+replace k8s.io/component-helpers => k8s.io/component-helpers v0.36.3
 
-replace k8s.io/controller-manager => k8s.io/controller-manager v0.36.2
+replace k8s.io/controller-manager => k8s.io/controller-manager v0.36.3
 
-replace k8s.io/cri-api => k8s.io/cri-api v0.36.2
+replace k8s.io/cri-api => k8s.io/cri-api v0.36.3
 
-replace k8s.io/cri-client => k8s.io/cri-client v0.36.2
+replace k8s.io/cri-client => k8s.io/cri-client v0.36.3
 
-replace k8s.io/cri-streaming => k8s.io/cri-streaming v0.36.2
+replace k8s.io/cri-streaming => k8s.io/cri-streaming v0.36.3
 
-replace k8s.io/csi-translation-lib => k8s.io/csi-translation-lib v0.36.2
+replace k8s.io/csi-translation-lib => k8s.io/csi-translation-lib v0.36.3
 
-replace k8s.io/dynamic-resource-allocation => k8s.io/dynamic-resource-allocation v0.36.2
+replace k8s.io/dynamic-resource-allocation => k8s.io/dynamic-resource-allocation v0.36.3
 
-replace k8s.io/endpointslice => k8s.io/endpointslice v0.36.2
+replace k8s.io/endpointslice => k8s.io/endpointslice v0.36.3
 
-replace k8s.io/externaljwt => k8s.io/externaljwt v0.36.2
+replace k8s.io/externaljwt => k8s.io/externaljwt v0.36.3
 
-replace k8s.io/kms => k8s.io/kms v0.36.2
+replace k8s.io/kms => k8s.io/kms v0.36.3
 
-replace k8s.io/kube-aggregator => k8s.io/kube-aggregator v0.36.2
+replace k8s.io/kube-aggregator => k8s.io/kube-aggregator v0.36.3
 
-replace k8s.io/kube-controller-manager => k8s.io/kube-controller-manager v0.36.2
+replace k8s.io/kube-controller-manager => k8s.io/kube-controller-manager v0.36.3
 
-replace k8s.io/kube-proxy => k8s.io/kube-proxy v0.36.2
+replace k8s.io/kube-proxy => k8s.io/kube-proxy v0.36.3
 
-replace k8s.io/kube-scheduler => k8s.io/kube-scheduler v0.36.2
+replace k8s.io/kube-scheduler => k8s.io/kube-scheduler v0.36.3
 
-replace k8s.io/kubectl => k8s.io/kubectl v0.36.2
+replace k8s.io/kubectl => k8s.io/kubectl v0.36.3
 
-replace k8s.io/kubelet => k8s.io/kubelet v0.36.2
+replace k8s.io/kubelet => k8s.io/kubelet v0.36.3
 
-replace k8s.io/metrics => k8s.io/metrics v0.36.2
+replace k8s.io/metrics => k8s.io/metrics v0.36.3
 
-replace k8s.io/mount-utils => k8s.io/mount-utils v0.36.2
+replace k8s.io/mount-utils => k8s.io/mount-utils v0.36.3
 
-replace k8s.io/pod-security-admission => k8s.io/pod-security-admission v0.36.2
+replace k8s.io/pod-security-admission => k8s.io/pod-security-admission v0.36.3
 
-replace k8s.io/sample-apiserver => k8s.io/sample-apiserver v0.36.2
+replace k8s.io/sample-apiserver => k8s.io/sample-apiserver v0.36.3
 
-replace k8s.io/sample-cli-plugin => k8s.io/sample-cli-plugin v0.36.2
+replace k8s.io/sample-cli-plugin => k8s.io/sample-cli-plugin v0.36.3
 
-replace k8s.io/sample-controller => k8s.io/sample-controller v0.36.2
+replace k8s.io/sample-controller => k8s.io/sample-controller v0.36.3
 
-replace k8s.io/streaming => k8s.io/streaming v0.36.2
+replace k8s.io/streaming => k8s.io/streaming v0.36.3
