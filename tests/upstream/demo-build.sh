@@ -39,10 +39,10 @@ step() {
 }
 
 pids=()
-(step control-plane "13 min" bash "$HERE/build.sh" &&
-  step capi-manager "2 min" bash "$HERE/capi/build.sh") &
+(step control-plane "5 min" bash "$HERE/build.sh" &&
+  step capi-manager "75 s" bash "$HERE/capi/build.sh") &
 pids+=($!)
-step provider "10 min" nice -n 10 "$CARGO" build --bin capi-autoscaler-provider --example demo &
+step provider "7.5 min" nice -n 10 "$CARGO" build --bin capi-autoscaler-provider --example demo &
 pids+=($!)
 step cluster-autoscaler "5 s" bash "$HERE/artifact.sh" cluster-autoscaler &
 pids+=($!)
