@@ -167,8 +167,9 @@ fn provider_steps(w: &World, p: usize, out: &mut Vec<World>) {
         Step::Next(Next::Read) if w.budget.split_reads => {
             let mut n = w.clone();
             let group = n.group_read();
+            let group_observed = n.observed == n.generation;
             if let Some(r) = n.providers[p].running.as_mut() {
-                r.step = Step::Listed(group);
+                r.step = Step::Listed(group, group_observed);
             }
             out.push(n);
         }
@@ -178,9 +179,9 @@ fn provider_steps(w: &World, p: usize, out: &mut Vec<World>) {
             n.advance(p, |op| op.read(&as_read_by(op, read)));
             out.push(n);
         }
-        Step::Listed(group) => {
+        Step::Listed(group, group_observed) => {
             let mut n = w.clone();
-            let read = n.read(group.clone());
+            let read = n.listed(group.clone(), *group_observed);
             n.advance(p, |op| op.read(&as_read_by(op, read)));
             out.push(n);
         }
@@ -602,6 +603,42 @@ fn scenarios() -> Vec<Scenario> {
                     (1, delete(&["m0"])),
                 ],
                 budget(1, 0, 0),
+                vec![],
+            ),
+        },
+        Scenario {
+            // The read as the shell makes it: the group object first, its MachineSet and Machines
+            // listed after it, Cluster API and the other provider acting in between.
+            name: "DecreaseTargetSize after a raise, beside a removal, reads split",
+            world: World::new(
+                2,
+                0,
+                4,
+                2,
+                vec![
+                    (0, Call::Increase(2)),
+                    (0, Call::Decrease(1)),
+                    (1, delete(&["m0"])),
+                ],
+                Budget {
+                    split_reads: true,
+                    ..budget(0, 0, 0)
+                },
+                vec![],
+            ),
+        },
+        Scenario {
+            name: "two removals through two providers, Cluster API acting between them, reads split",
+            world: World::new(
+                3,
+                0,
+                4,
+                2,
+                vec![(0, delete(&["m1"])), (1, delete(&["m0"]))],
+                Budget {
+                    split_reads: true,
+                    ..budget(0, 0, 0)
+                },
                 vec![],
             ),
         },

@@ -723,8 +723,9 @@ const PATCH_MD: &str = "PATCH machinedeployments/md";
 const LIST_SETS: &str = "LIST machinesets";
 const GET_CLUSTER: &str = "GET clusters/c1";
 const LIST_MACHINES: &str = "LIST machines";
-/// One fresh read: the group, its MachineSets, its Cluster, its Machines.
-const READ: [&str; 4] = [GET_MD, LIST_SETS, GET_CLUSTER, LIST_MACHINES];
+/// One fresh read: the group and its Cluster, then its MachineSets and its Machines (listed side by
+/// side, asked in this order).
+const READ: [&str; 4] = [GET_MD, GET_CLUSTER, LIST_SETS, LIST_MACHINES];
 
 fn reads_then(writes: &[&str]) -> Vec<String> {
     let mut out: Vec<String> = READ.iter().map(|s| s.to_string()).collect();

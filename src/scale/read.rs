@@ -19,13 +19,15 @@ use crate::snapshot::{NodeGroup, NotServed, Snapshot};
 
 impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
-    /// that read serves it). The group object, its MachineSets and its Cluster are read together,
-    /// its Machines listed after them: a Machine created or deleted between the two only makes the
-    /// members newer than the group, which every rule allows for. MachineSets and Machines are
-    /// listed by the label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write
-    /// costs the group's objects, not the namespace's. Without `members` (an operation that
-    /// decides from the group object and its Cluster alone) neither MachineSets nor Machines are
-    /// listed: the read has no members, and what Cluster API observed and a rollout are as cached.
+    /// that read serves it). The group object and its Cluster are read first (GETs, answered from
+    /// etcd at once), then its MachineSets and its Machines listed side by side: both lists answer
+    /// at a revision after the group's, so neither the members nor what Cluster API observed are
+    /// older than the group, which every rule allows for, and the two wait for the API server's
+    /// cache to catch up together, not one after the other. MachineSets and Machines are listed by
+    /// the label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write costs
+    /// the group's objects, not the namespace's. Without `members` (an operation that decides from
+    /// the group object and its Cluster alone) neither MachineSets nor Machines are listed: the
+    /// read has no members, and what Cluster API observed and a rollout are as cached.
     pub(super) async fn read(
         &self,
         id: &str,
@@ -35,29 +37,11 @@ impl Actuator {
         let kind = group.kind();
         let key = group.resource.key.clone();
         let group_api = self.group_api(kind, &key.namespace)?;
-        let set_api = match kind {
-            ScalableKind::MachineDeployment if members => Some(self.set_api(&key.namespace)?),
-            _ => None,
-        };
         let cluster_api = self
             .cluster_api(&key.namespace)
             .filter(|_| !group.resource.cluster_name.is_empty());
-        let (set_selector, machine_selector) = match members {
-            true => self.own_selectors(id, group),
-            false => (None, None),
-        };
-        let (object, sets, cluster) = tokio::join!(
-            self.get(group_api, &key.name, kind.as_str()),
-            async {
-                match set_api {
-                    Some(api) => self
-                        .list(api, "MachineSets", &key.namespace, set_selector.as_ref())
-                        .await
-                        .map(Some),
-                    None => Ok(None),
-                }
-            },
-            async {
+        let (object, cluster) =
+            tokio::join!(self.get(group_api, &key.name, kind.as_str()), async {
                 match cluster_api {
                     Some(api) => self
                         .get(api, &group.resource.cluster_name, "Cluster")
@@ -65,12 +49,8 @@ impl Actuator {
                         .ok(),
                     None => None,
                 }
-            },
-        );
+            },);
         self.store.record(Some(kind), object?);
-        for set in sets?.map(|list| list.items).unwrap_or_default() {
-            self.store.record(Some(ScalableKind::MachineSet), set);
-        }
         if let Some(cluster) = cluster {
             self.store.record_cluster(cluster);
         }
@@ -81,14 +61,32 @@ impl Actuator {
             read.members.clear();
             return Ok(read);
         }
-        let machines = self
-            .list(
+        let set_api = match kind {
+            ScalableKind::MachineDeployment => Some(self.set_api(&key.namespace)?),
+            _ => None,
+        };
+        let (set_selector, machine_selector) = self.own_selectors(id, group);
+        let (sets, machines) = tokio::join!(
+            async {
+                match set_api {
+                    Some(api) => self
+                        .list(api, "MachineSets", &key.namespace, set_selector.as_ref())
+                        .await
+                        .map(Some),
+                    None => Ok(None),
+                }
+            },
+            self.list(
                 self.machine_api(&key.namespace),
                 "Machines",
                 &key.namespace,
                 machine_selector.as_ref(),
-            )
-            .await?;
+            ),
+        );
+        for set in sets?.map(|list| list.items).unwrap_or_default() {
+            self.store.record(Some(ScalableKind::MachineSet), set);
+        }
+        let machines = machines?;
         self.store.record_machines(
             &key.namespace,
             machine_selector

@@ -57,8 +57,10 @@ pub enum Answer {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Step {
     Next(Next),
-    /// The group was read; its members are listed next.
-    Listed(GroupRead),
+    /// The group object was read (its own observedGeneration caught up or not: the `bool`); its
+    /// MachineSets and members are listed next, so what the read says Cluster API observed is the
+    /// group's part as read then and the MachineSet's as listed.
+    Listed(GroupRead, bool),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -88,7 +90,8 @@ pub struct Budget {
     /// Operations told their time to mark is up instead of writing a mark (the API answered them
     /// too slowly).
     pub slow: u8,
-    /// Reads list the members after the group, other steps between (else one atomic step).
+    /// Reads list the MachineSet and the members after the group object, other steps between (else
+    /// one atomic step).
     pub split_reads: bool,
 }
 
@@ -508,6 +511,15 @@ impl World {
         }
     }
 
+    /// The second half of a split read: the MachineSet and the members as they are now, beside
+    /// `group` as it was read before (`group_observed`: its own observedGeneration then).
+    pub fn listed(&self, mut group: GroupRead, group_observed: bool) -> Read {
+        group.observed = group_observed
+            && self.set_replicas == group.replicas
+            && self.set_observed == self.set_generation;
+        self.read(group)
+    }
+
     pub fn read(&self, group: GroupRead) -> Read {
         Read {
             group,
@@ -577,7 +589,7 @@ impl World {
 
 fn step_line(step: &Step) -> String {
     match step {
-        Step::Listed(_) => "listing".into(),
+        Step::Listed(..) => "listing".into(),
         Step::Next(Next::Read) => "read".into(),
         Step::Next(Next::Wait(_)) => "wait".into(),
         Step::Next(Next::Done(r)) => format!("done {r:?}"),

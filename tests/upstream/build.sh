@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds (or reuses) the real upstream components the tests run, from Go modules with the local toolchain,
 # into a cache directory outside the repository keyed by the go.sum it builds from, the go version and
-# this script. With no argument, what every control plane runs (and `make demo` too), pinned by go.mod here:
+# this script. With no argument, what every control plane runs (and `make demo` too), pinned by go.mod here
+# (etcd by etcd/go.mod):
 #   bin/etcd, bin/kube-apiserver, bin/kube-scheduler
 #   crds/shipped/*.yaml                        Cluster API CRDs as released (v1beta1 + v1beta2, v1beta2 storage)
 #   crds/v1beta1/*.yaml                        the same with only v1beta1, as storage
@@ -28,7 +29,8 @@ case "$WHAT" in
 esac
 
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false"
-KEY=$( { cat "$MODULE/go.sum" "$SCRIPT"; go version; } | sha256sum | cut -c1-16)
+KEY=$( { cat "$MODULE/go.sum" "$SCRIPT"; [ "$WHAT" != control-plane ] || cat "$HERE/etcd/go.sum"; go version; } \
+  | sha256sum | cut -c1-16)
 ROOT=${CAPI_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/capi-autoscaler-provider}
 OUT=$ROOT/$NAME-$KEY
 
@@ -81,8 +83,8 @@ if [ "$WHAT" != control-plane ]; then
 fi
 
 mkdir -p "$WORK/crds/shipped" "$WORK/crds/v1beta1" "$WORK/crds/renamed"
-log "building etcd"
-go build -trimpath -ldflags "-s -w" -o "$WORK/bin/etcd" go.etcd.io/etcd/server/v3
+log "building etcd $(cd "$HERE/etcd" && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)"
+(cd "$HERE/etcd" && go build -trimpath -ldflags "-s -w" -o "$WORK/bin/etcd" go.etcd.io/etcd/server/v3)
 log "etcd built after $(( $(date +%s) - start ))s"
 kube_build kube-apiserver
 kube_build kube-scheduler
