@@ -39,8 +39,8 @@ step() {
 }
 
 pids=()
-(step control-plane "5 min" bash "$HERE/build.sh" &&
-  step capi-manager "75 s" bash "$HERE/capi/build.sh") &
+(step control-plane "5.5 min" bash "$HERE/build.sh" &&
+  step capi-manager "65 s" bash "$HERE/capi/build.sh") &
 pids+=($!)
 step provider "7.5 min" nice -n 10 "$CARGO" build --bin capi-autoscaler-provider --example demo &
 pids+=($!)
