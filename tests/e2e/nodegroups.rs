@@ -28,7 +28,7 @@ use support::capi::{
 };
 use support::capi::{Env, ids, provider_for_namespace};
 use support::{CAPI_GROUP, Check, ProviderProcess, Setup, poll_until, start_provider};
-use tokio::sync::RwLock;
+use tokio::sync::{RwLock, watch};
 use tonic::Code;
 
 const SETUP: Setup = Setup::shipped();
@@ -1333,8 +1333,12 @@ async fn a_raise_through_one_provider_protects_the_absorbed_mark_from_another_pr
 /// carry our mark, the ledger holds exactly their marks, and a call refused is FAILED_PRECONDITION
 /// for a mark paid by the node's other call and absorbed by a raise, for another Machine's mark
 /// the replicas do not remove (Cluster API would delete that one first), or, after a raise, for
-/// replicas above the Machines (Cluster API would create Machines first; none does here). Odd rounds send each call to one of two providers at random (CA
-/// replicas with their sidecars, a rolling update). `RETRY_ROUNDS` (20) and `RETRY_SEED` (printed)
+/// replicas above the Machines (Cluster API would create Machines first; none does here). Odd rounds
+/// send each call to one of two providers at random (CA replicas with their sidecars, a rolling
+/// update). Every fourth round is staged: the raises wait for a removal answered OK and each retry
+/// for its first call's answer and a raise after it, the interleaving where a retry finds its
+/// removal paid and absorbed, which random delays alone reach in only some runs (a raise, reading
+/// no list, mostly lands before any removal). `RETRY_ROUNDS` (20) and `RETRY_SEED` (printed)
 /// replay it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
@@ -1385,7 +1389,18 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
         ops.shuffle(&mut rng);
         let origin = Instant::now();
         let mut tasks = tokio::task::JoinSet::new();
+        // Staged rounds: the raises wait for a removal answered OK, each retry for its first call's
+        // answer and a raise answered after it (each wait bounded).
+        let staged = round % 4 == 0;
+        let (removed, _) = watch::channel(0u32);
+        let (raised, _) = watch::channel(0u32);
+        let answered: BTreeMap<String, watch::Sender<bool>> = chosen
+            .iter()
+            .map(|m| (m.clone(), watch::channel(false).0))
+            .collect();
+        let mut asked = BTreeSet::new();
         for op in ops {
+            let retry = op.as_ref().is_some_and(|m| !asked.insert(m.clone()));
             let delay = Duration::from_millis(rng.random_range(0..40));
             let mut rpc = if two && rng.random_bool(0.5) {
                 rpc_b.clone()
@@ -1393,7 +1408,26 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
                 rpc.clone()
             };
             let (id, capi) = (id.clone(), capi.clone());
+            let (removed, raised) = (removed.clone(), raised.clone());
+            let first = op.as_ref().and_then(|m| answered.get(m)).cloned();
             tasks.spawn(async move {
+                let gate = Duration::from_secs(10);
+                if staged {
+                    match (&op, &first) {
+                        (None, _) => {
+                            let mut rx = removed.subscribe();
+                            let _ = tokio::time::timeout(gate, rx.wait_for(|n| *n > 0)).await;
+                        }
+                        (Some(_), Some(first)) if retry => {
+                            let mut own = first.subscribe();
+                            let _ = tokio::time::timeout(gate, own.wait_for(|done| *done)).await;
+                            let mut rx = raised.subscribe();
+                            let before = *rx.borrow_and_update();
+                            let _ = tokio::time::timeout(gate, rx.wait_for(|n| *n > before)).await;
+                        }
+                        _ => {}
+                    }
+                }
                 tokio::time::sleep(delay).await;
                 let start = origin.elapsed();
                 let mut result = match &op {
@@ -1414,6 +1448,16 @@ async fn retries_across_raises_pay_each_removal_once_in_any_interleaving() {
                         Some(m) => rpc.delete_nodes(&id, vec![capi.grpc_node(m)]).await,
                         None => Ok(()),
                     };
+                }
+                match (&op, &first) {
+                    (None, _) => raised.send_modify(|n| *n += 1),
+                    (Some(_), Some(first)) if !retry => {
+                        first.send_replace(true);
+                        if result.is_ok() {
+                            removed.send_modify(|n| *n += 1);
+                        }
+                    }
+                    _ => {}
                 }
                 (op, start, origin.elapsed(), result)
             });
