@@ -94,16 +94,12 @@ pub fn capi_manager() -> &'static CapiManager {
 /// release [`capi_manager`] runs), then each subdirectory with a go.mod of its own (`Some("v1.13")`),
 /// by name. Which version each pins is read from the build (`CapiManager::version`), not here.
 pub fn pinned_releases() -> Vec<Option<String>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/capi");
-    let mut pins: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("go.mod").is_file())
-        .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(String::from))
-        .collect();
-    pins.sort();
     std::iter::once(None)
-        .chain(pins.into_iter().map(Some))
+        .chain(
+            procs::pinned_subdirectories("tests/upstream/capi")
+                .into_iter()
+                .map(Some),
+        )
         .collect()
 }
 

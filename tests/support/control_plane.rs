@@ -352,15 +352,8 @@ fn upstream_build(args: &[&str], nice: bool) -> Result<PathBuf, String> {
 /// The Kubernetes releases pinned for the management-cluster matrix: each subdirectory of
 /// tests/upstream/k8s with a go.mod (`v1.33`, `v1.37`), by name.
 pub fn pinned_kubernetes() -> Vec<&'static str> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/upstream/k8s");
-    let mut pins: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("go.mod").is_file())
-        .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(String::from))
-        .collect();
-    pins.sort();
-    pins.into_iter()
+    procs::pinned_subdirectories("tests/upstream/k8s")
+        .into_iter()
         .map(|p| &*Box::leak(p.into_boxed_str()))
         .collect()
 }

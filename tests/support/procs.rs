@@ -185,6 +185,20 @@ fn new_dir(parent: &Path, keep_on_failure: bool) -> PathBuf {
     dir
 }
 
+/// The releases a build script pins beside its own go.mod: each subdirectory of `dir` (relative to
+/// the repository) with a go.mod of its own, by name (`tests/upstream/capi` → `v1.13`).
+pub fn pinned_subdirectories(dir: &str) -> Vec<String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut pins: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("go.mod").is_file())
+        .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(String::from))
+        .collect();
+    pins.sort();
+    pins
+}
+
 /// This test binary's work directory (certificates, kubeconfigs, logs) in the system temp dir.
 /// Removed at exit unless a test failed or `CAPI_E2E_KEEP` is set.
 pub fn work_dir() -> &'static Path {
