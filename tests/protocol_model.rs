@@ -457,6 +457,32 @@ fn budget(lost: u8, crashes: u8, user: u8) -> Budget {
     }
 }
 
+/// `budget` with every read split: the group object first, its MachineSet and Machines after it.
+fn split_reads(budget: Budget) -> Budget {
+    Budget {
+        split_reads: true,
+        ..budget
+    }
+}
+
+/// Two Machines (min 0, max 4), two providers: IncreaseSize(2) then DecreaseTargetSize(-1) through one,
+/// DeleteNodes(m0) through the other.
+fn decrease_after_a_raise_beside_a_removal(budget: Budget) -> World {
+    World::new(
+        2,
+        0,
+        4,
+        2,
+        vec![
+            (0, Call::Increase(2)),
+            (0, Call::Decrease(1)),
+            (1, delete(&["m0"])),
+        ],
+        budget,
+        vec![],
+    )
+}
+
 fn delete(names: &[&str]) -> Call {
     Call::Delete(names.iter().map(|s| s.to_string()).collect())
 }
@@ -592,40 +618,13 @@ fn scenarios() -> Vec<Scenario> {
         },
         Scenario {
             name: "DecreaseTargetSize after a raise, beside a removal",
-            world: World::new(
-                2,
-                0,
-                4,
-                2,
-                vec![
-                    (0, Call::Increase(2)),
-                    (0, Call::Decrease(1)),
-                    (1, delete(&["m0"])),
-                ],
-                budget(1, 0, 0),
-                vec![],
-            ),
+            world: decrease_after_a_raise_beside_a_removal(budget(1, 0, 0)),
         },
         Scenario {
             // The read as the shell makes it: the group object first, its MachineSet and Machines
             // listed after it, Cluster API and the other provider acting in between.
             name: "DecreaseTargetSize after a raise, beside a removal, reads split",
-            world: World::new(
-                2,
-                0,
-                4,
-                2,
-                vec![
-                    (0, Call::Increase(2)),
-                    (0, Call::Decrease(1)),
-                    (1, delete(&["m0"])),
-                ],
-                Budget {
-                    split_reads: true,
-                    ..budget(0, 0, 0)
-                },
-                vec![],
-            ),
+            world: decrease_after_a_raise_beside_a_removal(split_reads(budget(0, 0, 0))),
         },
         Scenario {
             name: "two removals through two providers, Cluster API acting between them, reads split",
@@ -635,10 +634,7 @@ fn scenarios() -> Vec<Scenario> {
                 4,
                 2,
                 vec![(0, delete(&["m1"])), (1, delete(&["m0"]))],
-                Budget {
-                    split_reads: true,
-                    ..budget(0, 0, 0)
-                },
+                split_reads(budget(0, 0, 0)),
                 vec![],
             ),
         },
