@@ -178,7 +178,7 @@ impl Fleet {
             .map(|g| {
                 let mds = mds.clone();
                 let object = deployment(&ns, g);
-                async move { create(&mds, object).await }
+                async move { create_observed(&mds, object, g.replicas).await }
             })
             .buffered(IN_FLIGHT)
             .collect()
@@ -187,7 +187,7 @@ impl Fleet {
             .map(|(g, uid)| {
                 let sets = sets.clone();
                 let object = machine_set(&ns, g, &uid);
-                async move { create(&sets, object).await }
+                async move { create_observed(&sets, object, g.replicas).await }
             })
             .buffered(IN_FLIGHT)
             .collect()
@@ -462,6 +462,21 @@ async fn create(api: &Api<DynamicObject>, object: DynamicObject) -> String {
     })
     .await;
     created.metadata.uid.unwrap_or_default()
+}
+
+/// Creates a MachineDeployment or MachineSet with the status Cluster API's controller gives it
+/// once it has acted on it (its generation observed, `replicas` Machines): a management cluster's
+/// groups are reconciled, and a removal reads what Cluster API observed. Returns its uid.
+async fn create_observed(api: &Api<DynamicObject>, object: DynamicObject, replicas: i32) -> String {
+    let name = object.metadata.name.clone().unwrap_or_default();
+    let uid = create(api, object).await;
+    let status = json!({"status": {"observedGeneration": 1, "replicas": replicas}});
+    retry(&format!("status of {name}"), || async {
+        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+    })
+    .await;
+    uid
 }
 
 /// Calls `f` until it succeeds, at most [`ATTEMPTS`] times with a growing pause; panics after that

@@ -4,11 +4,12 @@
 
 use std::time::{Duration, Instant};
 
+use kube::ResourceExt;
 use kube::api::Patch;
 use serde_json::{Value, json};
 
 use super::api::{ApiFailure, write_params};
-use super::read::machine_key;
+use super::read::{Since, machine_key};
 use super::{Actuator, GroupLock};
 use crate::backend::{ActuatorError, ApiCause};
 use crate::protocol::ledger::{
@@ -70,14 +71,18 @@ impl Actuator {
         wait_until: Instant,
     ) -> Result<(), ActuatorError> {
         let mut guard = Some(lock.lock().await);
+        let mut since = Since::default();
         let mut last: Option<Read> = None;
         let mut next = op.start();
         loop {
-            if guard.is_none() {
-                guard = Some(lock.lock().await);
-            }
+            let newest = match guard.as_mut() {
+                Some(newest) => newest,
+                None => guard.insert(lock.lock().await),
+            };
+            // Both ways: what another operation of this process saw while the lock was let go.
+            since.carry(newest);
             next = match next {
-                Next::Read => match self.read(id, group, op.reads_members()).await {
+                Next::Read => match self.read(id, group, op.reads_members(), &mut since).await {
                     Ok(read) => {
                         let next = op.read(&read);
                         last = Some(read);
@@ -98,7 +103,11 @@ impl Actuator {
                     op.too_late_to_mark()
                 }
                 Next::Write(write) => {
-                    let outcome = self.apply(group, caller, &write).await;
+                    let (outcome, landed_at) = self.apply(group, caller, &write).await;
+                    match landed_at {
+                        Some(version) => since.saw(Some(&version)),
+                        None => since.lost_track(),
+                    }
                     if outcome == Outcome::Landed
                         && let (Write::Group(w), Some(read)) = (&write, &last)
                     {
@@ -119,8 +128,14 @@ impl Actuator {
         }
     }
 
-    /// Makes one guarded write; what it did, in the protocol's terms.
-    async fn apply(&self, group: &NodeGroup, caller: Caller, write: &Write) -> Outcome {
+    /// Makes one guarded write; what it did, in the protocol's terms, and the revision it landed
+    /// at (`None`: not landed, or landed at a revision not known).
+    async fn apply(
+        &self,
+        group: &NodeGroup,
+        caller: Caller,
+        write: &Write,
+    ) -> (Outcome, Option<String>) {
         let kind = group.kind();
         let key = &group.resource.key;
         let (api, name, patch, what, label) = match write {
@@ -132,7 +147,7 @@ impl Actuator {
                     format!("writing {kind} {key}"),
                     caller.label(),
                 ),
-                Err(e) => return Outcome::Rejected(Refusal::Failed(e.to_string())),
+                Err(e) => return (Outcome::Rejected(Refusal::Failed(e.to_string())), None),
             },
             Write::Mark {
                 machine,
@@ -169,12 +184,14 @@ impl Actuator {
             api.patch(&name, &write_params(), &Patch::Merge(&patch)),
         )
         .await;
+        let mut landed_at = None;
         let outcome = match result {
             Ok(object) => {
                 let recorded = match write {
                     Write::Group(_) => Some(kind),
                     _ => None,
                 };
+                landed_at = object.resource_version();
                 self.store.record(recorded, object);
                 Outcome::Landed
             }
@@ -192,7 +209,7 @@ impl Actuator {
             _ => "error",
         };
         self.metrics.api_write(label, counted, started.elapsed());
-        outcome
+        (outcome, landed_at)
     }
 
     /// Records a Normal Event on the group for a size change written (best effort: the write

@@ -152,7 +152,7 @@ fn object_path(object: &Value) -> String {
 }
 
 /// What the fake does with one request a test singled out.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Fault {
     /// Answers this Status code (a Status object), writes nothing.
     Refuse(u16),
@@ -172,6 +172,9 @@ enum Fault {
     /// resourceVersion, an annotation of its own), so a request guarded by the version before
     /// conflicts.
     OtherWriterFirst,
+    /// Served at once, answered only once the gate is opened (a slow answer, while the test
+    /// changes things).
+    Held(Arc<tokio::sync::Notify>),
 }
 
 /// The annotation [`Fault::OtherWriterFirst`] writes: a write over it must keep it.
@@ -193,6 +196,9 @@ struct Seen {
     path: String,
     /// A LIST's `labelSelector` (`key=value`, the one form the actuator sends).
     selector: Option<String>,
+    /// A LIST's `resourceVersion` when asked `resourceVersionMatch=NotOlderThan` (`None`: the
+    /// newest there is).
+    not_older_than: Option<String>,
     body: Option<Value>,
 }
 
@@ -266,6 +272,8 @@ struct FakeApi {
 /// What the serving task does with a request.
 enum Answer {
     Respond(StatusCode, Value),
+    /// This answer, once the gate is opened.
+    Held(Arc<tokio::sync::Notify>, StatusCode, Value),
     Drop,
     Hang,
 }
@@ -363,6 +371,10 @@ impl FakeApi {
                 self.capi_acts();
                 let (code, body) = self.apply(&request, content_type);
                 Answer::Respond(code, body)
+            }
+            Some(Fault::Held(gate)) => {
+                let (code, body) = self.apply(&request, content_type);
+                Answer::Held(gate, code, body)
             }
             Some(Fault::OtherWriterFirst) => {
                 let version = self.next_version();
@@ -515,6 +527,11 @@ async fn serve(mut handle: Handle<Request<Body>, Response<Body>>, api: Arc<Mutex
                 .uri
                 .query()
                 .and_then(|q| query_value(q, "labelSelector")),
+            not_older_than: parts.uri.query().and_then(|q| {
+                (query_value(q, "resourceVersionMatch").as_deref() == Some("NotOlderThan"))
+                    .then(|| query_value(q, "resourceVersion"))
+                    .flatten()
+            }),
             body: serde_json::from_slice(&bytes).ok(),
         };
         let content_type = parts
@@ -523,14 +540,21 @@ async fn serve(mut handle: Handle<Request<Body>, Response<Body>>, api: Arc<Mutex
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let answer = lock(&api).answer(seen, content_type);
+        let response = |code, body: Value| {
+            Response::builder()
+                .status(code)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Body::from(serde_json::to_vec(&body).unwrap_or_default()))
+                .expect("a response of a status and a JSON body")
+        };
         match answer {
-            Answer::Respond(code, body) => {
-                let response = Response::builder()
-                    .status(code)
-                    .header(http::header::CONTENT_TYPE, "application/json")
-                    .body(Body::from(serde_json::to_vec(&body).unwrap_or_default()))
-                    .expect("a response of a status and a JSON body");
-                respond.send_response(response);
+            Answer::Respond(code, body) => respond.send_response(response(code, body)),
+            Answer::Held(gate, code, body) => {
+                let response = response(code, body);
+                tokio::spawn(async move {
+                    gate.notified().await;
+                    respond.send_response(response);
+                });
             }
             Answer::Drop => respond.send_error("connection reset by peer"),
             Answer::Hang => hanging.push(respond),
@@ -659,6 +683,16 @@ impl Fixture {
         self.seen().iter().map(Seen::summary).collect()
     }
 
+    /// The revision each LIST of `path` was asked not to be older than, in order (`None`: the
+    /// newest there is).
+    fn list_floors(&self, path: &str) -> Vec<Option<u64>> {
+        self.seen()
+            .into_iter()
+            .filter(|s| s.method == Method::GET && s.path == path)
+            .map(|s| s.not_older_than.and_then(|v| v.parse().ok()))
+            .collect()
+    }
+
     /// The bodies of the PATCH requests to `path`, in order.
     fn patches(&self, path: &str) -> Vec<Value> {
         self.seen()
@@ -721,11 +755,15 @@ const MS: &str = "machinesets/md-1";
 const GET_MD: &str = "GET machinedeployments/md";
 const PATCH_MD: &str = "PATCH machinedeployments/md";
 const LIST_SETS: &str = "LIST machinesets";
+const GET_MS: &str = "GET machinesets/md-1";
 const GET_CLUSTER: &str = "GET clusters/c1";
 const LIST_MACHINES: &str = "LIST machines";
 /// One fresh read: the group and its Cluster, then its MachineSets and its Machines (listed side by
 /// side, asked in this order).
 const READ: [&str; 4] = [GET_MD, GET_CLUSTER, LIST_SETS, LIST_MACHINES];
+/// A later read of the same operation, the MachineDeployment controller having observed the same
+/// generation as at the first: the MachineSets that read listed are read one by one.
+const READ_AGAIN: [&str; 4] = [GET_MD, GET_CLUSTER, GET_MS, LIST_MACHINES];
 
 fn reads_then(writes: &[&str]) -> Vec<String> {
     let mut out: Vec<String> = READ.iter().map(|s| s.to_string()).collect();
@@ -777,7 +815,7 @@ async fn increase_size_after_a_conflict_reads_again_and_lands_once() {
 async fn increase_size_whose_answer_is_lost_is_read_back_by_its_token_and_not_applied_twice() {
     for fault in [Fault::LoseAnswer, Fault::ArriveLate] {
         let fixture = Fixture::new(&three_running(2, &[]));
-        fixture.fault(Method::PATCH, MD, fault);
+        fixture.fault(Method::PATCH, MD, fault.clone());
 
         within(fixture.actuator.increase_size(GROUP, 1))
             .await
@@ -873,7 +911,8 @@ async fn delete_nodes_claims_marks_then_settles_with_one_guarded_decrement() {
     // The mark right after the claim landed (guarded by c's version as read), and the answer
     // right after the settlement that settled every claim: two reads.
     let mut want = reads_then(&[PATCH_MD, "PATCH machines/c"]);
-    want.extend(reads_then(&[PATCH_MD]));
+    want.extend(READ_AGAIN.map(String::from));
+    want.push(PATCH_MD.to_string());
     assert_eq!(fixture.requests(), want);
     let mark = fixture.mark("c").expect("c is marked");
     let stamp = our_mark_stamp(&mark).expect("our mark");
@@ -893,6 +932,116 @@ async fn delete_nodes_claims_marks_then_settles_with_one_guarded_decrement() {
     assert!(md[1]["metadata"]["annotations"][CLAIMS_ANNOTATION].is_null());
     assert_eq!(fixture.replicas(), 2);
     assert_eq!((fixture.mark("a"), fixture.mark("b")), (None, None));
+}
+
+/// A removal's lists need not wait for the API server's cache to reach the newest revision there
+/// is: they are asked not to be older than the group as read (its resourceVersion) and, in the
+/// settlement's read, than the mark the removal wrote.
+#[tokio::test]
+async fn a_removals_lists_are_not_older_than_the_group_read_nor_its_own_mark() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    let marked_at = lock(&fixture.api).objects["machines/c"]["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(marked_at > Some(1), "the mark made a new revision");
+    assert_eq!(
+        fixture.list_floors("machines"),
+        [Some(1), marked_at],
+        "the group as read first, then the removal's own mark"
+    );
+    assert_eq!(fixture.list_floors("machinesets"), [Some(1)]);
+}
+
+/// A mark that met a change it did not make (a conflict) leaves no revision to read from: the
+/// next read lists at the newest revision there is, where the change is.
+#[tokio::test]
+async fn after_a_conflicting_mark_the_next_read_lists_the_newest_revision() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    fixture.fault(Method::PATCH, "machines/c", Fault::OtherWriterFirst);
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    let floors = fixture.list_floors("machines");
+    assert_eq!(floors.first(), Some(&Some(1)), "{floors:?}");
+    assert_eq!(floors.get(1), Some(&None), "after the conflict: {floors:?}");
+    assert!(
+        floors[2..].iter().all(Option::is_some),
+        "from a known revision again: {floors:?}"
+    );
+    assert_eq!(fixture.replicas(), 2);
+    assert!(fixture.mark("c").is_some());
+}
+
+/// The group's watch brings a version newer than the Machines list answered at (the group changed
+/// after the GET, the list came from before): members older than the group are no read the rules
+/// allow for, so the read is made again, its lists not older than that version.
+#[tokio::test]
+async fn a_group_newer_than_its_listed_machines_is_read_again() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    fixture.fault(Method::GET, "machines", Fault::Held(Arc::clone(&gate)));
+    let actuator = Arc::clone(&fixture.actuator);
+    let ours = tokio::spawn(async move { actuator.delete_nodes(GROUP, &[node("c")]).await });
+    within(async {
+        while !fixture.requests().iter().any(|r| r == LIST_MACHINES) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    // Someone else writes the group; its watch event reaches the cache before the list's answer.
+    fixture.meanwhile(MD, |md| {
+        md["metadata"]["labels"]["example.com/touched"] = json!("yes")
+    });
+    let newer = lock(&fixture.api).objects[MD].clone();
+    let newer_at = newer["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|v| v.parse::<u64>().ok());
+    fixture.actuator.store.record(
+        Some(ScalableKind::MachineDeployment),
+        serde_json::from_value(newer).unwrap(),
+    );
+    gate.notify_one();
+
+    within(ours).await.unwrap().unwrap();
+
+    // The read again reads the MachineSets the first listed one by one: the generation is the same.
+    let mut want = READ.map(String::from).to_vec();
+    want.extend(READ_AGAIN.map(String::from));
+    want.extend([PATCH_MD, "PATCH machines/c"].map(String::from));
+    want.extend(READ_AGAIN.map(String::from));
+    want.push(PATCH_MD.to_string());
+    assert_eq!(fixture.requests(), want);
+    let floors = fixture.list_floors("machines");
+    assert!(
+        floors[1] >= newer_at,
+        "{floors:?}, the group at {newer_at:?}"
+    );
+    assert_eq!(fixture.replicas(), 2);
+}
+
+/// A MachineSet read one by one that is gone: only a list shows what replaced it, so the
+/// MachineSets are listed again in the same read, and the removal goes on.
+#[tokio::test]
+async fn a_machine_set_gone_since_the_first_read_makes_the_next_read_list_them_again() {
+    let fixture = Fixture::new(&three_running(3, &[]));
+    fixture.fault(Method::GET, MS, Fault::Refuse(404));
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    let mut want = reads_then(&[PATCH_MD, "PATCH machines/c"]);
+    want.extend([GET_MD, GET_CLUSTER, GET_MS, LIST_MACHINES, LIST_SETS].map(String::from));
+    want.push(PATCH_MD.to_string());
+    assert_eq!(fixture.requests(), want);
+    assert_eq!(fixture.replicas(), 2);
 }
 
 #[tokio::test]

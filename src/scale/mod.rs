@@ -38,7 +38,9 @@ pub struct Actuator {
     removals: Mutex<HashMap<String, operations::Answer>>,
 }
 
-type GroupLock = Arc<tokio::sync::Mutex<()>>;
+/// A group's operation lock, over the newest revision this process's reads and writes of the
+/// group's objects got back: no later read of it may be older (see [`Actuator::read`]).
+type GroupLock = Arc<tokio::sync::Mutex<u64>>;
 
 /// The provider's backend: the store's snapshot for reads, the actuator for writes.
 #[tonic::async_trait]

@@ -1,11 +1,12 @@
-//! The read every decision of the protocol starts from: the group object, its MachineSets and its
-//! Cluster, then its namespace's Machines, each read from the API and recorded in the cache; the
+//! The read every decision of the protocol starts from: the group object and its Cluster, then
+//! its MachineSets and its Machines, each read from the API and recorded in the cache; the
 //! group's holds (paused, rolling out, topology), members and what Cluster API has observed then
 //! come from a snapshot built over exactly that, by the same rules the read path serves with.
 
 use std::sync::Arc;
 
-use kube::api::{Api, ListParams};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, VersionMatch};
 
 use super::Actuator;
 use super::api::{call, other};
@@ -20,20 +21,41 @@ use crate::snapshot::{NodeGroup, NotServed, Snapshot};
 impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
     /// that read serves it). The group object and its Cluster are read first (GETs, answered from
-    /// etcd at once), then its MachineSets and its Machines listed side by side: both lists answer
-    /// at a revision after the group's, so neither the members nor what Cluster API observed are
-    /// older than the group, which every rule allows for, and the two wait for the API server's
-    /// cache to catch up together, not one after the other. MachineSets and Machines are listed by
-    /// the label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write costs
-    /// the group's objects, not the namespace's. Without `members` (an operation that decides from
-    /// the group object and its Cluster alone) neither MachineSets nor Machines are listed: the
-    /// read has no members, and what Cluster API observed and a rollout are as cached.
+    /// etcd at once), then its MachineSets and its Machines beside them, listed at a revision not
+    /// older than the group as just read and than every write this process made to the group's
+    /// objects ([`Since`]): neither the members nor what Cluster API observed are then older than
+    /// the group, nor than this process's own writes. The MachineSets are read one by one (GETs)
+    /// instead of listed when [`Since::sets`] allows. MachineSets and Machines are listed by the
+    /// label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write costs the
+    /// group's objects, not the namespace's. Without `members` (an operation that decides from the
+    /// group object and its Cluster alone) neither MachineSets nor Machines are read: the read has
+    /// no members, and what Cluster API observed and a rollout are as cached.
     pub(super) async fn read(
         &self,
         id: &str,
         group: &NodeGroup,
         members: bool,
+        since: &mut Since,
     ) -> Result<Read, ActuatorError> {
+        for _ in 0..READ_ATTEMPTS {
+            if let Some(read) = self.read_once(id, group, members, since).await? {
+                return Ok(read);
+            }
+        }
+        Err(ActuatorError::Conflict(format!(
+            "{id}: the group object changed after each of {READ_ATTEMPTS} reads of its Machines; nothing written, retry in a moment"
+        )))
+    }
+
+    /// One attempt at [`Actuator::read`]; `None` when the group's watch brought a version newer
+    /// than the Machines listed (see the end).
+    async fn read_once(
+        &self,
+        id: &str,
+        group: &NodeGroup,
+        members: bool,
+        since: &mut Since,
+    ) -> Result<Option<Read>, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
         let group_api = self.group_api(kind, &key.namespace)?;
@@ -50,7 +72,9 @@ impl Actuator {
                     None => None,
                 }
             },);
-        self.store.record(Some(kind), object?);
+        let object = object?;
+        since.saw(object.resource_version().as_deref());
+        self.store.record(Some(kind), object);
         if let Some(cluster) = cluster {
             self.store.record_cluster(cluster);
         }
@@ -59,43 +83,103 @@ impl Actuator {
             self.store.refresh();
             let mut read = self.cached_read(id, group)?;
             read.members.clear();
-            return Ok(read);
+            return Ok(Some(read));
         }
-        let set_api = match kind {
-            ScalableKind::MachineDeployment => Some(self.set_api(&key.namespace)?),
-            _ => None,
-        };
+        let floor = since.floor();
+        // The generation Cluster API's MachineDeployment controller has observed, if it has
+        // observed the current one.
+        let observed = self
+            .store
+            .cached_resource(kind, &key)
+            .filter(|r| kind == ScalableKind::MachineDeployment && r.observed())
+            .and_then(|r| r.generation);
         let (set_selector, machine_selector) = self.own_selectors(id, group);
         let (sets, machines) = tokio::join!(
             async {
-                match set_api {
-                    Some(api) => self
-                        .list(api, "MachineSets", &key.namespace, set_selector.as_ref())
-                        .await
-                        .map(Some),
-                    None => Ok(None),
+                if kind != ScalableKind::MachineDeployment {
+                    return Ok::<_, ActuatorError>(None);
                 }
+                let api = self.set_api(&key.namespace)?;
+                if let Some(names) = since.sets_to_get(observed)
+                    && let Some(sets) = self.get_all(&api, names).await?
+                {
+                    return Ok(Some(sets));
+                }
+                let list = self
+                    .list(
+                        api,
+                        "MachineSets",
+                        &key.namespace,
+                        set_selector.as_ref(),
+                        floor,
+                    )
+                    .await?;
+                since.saw(list.metadata.resource_version.as_deref());
+                Ok(Some(list.items))
             },
             self.list(
                 self.machine_api(&key.namespace),
                 "Machines",
                 &key.namespace,
                 machine_selector.as_ref(),
+                floor,
             ),
         );
-        for set in sets?.map(|list| list.items).unwrap_or_default() {
-            self.store.record(Some(ScalableKind::MachineSet), set);
-        }
         let machines = machines?;
+        let listed = machines.metadata.resource_version.clone();
+        since.saw(listed.as_deref());
+        if let Some(sets) = sets? {
+            since.sets_read(observed, &sets);
+            for set in sets {
+                self.store.record(Some(ScalableKind::MachineSet), set);
+            }
+        }
         self.store.record_machines(
             &key.namespace,
             machine_selector
                 .as_ref()
                 .map(|(k, v)| (k.as_str(), v.as_str())),
-            machines.metadata.resource_version.as_deref(),
+            listed.as_deref(),
             machines.items,
         );
-        self.cached_read(id, group)
+        since.known = true;
+        let read = self.cached_read(id, group)?;
+        // The read's group is the newest the cache holds: its watch may have brought a version
+        // newer than the Machines listed, and members older than the group are no read the rules
+        // allow for. Read again, not older than that version.
+        if let (Some(group_at), Some(listed_at)) = (
+            revision(Some(&read.group.version)),
+            revision(listed.as_deref()),
+        ) && group_at > listed_at
+        {
+            since.saw(Some(&read.group.version));
+            return Ok(None);
+        }
+        Ok(Some(read))
+    }
+
+    /// The MachineSets named, each read (GETs side by side); `None` when one is gone: only a list
+    /// shows what replaced it.
+    async fn get_all(
+        &self,
+        api: &Api<crate::object::ApiObject>,
+        names: Vec<String>,
+    ) -> Result<Option<Vec<crate::object::ApiObject>>, ActuatorError> {
+        let read = futures::future::join_all(
+            names
+                .iter()
+                .map(|name| self.get(api.clone(), name, "MachineSet")),
+        )
+        .await;
+        let mut sets = Vec::with_capacity(read.len());
+        for set in read {
+            match set {
+                Ok(set) => sets.push(set),
+                Err(ActuatorError::NotFound(_)) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Some(sets))
     }
 
     /// The same read as the cache holds it now, with no API call (the repair's first look).
@@ -213,12 +297,15 @@ impl Actuator {
         labelled.then(|| (label.to_string(), name.to_string()))
     }
 
+    /// The `what` of `namespace` (labelled `selector`), at a revision not older than `floor`
+    /// (`None`: the newest there is).
     async fn list(
         &self,
         api: Api<crate::object::ApiObject>,
         what: &str,
         namespace: &str,
         selector: Option<&(String, String)>,
+        floor: Option<u64>,
     ) -> Result<kube::core::ObjectList<crate::object::ApiObject>, ActuatorError> {
         let (what, params) = match selector {
             Some((label, value)) => (
@@ -230,11 +317,101 @@ impl Actuator {
                 ListParams::default(),
             ),
         };
+        let params = match floor {
+            Some(revision) => params
+                .at(&revision.to_string())
+                .matching(VersionMatch::NotOlderThan),
+            None => params,
+        };
         call(&what, api.list(&params))
             .await
             .map_err(|e| other(e, &what))
     }
 }
+
+/// What one operation's reads carry from one to the next, so that no read is older than what the
+/// operation saw or this process wrote before it.
+///
+/// A list without a revision is answered from the API server's watch cache only once that cache
+/// has caught up with etcd's newest revision, which after a write to another resource it learns
+/// from a progress notification it asks etcd for at most every 100 ms (k8s.io/apiserver
+/// `cacher/progress/watch_progress.go`): a removal's second read waited for it, most of the
+/// removal's time. A decision needs less: lists not older than the group as just read (the group
+/// has not changed between its revision and the GET, so a list answered anywhere from there on is
+/// one made after a read of the group then: the split read the model checker explores), nor than
+/// every write this process made to the group's objects (its own marks are in what it reads).
+/// After a write whose effect is not known (a conflict, no answer, gone), the next read is at the
+/// newest revision: the change met is in no revision this process got back.
+#[derive(Debug)]
+pub(super) struct Since {
+    /// The newest revision read or written.
+    newest: u64,
+    /// Whether every write since the last read is known (landed, at a revision seen).
+    known: bool,
+    /// The MachineSets this operation listed last, when it listed them with the MachineDeployment
+    /// controller having observed the group's generation (that generation first).
+    sets: Option<(i64, Vec<String>)>,
+}
+
+impl Default for Since {
+    fn default() -> Self {
+        Since {
+            newest: 0,
+            known: true,
+            sets: None,
+        }
+    }
+}
+
+impl Since {
+    /// Carries the newest revision both ways between this operation and `newest`, the newest
+    /// revision this process's reads and writes of the group got back (kept under its lock).
+    pub(super) fn carry(&mut self, newest: &mut u64) {
+        self.newest = self.newest.max(*newest);
+        *newest = self.newest;
+    }
+
+    /// The revision the next lists may not be older than; `None`: the newest there is.
+    fn floor(&self) -> Option<u64> {
+        Some(self.newest).filter(|r| self.known && *r > 0)
+    }
+
+    /// A read or a landed write got `version` back.
+    pub(super) fn saw(&mut self, version: Option<&str>) {
+        if let Some(revision) = revision(version) {
+            self.newest = self.newest.max(revision);
+        }
+    }
+
+    /// A write whose effect is not known: the next read is at the newest revision there is.
+    pub(super) fn lost_track(&mut self) {
+        self.known = false;
+    }
+
+    /// The MachineSets to read one by one instead of listing them: those listed before, while the
+    /// MachineDeployment controller has observed the same generation as then (`observed`). It
+    /// makes a MachineSet (a new template's) before it records the generation observed, so the
+    /// list had every MachineSet of that generation, and it makes no other for the same one
+    /// unless one is deleted (a GET then finds it gone, and the MachineSets are listed again).
+    fn sets_to_get(&self, observed: Option<i64>) -> Option<Vec<String>> {
+        match (&self.sets, observed) {
+            (Some((listed_at, names)), Some(now)) if *listed_at == now => Some(names.clone()),
+            _ => None,
+        }
+    }
+
+    fn sets_read(&mut self, observed: Option<i64>, sets: &[crate::object::ApiObject]) {
+        self.sets = observed.map(|g| (g, sets.iter().map(|s| s.name_any()).collect()));
+    }
+}
+
+/// A resourceVersion as the etcd revision it is; `None` for one that is not a number.
+fn revision(version: Option<&str>) -> Option<u64> {
+    version?.parse().ok()
+}
+
+/// How many times a read is made again when the group changed under it (see [`Actuator::read`]).
+const READ_ATTEMPTS: usize = 5;
 
 /// A label selector `(key, value)`; `None`: the whole namespace.
 type Selector = Option<(String, String)>;
@@ -403,6 +580,52 @@ mod tests {
         assert!(
             !read(&md(3, 4, 4), &[ms(3, 3, 2)]),
             "its MachineSet has not acted on its replicas"
+        );
+    }
+
+    fn listed_set(name: &str) -> crate::object::ApiObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineSet",
+            "metadata": {"name": name, "namespace": "ns", "resourceVersion": "3"},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn machine_sets_are_read_one_by_one_only_at_the_observed_generation_they_were_listed_at() {
+        let mut since = Since::default();
+        assert_eq!(since.sets_to_get(Some(4)), None, "never listed: listed");
+        since.sets_read(Some(4), &[listed_set("md-1"), listed_set("md-2")]);
+        assert_eq!(
+            since.sets_to_get(Some(4)),
+            Some(vec!["md-1".to_string(), "md-2".to_string()])
+        );
+        assert_eq!(since.sets_to_get(Some(5)), None, "a new generation: listed");
+        assert_eq!(since.sets_to_get(None), None, "not observed now: listed");
+        since.sets_read(None, &[listed_set("md-1")]);
+        assert_eq!(
+            since.sets_to_get(Some(4)),
+            None,
+            "listed while not observed: listed"
+        );
+    }
+
+    #[test]
+    fn lists_are_not_older_than_the_newest_revision_seen_unless_a_write_is_not_known() {
+        let mut since = Since::default();
+        assert_eq!(since.floor(), None, "nothing seen: the newest there is");
+        since.saw(Some("12"));
+        since.saw(Some("9"));
+        since.saw(Some("not a number"));
+        assert_eq!(since.floor(), Some(12));
+        let mut kept = 20;
+        since.carry(&mut kept);
+        assert_eq!((since.floor(), kept), (Some(20), 20), "carried both ways");
+        since.lost_track();
+        assert_eq!(
+            since.floor(),
+            None,
+            "a write not known: the newest there is"
         );
     }
 
