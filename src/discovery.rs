@@ -12,7 +12,7 @@
 //! `namespace`/`clusterName` may repeat (the last wins), label keys and values are validated as Kubernetes
 //! validates them. One deliberate difference: a non-empty `namespace` must be a valid namespace name (a
 //! DNS-1123 label), since any other value could never match.
-use std::collections::BTreeMap;
+use crate::capi::Labels;
 use std::fmt;
 use std::str::FromStr;
 
@@ -123,12 +123,7 @@ impl fmt::Display for DiscoverySpec {
 
 impl DiscoverySpec {
     /// Whether a resource with this namespace, cluster name and labels is selected by this spec.
-    pub fn matches(
-        &self,
-        namespace: &str,
-        cluster_name: &str,
-        labels: &BTreeMap<String, String>,
-    ) -> bool {
+    pub fn matches(&self, namespace: &str, cluster_name: &str, labels: &Labels) -> bool {
         self.namespace.as_deref().is_none_or(|ns| ns == namespace)
             && self
                 .cluster_name
@@ -146,7 +141,7 @@ pub fn allowed(
     specs: &[DiscoverySpec],
     namespace: &str,
     cluster_name: &str,
-    labels: &BTreeMap<String, String>,
+    labels: &Labels,
 ) -> bool {
     specs.is_empty()
         || specs

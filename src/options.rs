@@ -9,7 +9,7 @@
 //! as MaxNodeStartupTime, become zero), so [`parse`] returns `None` unless at least one option parsed: the
 //! service then answers the empty response and CA keeps its defaults. See docs/architecture.md, invariant 5.
 
-use std::collections::BTreeMap;
+use crate::capi::Labels;
 use std::time::Duration;
 
 use crate::capi::Keys;
@@ -115,7 +115,7 @@ pub const STARTUP_TIME_NOTE: &str = "CA >= 1.35 sets this group's max node start
 pub fn parse(
     keys: &Keys,
     object: impl Into<crate::problem::Subject> + Copy,
-    annotations: &BTreeMap<String, String>,
+    annotations: &Labels,
 ) -> (Option<GroupOptions>, Vec<Problem>) {
     let mut options = GroupOptions::default();
     let mut problems = Vec::new();

@@ -20,6 +20,7 @@
 //!   [`ReferencePrices::FALLBACK`], the on-demand list prices CA's own GCE price model uses: never zero, so
 //!   CA's ratios stay finite.
 
+use crate::capi::Labels;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -37,7 +38,7 @@ const BYTES_PER_GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 /// it is not a finite non-negative decimal (`12`, `0.096`, `.5`; no sign, exponent, `inf` or `nan`).
 pub fn group_price(
     object: impl Into<crate::problem::Subject> + Copy,
-    annotations: &BTreeMap<String, String>,
+    annotations: &Labels,
 ) -> Result<Option<f64>, Problem> {
     let Some(raw) = annotations.get(PRICE_ANNOTATION) else {
         return Ok(None);

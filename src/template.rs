@@ -26,6 +26,7 @@ mod node;
 mod node_capacity;
 mod zone;
 
+use crate::capi::Labels;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1 as api;
@@ -263,7 +264,7 @@ impl<'a> Group<'a> {
         group
     }
 
-    fn annotations(&self) -> &'a BTreeMap<String, String> {
+    fn annotations(&self) -> &'a Labels {
         &self.resource.annotations
     }
 

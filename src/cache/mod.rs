@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::capi::{
-    ClusterTopology, InfraRef, InfraTemplate, Machine, Name, Node, ObjectKey, ScalableKind,
+    ClusterTopology, InfraRef, InfraTemplate, Labels, Machine, Name, Node, ObjectKey, ScalableKind,
     ScalableResource,
 };
 use crate::problem::Problem;
@@ -373,10 +373,9 @@ fn referenced_infra_kind(parsed: &Parsed<ScalableResource>) -> Option<InfraKind>
 
 /// Whether two sets of annotations differ at most in the protocol's records
 /// ([`RECORD_ANNOTATIONS`]), which only the write path reads.
-fn same_but_records(a: &BTreeMap<String, String>, b: &BTreeMap<String, String>) -> bool {
-    fn served(m: &BTreeMap<String, String>) -> impl Iterator<Item = (&String, &String)> {
-        m.iter()
-            .filter(|(k, _)| !RECORD_ANNOTATIONS.contains(&k.as_str()))
+fn same_but_records(a: &Labels, b: &Labels) -> bool {
+    fn served(m: &Labels) -> impl Iterator<Item = (&str, &str)> {
+        m.iter().filter(|(k, _)| !RECORD_ANNOTATIONS.contains(k))
     }
     a == b || served(a).eq(served(b))
 }

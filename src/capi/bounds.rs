@@ -1,7 +1,7 @@
 //! A node group's size bounds, from the autoscaler's min/max size annotations on its scalable
 //! resource (the rule upstream's Cluster API provider follows).
 
-use std::collections::BTreeMap;
+use super::Labels;
 
 use super::{Keys, ParseError, ScalableResource};
 
@@ -13,10 +13,7 @@ pub fn has_bounds(keys: &Keys, resource: &ScalableResource) -> bool {
 
 /// min/max from the annotations. `Ok(None)`: neither annotation, not a candidate. An error names the
 /// annotation that is wrong (the max size one when it is missing or below min).
-pub fn scaling_bounds(
-    keys: &Keys,
-    annotations: &BTreeMap<String, String>,
-) -> Result<Option<(i32, i32)>, ParseError> {
+pub fn scaling_bounds(keys: &Keys, annotations: &Labels) -> Result<Option<(i32, i32)>, ParseError> {
     let field = |key: &str| format!("metadata.annotations[{key}]");
     let read = |key: &str| -> Result<Option<i32>, ParseError> {
         match annotations.get(key) {
@@ -61,7 +58,7 @@ mod tests {
     fn scaling_bounds_follow_upstream_rules() {
         let k = Keys::default();
         let ann = |min: Option<&str>, max: Option<&str>| {
-            let mut a = BTreeMap::new();
+            let mut a = Labels::default();
             if let Some(v) = min {
                 a.insert(k.min_size.clone(), v.to_string());
             }
@@ -84,17 +81,15 @@ mod tests {
     #[test]
     fn a_bound_error_names_the_annotation_at_fault() {
         let k = Keys::default();
-        let only_min: BTreeMap<String, String> = [(k.min_size.clone(), "1".into())].into();
+        let only_min: Labels = [(k.min_size.clone(), "1")].into_iter().collect();
         let missing_max = scaling_bounds(&k, &only_min).expect_err("max is missing");
         assert_eq!(
             missing_max.field,
             format!("metadata.annotations[{}]", k.max_size)
         );
-        let negative: BTreeMap<String, String> = [
-            (k.min_size.clone(), "-1".into()),
-            (k.max_size.clone(), "3".into()),
-        ]
-        .into();
+        let negative: Labels = [(k.min_size.clone(), "-1"), (k.max_size.clone(), "3")]
+            .into_iter()
+            .collect();
         let error = scaling_bounds(&k, &negative).expect_err("min is negative");
         assert_eq!(error.field, format!("metadata.annotations[{}]", k.min_size));
         assert_eq!(error.message, "-1 is negative");

@@ -185,7 +185,7 @@ pub struct InfraRef {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MachineTemplate {
     /// `spec.template.metadata.labels`.
-    pub labels: BTreeMap<String, String>,
+    pub labels: Labels,
     /// `Err` when the reference is there but unusable (missing kind, name, or both apiGroup and apiVersion).
     pub infrastructure_ref: Option<Result<InfraRef, ParseError>>,
     /// `spec.template.spec.taints` (v1beta2, CAPI ≥ 1.12).
@@ -201,8 +201,8 @@ pub struct ScalableResource {
     pub key: ObjectKey,
     pub uid: String,
     pub resource_version: String,
-    pub labels: BTreeMap<String, String>,
-    pub annotations: BTreeMap<String, String>,
+    pub labels: Labels,
+    pub annotations: Labels,
     /// `spec.clusterName`, else the cluster-name label, else empty.
     pub cluster_name: String,
     /// `spec.replicas`; `None` when absent.
@@ -321,9 +321,7 @@ pub struct ClusterTopology {
 /// Test fixtures of the Cluster API views, for the unit tests of every module.
 #[cfg(test)]
 pub(crate) mod test_fixtures {
-    use super::{MachineTemplate, ObjectKey, ScalableKind, ScalableResource};
-    use std::collections::BTreeMap;
-
+    use super::{Labels, MachineTemplate, ObjectKey, ScalableKind, ScalableResource};
     /// A resource `ns/name` of Cluster `c1` at zero replicas, with no labels, annotations or owners.
     pub(crate) fn resource(kind: ScalableKind, name: &str) -> ScalableResource {
         ScalableResource {
@@ -331,8 +329,8 @@ pub(crate) mod test_fixtures {
             key: ObjectKey::new("ns", name),
             uid: String::new(),
             resource_version: "1".into(),
-            labels: BTreeMap::new(),
-            annotations: BTreeMap::new(),
+            labels: Labels::default(),
+            annotations: Labels::default(),
             cluster_name: "c1".into(),
             replicas: Some(0),
             status_replicas: None,

@@ -35,14 +35,8 @@ pub fn rollout_deployment_of<'a>(
     if machine_set.kind != ScalableKind::MachineSet {
         return None;
     }
-    deployment_of(machine_set).or_else(|| {
-        named(
-            machine_set
-                .labels
-                .get(&keys.deployment_name_label)
-                .map(String::as_str),
-        )
-    })
+    deployment_of(machine_set)
+        .or_else(|| named(machine_set.labels.get(&keys.deployment_name_label)))
 }
 
 /// What a Machine points at: its MachinePool, else its MachineSet (each by owner reference, else by

@@ -112,7 +112,9 @@ impl ScalableResource {
         // scales it, so it is no pause of the group.
         let paused = meta.annotations.contains_key(PAUSED_ANNOTATION);
         let template = MachineTemplate {
-            labels: string_map(obj, &["spec", "template", "metadata", "labels"])?,
+            labels: string_map(obj, &["spec", "template", "metadata", "labels"])?
+                .into_iter()
+                .collect(),
             infrastructure_ref: infra_ref(obj)?,
             taints: taints(obj)?,
             failure_domain: opt_str(obj, &["spec", "template", "spec", "failureDomain"])?
@@ -135,8 +137,8 @@ impl ScalableResource {
             key: meta.key,
             uid: meta.uid,
             resource_version: meta.resource_version,
-            labels: meta.labels,
-            annotations: meta.annotations,
+            labels: meta.labels.into_iter().collect(),
+            annotations: meta.annotations.into_iter().collect(),
             cluster_name,
             replicas,
             status_replicas,

@@ -70,7 +70,7 @@ impl Rollout {
 
 fn revision(set: &ScalableResource) -> Option<Result<i64, &str>> {
     let raw = set.annotations.get(REVISION_ANNOTATION)?;
-    Some(raw.trim().parse::<i64>().map_err(|_| raw.as_str()))
+    Some(raw.trim().parse::<i64>().map_err(|_| raw))
 }
 
 /// The rule. `sets` are the MachineSets of `deployment` (owned by it or labelled with its name).

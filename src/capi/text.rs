@@ -184,6 +184,41 @@ impl Labels {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// Sets `key` to `value` (a copy of the list with it: for the few changes a view sees).
+    pub fn insert(&mut self, key: String, value: String) {
+        let mut pairs: Vec<(Name, Name)> = self.0.to_vec();
+        pairs.push((Name::interned(&key), Name::interned(&value)));
+        *self = pairs.into_iter().collect();
+    }
+
+    /// Removes `key`.
+    pub fn remove(&mut self, key: &str) {
+        self.0 = self
+            .0
+            .iter()
+            .filter(|(k, _)| k.as_str() != key)
+            .cloned()
+            .collect();
+    }
+}
+
+impl From<std::collections::BTreeMap<String, String>> for Labels {
+    fn from(map: std::collections::BTreeMap<String, String>) -> Self {
+        map.into_iter().collect()
+    }
+}
+
+impl<'a> IntoIterator for &'a Labels {
+    type Item = (&'a str, &'a str);
+    type IntoIter = std::iter::Map<
+        std::slice::Iter<'a, (Name, Name)>,
+        fn(&'a (Name, Name)) -> (&'a str, &'a str),
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
 }
 
 /// As a map: where a key comes twice, the last one holds.

@@ -1,6 +1,8 @@
 //! Unit tests of `discovery`.
 
 use super::*;
+use crate::capi::Labels;
+use std::collections::BTreeMap;
 
 fn spec(namespace: Option<&str>, cluster: Option<&str>, labels: &[(&str, &str)]) -> DiscoverySpec {
     DiscoverySpec {
@@ -277,7 +279,7 @@ fn matches() {
     for (input, ns, cluster, want) in cases {
         let s: DiscoverySpec = input.parse().unwrap();
         assert_eq!(
-            s.matches(ns, cluster, &l),
+            s.matches(ns, cluster, &Labels::from(l.clone())),
             want,
             "{input} vs {ns}/{cluster}"
         );
@@ -286,7 +288,7 @@ fn matches() {
         !"clusterapi:color=green"
             .parse::<DiscoverySpec>()
             .unwrap()
-            .matches("ns", "c", &BTreeMap::new())
+            .matches("ns", "c", &Labels::default())
     );
 }
 
@@ -328,7 +330,7 @@ fn allowed_ors_specs() {
     ];
     for (specs, ns, cluster, want) in cases {
         assert_eq!(
-            allowed(&specs, ns, cluster, &l),
+            allowed(&specs, ns, cluster, &Labels::from(l.clone())),
             want,
             "{specs:?} vs {ns}/{cluster}"
         );

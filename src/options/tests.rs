@@ -1,6 +1,8 @@
 //! Unit tests of `options`.
 
 use super::*;
+use crate::capi::Labels;
+use std::collections::BTreeMap;
 
 const NS_PER_S: i64 = 1_000_000_000;
 
@@ -132,7 +134,7 @@ fn no_option_annotations_is_none() {
         "example.com/autoscaling-options-scaledownunneededtime".to_string(),
         "1m".to_string(),
     );
-    let (opts, problems) = parse(&keys(), OBJ, &a);
+    let (opts, problems) = parse(&keys(), OBJ, &Labels::from(a.clone()));
     assert_eq!(opts, None);
     assert!(problems.is_empty());
 }
@@ -148,7 +150,7 @@ fn every_option_parses() {
         ("zeroormaxnodescaling", "True"),
         ("ignoredaemonsetsutilization", "false"),
     ]);
-    let (opts, problems) = parse(&keys(), OBJ, &a);
+    let (opts, problems) = parse(&keys(), OBJ, &Labels::from(a.clone()));
     assert!(problems.is_empty(), "{problems:?}");
     assert_eq!(
         opts,
@@ -170,7 +172,7 @@ fn values_are_lowercased_and_trimmed() {
         ("scaledownunneededtime", " 10M "),
         ("zeroormaxnodescaling", "TRUE"),
     ]);
-    let (opts, problems) = parse(&keys(), OBJ, &a);
+    let (opts, problems) = parse(&keys(), OBJ, &Labels::from(a.clone()));
     assert!(problems.is_empty(), "{problems:?}");
     let opts = opts.unwrap_or_default();
     assert_eq!(
@@ -202,7 +204,7 @@ fn bad_values_are_problems_and_stay_default() {
     ];
     for (suffix, value, fragment) in cases {
         let a = ann(&[(suffix, value), ("scaledownunreadytime", "5m")]);
-        let (opts, problems) = parse(&keys(), OBJ, &a);
+        let (opts, problems) = parse(&keys(), OBJ, &Labels::from(a.clone()));
         assert_eq!(problems.len(), 1, "{suffix}={value}: {problems:?}");
         let p = &problems[0];
         assert_eq!(p.object, OBJ);
@@ -230,7 +232,7 @@ fn bad_values_are_problems_and_stay_default() {
 #[test]
 fn all_bad_is_none_with_problems() {
     let a = ann(&[("scaledownunneededtime", "soon"), ("frobnicate", "1")]);
-    let (opts, problems) = parse(&keys(), OBJ, &a);
+    let (opts, problems) = parse(&keys(), OBJ, &Labels::from(a.clone()));
     assert_eq!(opts, None);
     assert_eq!(problems.len(), 2);
 }
@@ -247,7 +249,7 @@ fn custom_group_prefix() {
         "cluster.x-k8s.io/autoscaling-options-scaledownunreadytime".to_string(),
         "3m".to_string(),
     );
-    let (opts, problems) = parse(&keys, OBJ, &a);
+    let (opts, problems) = parse(&keys, OBJ, &Labels::from(a.clone()));
     assert!(problems.is_empty());
     assert_eq!(
         opts,

@@ -1,6 +1,7 @@
 //! Unit tests of `pricing`.
 
 use super::*;
+use crate::capi::Labels;
 use k8s_pb::api::core::v1::{PodSpec, ResourceRequirements};
 use k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
@@ -38,7 +39,7 @@ fn group_prices() {
         if let Some(v) = value {
             a.insert(PRICE_ANNOTATION.to_string(), v.to_string());
         }
-        match (group_price(OBJ, &a), want) {
+        match (group_price(OBJ, &Labels::from(a.clone())), want) {
             (Ok(got), Ok(w)) => assert_eq!(got, *w, "{value:?}"),
             (Err(p), Err(fragment)) => {
                 assert_eq!(p.object, OBJ);

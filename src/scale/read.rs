@@ -255,7 +255,11 @@ impl Actuator {
                 snapshot.machine_sets_of(key).iter().map(|k| {
                     self.store
                         .cached_resource(ScalableKind::MachineSet, k)
-                        .map(|s| s.labels.get(&keys.deployment_name_label).cloned())
+                        .map(|s| {
+                            s.labels
+                                .get(&keys.deployment_name_label)
+                                .map(str::to_string)
+                        })
                 }),
             ),
             _ => None,
@@ -468,7 +472,7 @@ pub(super) fn group_read(
     sets: &[Arc<ScalableResource>],
     hold: Option<Hold>,
 ) -> GroupRead {
-    let annotation = |key: &str| resource.annotations.get(key).map(String::as_str);
+    let annotation = |key: &str| resource.annotations.get(key);
     let bounds = match scaling_bounds(keys, &resource.annotations) {
         Ok(Some(bounds)) => Ok(bounds),
         Ok(None) => Err("no longer carries the min/max size annotations".to_string()),

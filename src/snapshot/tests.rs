@@ -38,8 +38,8 @@ fn resource(
         key: ObjectKey::new("ns", name),
         uid: format!("uid-{name}"),
         resource_version: "1".into(),
-        labels: BTreeMap::new(),
-        annotations,
+        labels: Labels::default(),
+        annotations: annotations.into(),
         cluster_name: "c1".into(),
         replicas: Some(replicas),
         status_replicas: None,
@@ -879,7 +879,8 @@ fn only_machine_sets_of_the_deployment_count_by_owner_or_by_the_groups_label() {
         (renamed.keys.min_size.clone(), "1".to_string()),
         (renamed.keys.max_size.clone(), "5".to_string()),
     ]
-    .into();
+    .into_iter()
+    .collect();
     add(&mut index, md);
     assert_eq!(rolling(&index, &renamed), Some(true));
 }

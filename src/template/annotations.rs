@@ -1,7 +1,7 @@
 //! The group's annotations a template reads beyond capacity: counts, labels, taints, and the ones
 //! externalgrpc cannot carry.
 
-use std::collections::BTreeMap;
+use crate::capi::Labels;
 
 use crate::capi::names::{is_label_value, is_qualified_name};
 use crate::capi::{Taint, capacity};
@@ -12,10 +12,7 @@ const TAINT_EFFECTS: [&str; 3] = ["NoSchedule", "PreferNoSchedule", "NoExecute"]
 /// The capacity annotations the in-tree provider honours and the externalgrpc protocol cannot carry:
 /// a template is one `v1.Node`, with no room for the ResourceSlices or the CSINode they describe. Each
 /// one set is a problem saying so and what CA does instead, rather than being dropped in silence.
-pub fn not_carried(
-    object: impl Into<Subject> + Copy,
-    annotations: &BTreeMap<String, String>,
-) -> Vec<Problem> {
+pub fn not_carried(object: impl Into<Subject> + Copy, annotations: &Labels) -> Vec<Problem> {
     let set = |key: &str| annotations.get(key).is_some_and(|v| !v.trim().is_empty());
     let mut problems = Vec::new();
     if set(capacity::DRA_DRIVER) {
@@ -44,7 +41,7 @@ pub fn not_carried(
 /// problem and `None`.
 pub fn parse_count(
     object: impl Into<Subject> + Copy,
-    annotations: &BTreeMap<String, String>,
+    annotations: &Labels,
     key: &str,
     problems: &mut Vec<Problem>,
 ) -> Option<i64> {
@@ -76,7 +73,7 @@ pub fn parse_count(
 /// `k=v,k2=v2`; entries trimmed, empty entries skipped, malformed entries reported and skipped.
 pub fn parse_labels_annotation(
     object: impl Into<Subject> + Copy,
-    annotations: &BTreeMap<String, String>,
+    annotations: &Labels,
     problems: &mut Vec<Problem>,
 ) -> Vec<(String, String)> {
     let Some(raw) = annotations.get(capacity::LABELS) else {
@@ -112,7 +109,7 @@ pub fn parse_labels_annotation(
 /// `key=value:Effect` or `key:Effect`, comma separated; malformed entries reported and skipped.
 pub fn parse_taints_annotation(
     object: impl Into<Subject> + Copy,
-    annotations: &BTreeMap<String, String>,
+    annotations: &Labels,
     problems: &mut Vec<Problem>,
 ) -> Vec<Taint> {
     let Some(raw) = annotations.get(capacity::TAINTS) else {

@@ -91,7 +91,7 @@ pub(super) fn labels(
             .labels
             .iter()
             .filter(|(k, _)| is_managed_label(k))
-            .map(|(k, v)| (k.clone(), v.clone())),
+            .map(|(k, v)| (k.to_string(), v.to_string())),
     );
     let annotated = parse_labels_annotation(&group.object, group.annotations(), problems);
     if annotated.iter().any(|(k, _)| k == LABEL_ZONE) {

@@ -2,6 +2,7 @@
 
 use super::labels::gpu_label_value;
 use super::*;
+use crate::capi::Labels;
 use crate::capi::names::is_label_value;
 use crate::capi::{GPU_LABEL, InfraRef, MachineTemplate, ObjectKey, ScalableKind, capacity};
 
@@ -15,7 +16,7 @@ fn resource(annotations: &[(&str, &str)], replicas: i32) -> ScalableResource {
         key: ObjectKey::new("default", "md-0"),
         uid: "uid".to_string(),
         resource_version: "1".to_string(),
-        labels: BTreeMap::new(),
+        labels: Labels::default(),
         annotations: annotations
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -30,7 +31,7 @@ fn resource(annotations: &[(&str, &str)], replicas: i32) -> ScalableResource {
         paused: false,
         owners: Vec::new(),
         template: MachineTemplate {
-            labels: BTreeMap::new(),
+            labels: Labels::default(),
             infrastructure_ref: Some(Ok(InfraRef {
                 api_group: "infrastructure.cluster.x-k8s.io".to_string(),
                 api_version: None,
@@ -581,7 +582,7 @@ fn label_precedence() {
         ],
         0,
     );
-    r.template.labels = map(&[
+    r.template.labels = Labels::from(map(&[
         ("node-role.kubernetes.io/worker", "template"),
         ("node-role.kubernetes.io/gpu", ""),
         ("prefixed.node-role.kubernetes.io/x", "dropped"),
@@ -592,7 +593,7 @@ fn label_precedence() {
         ("xnode.cluster.x-k8s.io/e", "dropped"),
         ("app", "dropped"),
         ("cluster.x-k8s.io/cluster-name", "dropped"),
-    ]);
+    ]));
     r.template.failure_domain = Some("fd-1".to_string());
     let node_labels = map(&[
         (LABEL_ARCH, "arm64"),
@@ -881,7 +882,7 @@ fn hostile_input_does_not_panic() {
         );
         r.key.name = w.into();
         r.template.failure_domain = Some(w.to_string());
-        r.template.labels = map(&[(w, w)]);
+        r.template.labels = Labels::from(map(&[(w, w)]));
         r.template.taints = vec![taint(w, w, w)];
         let tpl = infra(&[(w, w), ("cpu", w)], Some(w), Some(w));
         let nl = map(&[(LABEL_ARCH, w)]);
@@ -946,7 +947,7 @@ fn annotations_the_protocol_cannot_carry_are_reported_without_a_template_too() {
     );
     // Empty values are not set.
     let blank = [(capacity::DRA_DRIVER, " "), (capacity::CSI_DRIVER, "")];
-    assert!(not_carried(OBJ, &map(&blank)).is_empty());
+    assert!(not_carried(OBJ, &Labels::from(map(&blank))).is_empty());
 }
 
 /// A template in failure domain `fd` (capacity from annotations), built with what the Nodes in

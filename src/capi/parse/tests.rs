@@ -31,11 +31,11 @@ fn machines_keep_only_the_group_keys_and_resources_drop_the_last_applied_copy() 
     });
     let r = ScalableResource::from_json(ScalableKind::MachineDeployment, &keys, &md).unwrap();
     assert_eq!(
-        r.annotations.keys().collect::<Vec<_>>(),
+        r.annotations.iter().map(|(k, _)| k).collect::<Vec<_>>(),
         ["capacity.cluster-autoscaler.kubernetes.io/cpu"]
     );
     assert_eq!(
-        r.labels.get("team").map(String::as_str),
+        r.labels.get("team"),
         Some("a"),
         "labels feed discovery selectors"
     );
@@ -149,6 +149,10 @@ fn keys() -> Keys {
     Keys::default()
 }
 
+fn labels(pairs: &[(&str, &str)]) -> crate::capi::Labels {
+    pairs.iter().copied().collect()
+}
+
 fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs
         .iter()
@@ -229,11 +233,11 @@ fn machinedeployment_v1beta2_fixture() {
             key: ObjectKey::new("team-a", "workers-md-0"),
             uid: "3f0d2c1e-5b7a-4c1d-9e2f-0a1b2c3d4e01".into(),
             resource_version: "48213".into(),
-            labels: map(&[
+            labels: labels(&[
                 ("cluster.x-k8s.io/cluster-name", "prod"),
                 ("nodepool", "general")
             ]),
-            annotations: map(&[
+            annotations: labels(&[
                 (
                     "cluster.x-k8s.io/cluster-api-autoscaler-node-group-min-size",
                     "1"
@@ -258,7 +262,7 @@ fn machinedeployment_v1beta2_fixture() {
             paused: false,
             owners: vec![owner("Cluster", "prod")],
             template: MachineTemplate {
-                labels: map(&[
+                labels: labels(&[
                     ("cluster.x-k8s.io/cluster-name", "prod"),
                     ("cluster.x-k8s.io/deployment-name", "workers-md-0"),
                     ("node-role.kubernetes.io/worker", ""),
@@ -740,7 +744,7 @@ fn scalable_field_cases() {
                 &["spec", "template", "metadata", "labels"],
                 json!({"a": "1"}),
             ),
-            ok(|r| r.template.labels == map(&[("a", "1")])),
+            ok(|r| r.template.labels == labels(&[("a", "1")])),
         ),
         (
             "template labels wrong type",
