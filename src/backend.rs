@@ -20,6 +20,10 @@ pub trait Backend: Send + Sync + 'static {
     fn keys(&self) -> &Keys;
     /// Asks for a snapshot build (CA's Refresh).
     fn refresh(&self);
+    /// Marked changed each time a snapshot is published (a backend that never publishes: closed).
+    fn published(&self) -> tokio::sync::watch::Receiver<()> {
+        tokio::sync::watch::channel(()).1
+    }
     async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError>;
     async fn decrease_target_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError>;
     async fn delete_nodes(&self, id: &str, nodes: &[NodeToDelete]) -> Result<(), ActuatorError>;

@@ -121,6 +121,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     actuator.spawn_repair(args.repair_interval, args.mark_grace_period);
     let service = Service::new(actuator, metrics);
+    tokio::spawn(service.encode_on_publish());
     let router = Server::builder()
         .layer(limits)
         .add_service(health_service)

@@ -59,6 +59,14 @@ impl EncodedGroups {
         *cached = Some((Arc::downgrade(snapshot), response.clone()));
         response
     }
+
+    /// Whether the answer of `snapshot` is the one encoded.
+    #[cfg(test)]
+    pub(super) fn holds(&self, snapshot: &Arc<Snapshot>) -> bool {
+        crate::lock(&self.0)
+            .as_ref()
+            .is_some_and(|(of, _)| std::ptr::eq(of.as_ptr(), Arc::as_ptr(snapshot)))
+    }
 }
 
 pub(super) fn wire_group(group: &Group) -> NodeGroup {

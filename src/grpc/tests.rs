@@ -521,6 +521,7 @@ mod handlers {
         /// What the next write answers (then Ok).
         answer: Mutex<Option<ActuatorError>>,
         writes: Mutex<Vec<String>>,
+        published: tokio::sync::watch::Sender<()>,
     }
 
     impl Fixed {
@@ -549,6 +550,7 @@ mod handlers {
                 stale: Vec::new(),
                 answer: Mutex::new(None),
                 writes: Mutex::new(Vec::new()),
+                published: tokio::sync::watch::channel(()).0,
             }
         }
 
@@ -577,6 +579,9 @@ mod handlers {
             &self.keys
         }
         fn refresh(&self) {}
+        fn published(&self) -> tokio::sync::watch::Receiver<()> {
+            self.published.subscribe()
+        }
         async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
             self.write(format!("increase {id} {delta}"))
         }
@@ -606,6 +611,30 @@ mod handlers {
             .node_group_target_size(Request::new(NodeGroupTargetSizeRequest { id: id.into() }))
             .await
             .map(|r| r.into_inner().target_size)
+    }
+
+    /// CA's first NodeGroups after a change finds the answer encoded: each snapshot is encoded as
+    /// it is published, not when CA first asks.
+    #[tokio::test]
+    async fn a_published_snapshot_has_its_node_groups_answer_encoded_before_ca_asks() {
+        let (service, backend) = service(Fixed::new());
+        let encoding = tokio::spawn(service.encode_on_publish());
+        assert!(
+            !service.node_groups.holds(&backend.snapshot),
+            "nothing asked yet"
+        );
+
+        backend.published.send_replace(());
+
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !service.node_groups.holds(&backend.snapshot) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the published snapshot's answer was not encoded"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        encoding.abort();
     }
 
     #[tokio::test]

@@ -69,6 +69,10 @@ impl Backend for Arc<Actuator> {
         self.store.refresh();
     }
 
+    fn published(&self) -> tokio::sync::watch::Receiver<()> {
+        self.store.published()
+    }
+
     async fn increase_size(&self, id: &str, delta: i32) -> Result<(), ActuatorError> {
         Actuator::increase_size(self, id, delta).await
     }

@@ -84,6 +84,8 @@ pub struct Store {
     /// would leave a moment where a build finds the change but not the flag, and a write's
     /// read-your-writes would return the snapshot from before it.
     changed: Notify,
+    /// Marked changed with every snapshot published.
+    published: tokio::sync::watch::Sender<()>,
     watch_settings: WatchSettings,
     /// Every watch by resource name.
     health: Mutex<BTreeMap<String, WatchHealth>>,
@@ -117,6 +119,7 @@ impl Store {
             index: Mutex::new(index),
             snapshot: ArcSwap::from_pointee(Snapshot::default()),
             changed: Notify::new(),
+            published: tokio::sync::watch::channel(()).0,
             watch_settings,
             health: Mutex::new(BTreeMap::new()),
             health_changed: Notify::new(),
@@ -255,6 +258,11 @@ impl Store {
     /// The current snapshot; no lock, no API call.
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.snapshot.load_full()
+    }
+
+    /// Marked changed with every snapshot published.
+    pub fn published(&self) -> tokio::sync::watch::Receiver<()> {
+        self.published.subscribe()
     }
 
     /// A snapshot built after every watch had listed is being served: the RPCs may answer.
@@ -408,6 +416,7 @@ impl Store {
             let previous = self.snapshot.load();
             let snapshot = Arc::new(index.snapshot_reusing(&self.settings, &previous));
             self.snapshot.store(Arc::clone(&snapshot));
+            self.published.send_replace(());
             if ready
                 && (previous.scope != snapshot.scope
                     || previous.scope_reason != snapshot.scope_reason
