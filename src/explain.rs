@@ -172,21 +172,39 @@ pub fn parse_not_triggered(message: &str) -> Vec<String> {
         .collect()
 }
 
-/// CA's verdict: its latest Event about the pod.
+/// CA's verdict: its latest Event about the pod. Several autoscalers (each over groups of its own)
+/// each report on every pending pod; those that reported at the same latest moment are one verdict:
+/// a scale-up if any made one, else every reason given.
 pub fn verdict(events: &[EventFacts]) -> Verdict {
-    let latest = events
+    let decisions: Vec<&EventFacts> = events
         .iter()
         .filter(|e| e.reason == TRIGGERED || e.reason == NOT_TRIGGERED)
-        .max_by(|a, b| a.last_seen.cmp(&b.last_seen));
-    match latest {
-        Some(e) if e.reason == TRIGGERED => Verdict::ScaleUpTriggered {
-            scale_ups: parse_triggered(&e.message),
-        },
-        Some(e) => Verdict::NoScaleUp {
-            reasons: parse_not_triggered(&e.message),
-        },
-        None => Verdict::NoDecision,
+        .collect();
+    let Some(latest) = decisions.iter().map(|e| &e.last_seen).max() else {
+        return Verdict::NoDecision;
+    };
+    let at_latest: Vec<&&EventFacts> = decisions
+        .iter()
+        .filter(|e| &e.last_seen == latest)
+        .collect();
+    let scale_ups: Vec<ScaleUp> = at_latest
+        .iter()
+        .filter(|e| e.reason == TRIGGERED)
+        .flat_map(|e| parse_triggered(&e.message))
+        .collect();
+    if at_latest.iter().any(|e| e.reason == TRIGGERED) {
+        return Verdict::ScaleUpTriggered { scale_ups };
     }
+    let mut reasons: Vec<String> = Vec::new();
+    for reason in at_latest
+        .iter()
+        .flat_map(|e| parse_not_triggered(&e.message))
+    {
+        if !reasons.contains(&reason) {
+            reasons.push(reason);
+        }
+    }
+    Verdict::NoScaleUp { reasons }
 }
 
 /// CA's status ConfigMap text (YAML, CA ≥ 1.30): the time, state and each group's health, scale-up

@@ -108,6 +108,47 @@ fn the_latest_ca_event_is_the_verdict() {
     assert_eq!(verdict(&events[2..]), Verdict::NoDecision);
 }
 
+/// Two autoscalers, each over groups of its own, report on the same pending pod in the same second:
+/// their reasons together are the verdict (one of them alone would hide the other's groups), and a
+/// scale-up by either is the verdict.
+#[test]
+fn autoscalers_reporting_at_the_same_moment_give_one_verdict_with_every_reason() {
+    let at = "2026-01-01T00:00:05Z";
+    let ours = event(
+        NOT_TRIGGERED,
+        "pod didn't trigger scale-up: 2 Insufficient cpu",
+        at,
+    );
+    let other = event(
+        NOT_TRIGGERED,
+        "pod didn't trigger scale-up: 1 max node group size reached",
+        at,
+    );
+    let older = event(
+        NOT_TRIGGERED,
+        "pod didn't trigger scale-up: 3 Insufficient memory",
+        "2026-01-01T00:00:01Z",
+    );
+    assert_eq!(
+        verdict(&[older.clone(), other.clone(), ours.clone()]),
+        Verdict::NoScaleUp {
+            reasons: vec![
+                "1 max node group size reached".into(),
+                "2 Insufficient cpu".into()
+            ]
+        }
+    );
+    let triggered = event(
+        TRIGGERED,
+        "pod triggered scale-up: [{MachineDeployment/ns/md-a 0->1 (max: 1)}]",
+        at,
+    );
+    assert!(matches!(
+        verdict(&[ours, triggered, older]),
+        Verdict::ScaleUpTriggered { scale_ups } if scale_ups.len() == 1
+    ));
+}
+
 #[test]
 fn ca_status_gives_each_groups_health_activity_and_backoff() {
     let text = r#"
