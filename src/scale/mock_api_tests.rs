@@ -683,6 +683,16 @@ impl Fixture {
         self.seen().iter().map(Seen::summary).collect()
     }
 
+    /// Returns once the fake has been asked `request` (as [`Fixture::requests`] names it).
+    async fn asked(&self, request: &str) {
+        within(async {
+            while !self.requests().iter().any(|r| r == request) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+    }
+
     /// The revision each LIST of `path` was asked not to be older than, in order (`None`: the
     /// newest there is).
     fn list_floors(&self, path: &str) -> Vec<Option<u64>> {
@@ -989,12 +999,7 @@ async fn a_group_newer_than_its_listed_machines_is_read_again() {
     fixture.fault(Method::GET, "machines", Fault::Held(Arc::clone(&gate)));
     let actuator = Arc::clone(&fixture.actuator);
     let ours = tokio::spawn(async move { actuator.delete_nodes(GROUP, &[node("c")]).await });
-    within(async {
-        while !fixture.requests().iter().any(|r| r == LIST_MACHINES) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await;
+    fixture.asked(LIST_MACHINES).await;
     // Someone else writes the group; its watch event reaches the cache before the list's answer.
     fixture.meanwhile(MD, |md| {
         md["metadata"]["labels"]["example.com/touched"] = json!("yes")
@@ -1164,12 +1169,7 @@ async fn a_removal_waiting_with_nothing_written_lets_the_groups_other_calls_run(
     fixture.marked_by_someone_else("a");
     let actuator = Arc::clone(&fixture.actuator);
     let ours = tokio::spawn(async move { actuator.delete_nodes(GROUP, &[node("c")]).await });
-    within(async {
-        while !fixture.requests().iter().any(|r| r == LIST_MACHINES) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await;
+    fixture.asked(LIST_MACHINES).await;
 
     within(fixture.actuator.increase_size(GROUP, 1))
         .await
