@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use capi_autoscaler_provider::capi::Keys;
+use capi_autoscaler_provider::capi::Labels;
 use capi_autoscaler_provider::grpc::options_response;
 use capi_autoscaler_provider::options::{self, GroupOptions, parse_go_duration, suffix};
 use capi_autoscaler_provider::proto::{LegacyDuration, NodeGroupAutoscalingOptions};
@@ -136,7 +137,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     let known: Vec<&str> = known.iter().map(String::as_str).collect();
     let ann = annotations(u, &known, TOKENS)?;
 
-    let (parsed, problems) = options::parse(&keys, OBJECT, &ann);
+    let (parsed, problems) = options::parse(&keys, OBJECT, &Labels::from(ann.clone()));
     let o = parsed.clone().unwrap_or_default();
     assert!(parsed.as_ref().is_none_or(|p| !p.is_empty()));
     let mut problem_fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();

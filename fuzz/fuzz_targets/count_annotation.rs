@@ -5,8 +5,7 @@
 //! the trimmed text spells, or exactly one problem naming the object and that annotation.
 #![no_main]
 
-use std::collections::BTreeMap;
-
+use capi_autoscaler_provider::capi::Labels;
 use capi_autoscaler_provider::capi::capacity::{GPU_COUNT, MAX_PODS};
 use capi_autoscaler_provider::template::parse_count;
 use capi_autoscaler_provider_fuzz::{annotation_field, text_of};
@@ -33,14 +32,16 @@ const TOKENS: &[&str] = &[
 
 fn run(u: &mut Unstructured) -> Result<()> {
     let key = *u.choose(&[GPU_COUNT, MAX_PODS])?;
-    let ann: BTreeMap<String, String> = if u.ratio(1, 16)? {
-        BTreeMap::new()
+    let ann: Labels = if u.ratio(1, 16)? {
+        Labels::default()
     } else {
-        BTreeMap::from([(key.to_string(), text_of(u, TOKENS, 6)?)])
+        [(key.to_string(), text_of(u, TOKENS, 6)?)]
+            .into_iter()
+            .collect()
     };
     let mut problems = Vec::new();
     let got = parse_count(OBJECT, &ann, key, &mut problems);
-    let raw = ann.get(key).map(|v| v.trim()).unwrap_or("");
+    let raw = ann.get(key).map(str::trim).unwrap_or("");
     match got {
         Some(n) => {
             assert!(n >= 0 && problems.is_empty(), "{raw:?} → {n}");

@@ -5,7 +5,7 @@
 //! what it asks for; a rejected spec's error carries the spec as given and a reason.
 #![no_main]
 
-use std::collections::BTreeMap;
+use capi_autoscaler_provider::capi::Labels;
 
 use capi_autoscaler_provider::capi::names::{
     check_dns1123_label, is_label_value, is_qualified_name,
@@ -31,7 +31,7 @@ fuzz_target!(|spec: &str| {
             for (k, v) in &parsed.labels {
                 assert!(is_qualified_name(k) && is_label_value(v), "{k:?}={v:?}");
             }
-            let labels: BTreeMap<String, String> = parsed.labels.iter().cloned().collect();
+            let labels: Labels = parsed.labels.iter().cloned().collect();
             // One value per key: the spec can be satisfied.
             if labels.len() == parsed.labels.len() {
                 let ns = parsed.namespace.as_deref().unwrap_or("any-namespace");

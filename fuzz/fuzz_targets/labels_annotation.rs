@@ -5,8 +5,7 @@
 //! the same labels with no problem.
 #![no_main]
 
-use std::collections::BTreeMap;
-
+use capi_autoscaler_provider::capi::Labels;
 use capi_autoscaler_provider::capi::capacity::LABELS;
 use capi_autoscaler_provider::capi::names::{is_label_value, is_qualified_name};
 use capi_autoscaler_provider::template::parse_labels_annotation;
@@ -39,7 +38,7 @@ const TOKENS: &[&str] = &[
 ];
 
 fn parse(raw: &str) -> (Vec<(String, String)>, Vec<String>) {
-    let ann = BTreeMap::from([(LABELS.to_string(), raw.to_string())]);
+    let ann: Labels = [(LABELS, raw)].into_iter().collect();
     let mut problems = Vec::new();
     let labels = parse_labels_annotation(OBJECT, &ann, &mut problems);
     for p in &problems {
@@ -66,7 +65,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     assert_eq!(again, (labels, Vec::new()), "{raw:?}");
     // Without the annotation there is nothing to read.
     let mut problems = Vec::new();
-    assert!(parse_labels_annotation(OBJECT, &BTreeMap::new(), &mut problems).is_empty());
+    assert!(parse_labels_annotation(OBJECT, &Labels::default(), &mut problems).is_empty());
     assert!(problems.is_empty());
     Ok(())
 }

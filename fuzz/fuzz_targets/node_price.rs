@@ -14,10 +14,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use capi_autoscaler_provider::cache::Index;
 use capi_autoscaler_provider::capi::{Keys, Machine, ScalableKind, ScalableResource, providerid};
 use capi_autoscaler_provider::pricing;
 use capi_autoscaler_provider::proto::{ExternalGrpcNode, LegacyTime, PricingNodePriceRequest};
-use capi_autoscaler_provider::cache::Index;
 use capi_autoscaler_provider::snapshot::{NodeRef, Settings, Snapshot};
 use capi_autoscaler_provider_fuzz::text_of;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};

@@ -4,7 +4,7 @@
 //! `.5`), finite, and equal to the decimal it spells; a problem names the object and the annotation.
 #![no_main]
 
-use capi_autoscaler_provider::capi::PRICE_ANNOTATION;
+use capi_autoscaler_provider::capi::{Labels, PRICE_ANNOTATION};
 use capi_autoscaler_provider::pricing::group_price;
 use capi_autoscaler_provider_fuzz::{annotation_field, annotations};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
@@ -34,7 +34,7 @@ const TOKENS: &[&str] = &[
 
 fn run(u: &mut Unstructured) -> Result<()> {
     let ann = annotations(u, &[PRICE_ANNOTATION], TOKENS)?;
-    match group_price(OBJECT, &ann) {
+    match group_price(OBJECT, &Labels::from(ann.clone())) {
         Ok(None) => assert!(!ann.contains_key(PRICE_ANNOTATION)),
         Ok(Some(v)) => {
             let raw = ann[PRICE_ANNOTATION].trim();

@@ -5,8 +5,8 @@
 //! when it is missing or below min).
 #![no_main]
 
-use capi_autoscaler_provider::capi::Keys;
 use capi_autoscaler_provider::capi::scaling_bounds;
+use capi_autoscaler_provider::capi::{Keys, Labels};
 use capi_autoscaler_provider_fuzz::{annotation_field, annotations};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
@@ -43,7 +43,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     )?;
     let read = |key: &str| ann.get(key).map(|v| v.trim().parse::<i32>().ok());
     let (min, max) = (read(&keys.min_size), read(&keys.max_size));
-    match scaling_bounds(&keys, &ann) {
+    match scaling_bounds(&keys, &Labels::from(ann.clone())) {
         Ok(None) => assert!(min.is_none() && max.is_none(), "{ann:?}"),
         Ok(Some((lo, hi))) => {
             assert!(0 <= lo && lo <= hi, "{ann:?} → {lo}..{hi}");

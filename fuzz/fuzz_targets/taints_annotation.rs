@@ -7,11 +7,9 @@
 //! problem.
 #![no_main]
 
-use std::collections::BTreeMap;
-
-use capi_autoscaler_provider::capi::Taint;
 use capi_autoscaler_provider::capi::capacity::TAINTS;
 use capi_autoscaler_provider::capi::names::{is_label_value, is_qualified_name};
+use capi_autoscaler_provider::capi::{Labels, Taint};
 use capi_autoscaler_provider::template::{parse_taints_annotation, taint_string};
 use capi_autoscaler_provider_fuzz::{annotation_field, text_of};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
@@ -45,7 +43,7 @@ const TOKENS: &[&str] = &[
 const EFFECTS: [&str; 3] = ["NoSchedule", "PreferNoSchedule", "NoExecute"];
 
 fn parse(raw: &str) -> (Vec<Taint>, Vec<String>) {
-    let ann = BTreeMap::from([(TAINTS.to_string(), raw.to_string())]);
+    let ann: Labels = [(TAINTS, raw)].into_iter().collect();
     let mut problems = Vec::new();
     let taints = parse_taints_annotation(OBJECT, &ann, &mut problems);
     for p in &problems {

@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 use capi_autoscaler_provider::capi::names::{is_label_value, is_qualified_name};
 use capi_autoscaler_provider::capi::quantity::parse_quantity;
 use capi_autoscaler_provider::capi::{
-    InfraRef, InfraTemplate, MachineTemplate, ObjectKey, ScalableKind, ScalableResource, Taint,
-    capacity,
+    InfraRef, InfraTemplate, Labels, MachineTemplate, ObjectKey, ScalableKind, ScalableResource,
+    Taint, capacity,
 };
 use capi_autoscaler_provider::grpc::template_bytes;
 use capi_autoscaler_provider::template::{
@@ -128,8 +128,8 @@ fn run(u: &mut Unstructured) -> Result<()> {
         key: ObjectKey::new("ns", "md-0"),
         uid: "uid".into(),
         resource_version: "1".into(),
-        labels: BTreeMap::new(),
-        annotations: annotations.clone(),
+        labels: Labels::default(),
+        annotations: Labels::from(annotations.clone()),
         cluster_name: "c".into(),
         replicas: u.arbitrary()?,
         status_replicas: None,
@@ -140,7 +140,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
         paused: false,
         owners: Vec::new(),
         template: MachineTemplate {
-            labels: template_labels.clone(),
+            labels: Labels::from(template_labels.clone()),
             infrastructure_ref: Some(Ok(InfraRef {
                 api_group: "infrastructure.cluster.x-k8s.io".into(),
                 api_version: None,
@@ -323,7 +323,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     {
         assert_eq!(s.labels.get(LABEL_HOSTNAME), Some(&s.name));
     }
-    let bytes = template_bytes(&t);
+    let bytes = template_bytes(t);
     let decoded =
         k8s_pb::api::core::v1::Node::decode(bytes.as_slice()).expect("template bytes decode");
     assert_eq!(decoded.encode_to_vec(), bytes);
