@@ -66,6 +66,9 @@ pub struct Index {
     journal: Journal,
     /// The basis of the last snapshot built with `Index::snapshot_reusing`.
     epoch: u64,
+    /// The revision the Machines watch has brought the index up to: every Machine event up to it
+    /// is applied (0: none yet). What the index holds of Machines is then not older than it.
+    machines_watched: u64,
 }
 
 /// The changes since a snapshot, when they are all of the kinds a rebuild can apply to the groups they
@@ -192,6 +195,27 @@ impl Index {
                 (k.clone(), version)
             })
             .collect()
+    }
+
+    /// See [`Index::machines_watched`]: the revision every Machine event up to is applied.
+    pub fn machines_watched(&self) -> u64 {
+        self.machines_watched
+    }
+
+    /// The Machines watch applied an event at `revision`.
+    pub fn machines_watched_to(&mut self, revision: u64) {
+        self.machines_watched = self.machines_watched.max(revision);
+    }
+
+    /// The Machines watch listed them all again, the newest of them at `revision`: the list is not
+    /// older than that (it may be older than the events before it, on another API server).
+    pub fn machines_relisted_at(&mut self, revision: u64) {
+        self.machines_watched = revision;
+    }
+
+    /// Whether `key` is cached (read, or failed to parse).
+    pub fn has_machine(&self, key: &ObjectKey) -> bool {
+        self.machines.contains_key(key)
     }
 
     pub fn machine(&self, key: &ObjectKey) -> Option<&Arc<Machine>> {

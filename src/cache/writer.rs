@@ -193,7 +193,10 @@ pub(crate) fn apply<const S: bool>(
 /// The Machines of `namespace` as one LIST at `list_version` returned them, all of them or, with
 /// `selector` (label key, value), those carrying that label: each is applied, and a cached Machine the
 /// list should have had (one the selector matches as cached) but lacks is gone, unless its cached
-/// version is newer than the list (it was created after it).
+/// version is newer than the list (it was created after it). A listed Machine not cached, at a
+/// version the Machines watch has gone past, is not brought back: the watch brought every Machine
+/// event up to there, so it saw this one deleted (a list answered before the deletion, applied
+/// after it).
 pub(crate) fn machines_listed(
     index: &mut Index,
     keys: &Keys,
@@ -203,8 +206,13 @@ pub(crate) fn machines_listed(
     items: Vec<ApiObject>,
 ) {
     let listed: std::collections::BTreeSet<ObjectKey> = items.iter().map(object_key).collect();
+    let watched = index.machines_watched();
     for obj in items {
-        apply(index, keys, &Watched::Machine, obj);
+        let deleted = !index.has_machine(&object_key(&obj))
+            && revision_of(&obj).is_some_and(|at| at <= watched);
+        if !deleted {
+            apply(index, keys, &Watched::Machine, obj);
+        }
     }
     for (key, version) in index.machine_versions_in(namespace, selector) {
         if !listed.contains(&key) && !is_older(version.as_deref(), list_version) {
@@ -241,6 +249,11 @@ fn is_older(cached: Option<&str>, incoming: Option<&str>) -> bool {
         (Some(cached), Some(incoming)) => incoming < cached,
         _ => false,
     }
+}
+
+/// An object's resourceVersion as the etcd revision it is; `None` for one that is not a number.
+pub(crate) fn revision_of(obj: &impl ResourceExt) -> Option<u64> {
+    obj.meta().resource_version.as_deref()?.parse().ok()
 }
 
 pub(crate) fn object_key(obj: &impl ResourceExt) -> ObjectKey {
@@ -422,6 +435,43 @@ mod tests {
             .map(|(k, _)| k.name.to_string())
             .collect();
         assert_eq!(names, vec!["elsewhere", "kept", "unlabelled"]);
+    }
+
+    /// A list answered before a deletion the Machines watch has brought since (a read's list and
+    /// the watch race) does not bring the Machine back: the cache would keep a Machine that is gone
+    /// until the next list of its group, and a read from the watch would count it a member.
+    #[test]
+    fn a_list_older_than_a_deletion_the_watch_brought_does_not_bring_the_machine_back() {
+        let (keys, mut index) = (keys(), Index::default());
+        apply(
+            &mut index,
+            &keys,
+            &Watched::Machine,
+            machine("gone", "5", None),
+        );
+        delete(&mut index, &Watched::Machine, &machine("gone", "9", None));
+        index.machines_watched_to(9);
+
+        machines_listed(
+            &mut index,
+            &keys,
+            "ns",
+            None,
+            Some("8"),
+            vec![machine("gone", "5", None)],
+        );
+        assert!(index.machine_versions_in("ns", None).is_empty());
+
+        // A Machine at a version the watch has not come to yet is the list's to bring.
+        machines_listed(
+            &mut index,
+            &keys,
+            "ns",
+            None,
+            Some("12"),
+            vec![machine("newer", "11", None)],
+        );
+        assert!(index.machine(&ObjectKey::new("ns", "newer")).is_some());
     }
 
     #[test]

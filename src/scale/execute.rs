@@ -105,7 +105,7 @@ impl Actuator {
                 Next::Write(write) => {
                     let (outcome, landed_at) = self.apply(group, caller, &write).await;
                     match landed_at {
-                        Some(version) => since.saw(Some(&version)),
+                        Some(version) => since.wrote(&version, !matches!(write, Write::Group(_))),
                         None => since.lost_track(),
                     }
                     if outcome == Outcome::Landed

@@ -31,9 +31,11 @@ use tower_test::mock::{Handle, SendResponse};
 use crate::apis::CapiApis;
 use crate::backend::{ActuatorError, ApiCause, NodeToDelete};
 use crate::cache::Index;
+use crate::cache::writer::Watched;
 use crate::capi::{DEFAULT_GROUP, Keys, Machine, ScalableKind, ScalableResource};
 use crate::lock;
 use crate::metrics::Metrics;
+use crate::object::ApiObject;
 use crate::protocol::ledger::{
     CLAIMS_ANNOTATION, LEDGER_ANNOTATION, RESIZES_ANNOTATION, TAKING_BACK_ANNOTATION, mark_entry,
 };
@@ -267,6 +269,8 @@ struct FakeApi {
     /// A request that arrives late, and how many requests until it does.
     late: Option<(usize, Seen)>,
     seen: Vec<Seen>,
+    /// The Machines watch: each Machine a write changed, as the watch would bring it.
+    watch: Option<tokio::sync::mpsc::UnboundedSender<Value>>,
 }
 
 /// What the serving task does with a request.
@@ -319,6 +323,7 @@ impl FakeApi {
             faults: Vec::new(),
             late: None,
             seen: Vec::new(),
+            watch: None,
         }
     }
 
@@ -493,7 +498,13 @@ impl FakeApi {
                     let generation = object["metadata"]["generation"].as_i64().unwrap_or(1);
                     object["metadata"]["generation"] = json!(generation + 1);
                 }
-                (StatusCode::OK, object.clone())
+                let object = object.clone();
+                if path.starts_with("machines/")
+                    && let Some(watch) = &self.watch
+                {
+                    let _ = watch.send(object.clone());
+                }
+                (StatusCode::OK, object)
             }
             _ => status(
                 405,
@@ -600,6 +611,32 @@ impl Fixture {
             actuator: Arc::new(Actuator::new(store, metrics)),
             api,
         }
+    }
+
+    /// With the Machines watch: it has listed the fake's Machines, and brings each one a write
+    /// changes a moment after the write is answered.
+    fn watching(self) -> Self {
+        let (send, mut changed) = tokio::sync::mpsc::unbounded_channel::<Value>();
+        let store = Arc::clone(&self.actuator.store);
+        let machines: Vec<Value> = {
+            let mut api = lock(&self.api);
+            api.watch = Some(send);
+            api.objects
+                .iter()
+                .filter(|(path, _)| path.starts_with("machines/"))
+                .map(|(_, o)| o.clone())
+                .collect()
+        };
+        for machine in machines {
+            store.watched(&Watched::Machine, object(machine), false);
+        }
+        tokio::spawn(async move {
+            while let Some(machine) = changed.recv().await {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                store.watched(&Watched::Machine, object(machine), false);
+            }
+        });
+        self
     }
 
     /// The actuator waiting at most `wait` (and marking within twice that of a call's arrival).
@@ -711,6 +748,10 @@ impl Fixture {
             .map(|s| s.body.unwrap_or_default())
             .collect()
     }
+}
+
+fn object(json: Value) -> ApiObject {
+    ApiObject::from_json(json).expect("an object of the fixture")
 }
 
 /// `operation`, failing the test if it does not finish within [`PATIENCE`].
@@ -967,6 +1008,55 @@ async fn a_removals_lists_are_not_older_than_the_group_read_nor_its_own_mark() {
     assert_eq!(fixture.list_floors("machinesets"), [Some(1)]);
 }
 
+/// Where the Machines watch has brought every event up to a read's floor, the cache's Machines are
+/// that read's list: a removal whose watch brings its mark lists no Machines, and decides as one
+/// that listed them.
+#[tokio::test]
+async fn a_removal_whose_watch_brings_its_mark_reads_the_machines_from_it_and_lists_none() {
+    let fixture = Fixture::new(&three_running(3, &[])).watching();
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    let mut want: Vec<String> = [GET_MD, GET_CLUSTER, LIST_SETS, PATCH_MD, "PATCH machines/c"]
+        .map(String::from)
+        .to_vec();
+    want.extend([GET_MD, GET_CLUSTER, GET_MS, PATCH_MD].map(String::from));
+    assert_eq!(fixture.requests(), want);
+    assert!(
+        fixture
+            .mark("c")
+            .is_some_and(|m| our_mark_stamp(&m).is_some())
+    );
+    assert_eq!(fixture.replicas(), 2);
+    let settled = &fixture.patches(MD)[1];
+    assert_eq!(settled["spec"]["replicas"], json!(2));
+    assert!(settled["metadata"]["annotations"][LEDGER_ANNOTATION].is_string());
+}
+
+/// A watch that does not bring the removal's own mark in time: the settlement's read lists the
+/// Machines, not older than the mark, rather than deciding over Machines without it.
+#[tokio::test]
+async fn a_removal_whose_watch_lags_behind_its_mark_lists_the_machines_not_older_than_it() {
+    let fixture = Fixture::new(&three_running(3, &[])).watching();
+    lock(&fixture.api).watch = None;
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    let marked_at = lock(&fixture.api).objects["machines/c"]["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|v| v.parse::<u64>().ok());
+    assert_eq!(
+        fixture.list_floors("machines"),
+        [marked_at],
+        "the first read from the watch, the settlement's listed"
+    );
+    assert_eq!(fixture.replicas(), 2);
+}
+
 /// A mark that met a change it did not make (a conflict) leaves no revision to read from: the
 /// next read lists at the newest revision there is, where the change is.
 #[tokio::test]
@@ -1043,7 +1133,8 @@ async fn a_machine_set_gone_since_the_first_read_makes_the_next_read_list_them_a
         .unwrap();
 
     let mut want = reads_then(&[PATCH_MD, "PATCH machines/c"]);
-    want.extend([GET_MD, GET_CLUSTER, GET_MS, LIST_MACHINES, LIST_SETS].map(String::from));
+    // The Machines are listed once the watch has not brought the mark in time (there is none).
+    want.extend([GET_MD, GET_CLUSTER, GET_MS, LIST_SETS, LIST_MACHINES].map(String::from));
     want.push(PATCH_MD.to_string());
     assert_eq!(fixture.requests(), want);
     assert_eq!(fixture.replicas(), 2);

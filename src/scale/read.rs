@@ -4,6 +4,7 @@
 //! come from a snapshot built over exactly that, by the same rules the read path serves with.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, VersionMatch};
@@ -24,7 +25,10 @@ impl Actuator {
     /// etcd at once), then its MachineSets and its Machines beside them, listed at a revision not
     /// older than the group as just read and than every write this process made to the group's
     /// objects ([`Since`]): neither the members nor what Cluster API observed are then older than
-    /// the group, nor than this process's own writes. The MachineSets are read one by one (GETs)
+    /// the group, nor than this process's own writes. The Machines are not listed at all once the
+    /// Machines watch has brought every event up to that revision (right after a write of the
+    /// operation's own to a Machine, a read waits a moment for it): the cache then holds what such a
+    /// list would return, or newer. The MachineSets are read one by one (GETs)
     /// instead of listed when [`Since::sets`] allows. MachineSets and Machines are listed by the
     /// label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write costs the
     /// group's objects, not the namespace's. Without `members` (an operation that decides from the
@@ -94,6 +98,7 @@ impl Actuator {
             .filter(|r| kind == ScalableKind::MachineDeployment && r.observed())
             .and_then(|r| r.generation);
         let (set_selector, machine_selector) = self.own_selectors(id, group);
+        let watch_wait = since.watch_wait();
         let (sets, machines) = tokio::join!(
             async {
                 if kind != ScalableKind::MachineDeployment {
@@ -117,40 +122,63 @@ impl Actuator {
                 since.saw(list.metadata.resource_version.as_deref());
                 Ok(Some(list.items))
             },
-            self.list(
-                self.machine_api(&key.namespace),
-                "Machines",
-                &key.namespace,
-                machine_selector.as_ref(),
-                floor,
-            ),
+            async {
+                // The cache's Machines are a list not older than the floor once the Machines
+                // watch has brought every event up to it: no list to ask for.
+                if let Some(floor) = floor
+                    && let Some(at) = self
+                        .store
+                        .machines_watched_from(floor, Instant::now() + watch_wait)
+                        .await
+                {
+                    return Ok(Machines::Watched(at));
+                }
+                self.list(
+                    self.machine_api(&key.namespace),
+                    "Machines",
+                    &key.namespace,
+                    machine_selector.as_ref(),
+                    floor,
+                )
+                .await
+                .map(Machines::Listed)
+            },
         );
         let machines = machines?;
-        let listed = machines.metadata.resource_version.clone();
-        since.saw(listed.as_deref());
         if let Some(sets) = sets? {
             since.sets_read(observed, &sets);
             for set in sets {
                 self.store.record(Some(ScalableKind::MachineSet), set);
             }
         }
-        self.store.record_machines(
-            &key.namespace,
-            machine_selector
-                .as_ref()
-                .map(|(k, v)| (k.as_str(), v.as_str())),
-            listed.as_deref(),
-            machines.items,
-        );
+        let machines_at = match machines {
+            Machines::Listed(list) => {
+                let listed = list.metadata.resource_version;
+                since.saw(listed.as_deref());
+                self.store.record_machines(
+                    &key.namespace,
+                    machine_selector
+                        .as_ref()
+                        .map(|(k, v)| (k.as_str(), v.as_str())),
+                    listed.as_deref(),
+                    list.items,
+                );
+                revision(listed.as_deref())
+            }
+            Machines::Watched(at) => {
+                since.saw(Some(&at.to_string()));
+                self.store.refresh();
+                Some(at)
+            }
+        };
         since.known = true;
         let read = self.cached_read(id, group)?;
         // The read's group is the newest the cache holds: its watch may have brought a version
-        // newer than the Machines listed, and members older than the group are no read the rules
+        // newer than the Machines read, and members older than the group are no read the rules
         // allow for. Read again, not older than that version.
-        if let (Some(group_at), Some(listed_at)) = (
-            revision(Some(&read.group.version)),
-            revision(listed.as_deref()),
-        ) && group_at > listed_at
+        if let (Some(group_at), Some(machines_at)) =
+            (revision(Some(&read.group.version)), machines_at)
+            && group_at > machines_at
         {
             since.saw(Some(&read.group.version));
             return Ok(None);
@@ -355,6 +383,9 @@ pub(super) struct Since {
     /// The MachineSets this operation listed last, when it listed them with the MachineDeployment
     /// controller having observed the group's generation (that generation first).
     sets: Option<(i64, Vec<String>)>,
+    /// Whether the newest revision is a write of this operation to a Machine: the Machines watch
+    /// is about to bring it.
+    machine_write: bool,
 }
 
 impl Default for Since {
@@ -363,6 +394,7 @@ impl Default for Since {
             newest: 0,
             known: true,
             sets: None,
+            machine_write: false,
         }
     }
 }
@@ -371,7 +403,10 @@ impl Since {
     /// Carries the newest revision both ways between this operation and `newest`, the newest
     /// revision this process's reads and writes of the group got back (kept under its lock).
     pub(super) fn carry(&mut self, newest: &mut u64) {
-        self.newest = self.newest.max(*newest);
+        if *newest > self.newest {
+            self.newest = *newest;
+            self.machine_write = false;
+        }
         *newest = self.newest;
     }
 
@@ -382,8 +417,32 @@ impl Since {
 
     /// A read or a landed write got `version` back.
     pub(super) fn saw(&mut self, version: Option<&str>) {
-        if let Some(revision) = revision(version) {
-            self.newest = self.newest.max(revision);
+        if let Some(revision) = revision(version)
+            && revision > self.newest
+        {
+            self.newest = revision;
+            self.machine_write = false;
+        }
+    }
+
+    /// A write of this operation landed at `version`; `machine`: a write to a Machine.
+    pub(super) fn wrote(&mut self, version: &str, machine: bool) {
+        if let Some(revision) = revision(Some(version))
+            && revision >= self.newest
+        {
+            self.newest = revision;
+            self.machine_write = machine;
+        }
+    }
+
+    /// How long the next read waits for the Machines watch to reach its floor before it lists
+    /// them: a moment after a write of its own to a Machine (the watch is about to bring it), else
+    /// not at all (nothing says an event is coming).
+    fn watch_wait(&self) -> Duration {
+        if self.machine_write {
+            WATCH_CATCH_UP
+        } else {
+            Duration::ZERO
         }
     }
 
@@ -416,6 +475,19 @@ fn revision(version: Option<&str>) -> Option<u64> {
 
 /// How many times a read is made again when the group changed under it (see [`Actuator::read`]).
 const READ_ATTEMPTS: usize = 5;
+
+/// How long a read waits for the Machines watch to bring a write of its operation's own before it
+/// lists the Machines instead: the watch brings an event a few milliseconds after the write is
+/// answered; a list of a group's Machines costs 15–20 ms at 10,000 Machines in its namespace.
+const WATCH_CATCH_UP: Duration = Duration::from_millis(20);
+
+/// Where a read's Machines come from.
+enum Machines {
+    /// A list, answered at its revision.
+    Listed(kube::core::ObjectList<crate::object::ApiObject>),
+    /// The cache, the Machines watch having brought every event up to this revision.
+    Watched(u64),
+}
 
 /// A label selector `(key, value)`; `None`: the whole namespace.
 type Selector = Option<(String, String)>;
@@ -630,6 +702,31 @@ mod tests {
             since.floor(),
             None,
             "a write not known: the newest there is"
+        );
+    }
+
+    #[test]
+    fn a_read_waits_for_the_machines_watch_only_right_after_a_write_of_its_own_to_a_machine() {
+        let mut since = Since::default();
+        assert_eq!(since.watch_wait(), Duration::ZERO, "nothing written");
+        since.wrote("12", false);
+        assert_eq!(since.watch_wait(), Duration::ZERO, "the group written");
+        since.wrote("13", true);
+        assert_eq!(
+            (since.floor(), since.watch_wait()),
+            (Some(13), WATCH_CATCH_UP)
+        );
+        since.saw(Some("13"));
+        assert_eq!(since.watch_wait(), WATCH_CATCH_UP, "read at the mark");
+        since.saw(Some("14"));
+        assert_eq!(since.watch_wait(), Duration::ZERO, "something newer read");
+        since.wrote("15", true);
+        let mut kept = 16;
+        since.carry(&mut kept);
+        assert_eq!(
+            since.watch_wait(),
+            Duration::ZERO,
+            "another operation of this process went further"
         );
     }
 

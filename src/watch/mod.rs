@@ -86,6 +86,8 @@ pub struct Store {
     changed: Notify,
     /// Marked changed with every snapshot published.
     published: tokio::sync::watch::Sender<()>,
+    /// Signalled when the Machines watch has brought the index further ([`Index::machines_watched`]).
+    machine_events: Notify,
     watch_settings: WatchSettings,
     /// Every watch by resource name.
     health: Mutex<BTreeMap<String, WatchHealth>>,
@@ -120,6 +122,7 @@ impl Store {
             snapshot: ArcSwap::from_pointee(Snapshot::default()),
             changed: Notify::new(),
             published: tokio::sync::watch::channel(()).0,
+            machine_events: Notify::new(),
             watch_settings,
             health: Mutex::new(BTreeMap::new()),
             health_changed: Notify::new(),
@@ -379,6 +382,21 @@ impl Store {
             items,
         );
         self.refresh();
+    }
+
+    /// The revision the Machines watch has brought the index up to, once it is `floor` or newer,
+    /// waiting for it until `deadline`; `None` when it is still older then.
+    pub async fn machines_watched_from(&self, floor: u64, deadline: Instant) -> Option<u64> {
+        loop {
+            let event = self.machine_events.notified();
+            tokio::pin!(event);
+            event.as_mut().enable();
+            let watched = lock(&self.index).machines_watched();
+            if watched >= floor {
+                return Some(watched);
+            }
+            tokio::time::timeout_at(deadline.into(), event).await.ok()?;
+        }
     }
 
     /// A resource as cached.

@@ -131,6 +131,8 @@ impl Store {
         // A (re)list is parsed object by object as it arrives: only the views are held until it
         // is complete, never the JSON of every object (which is many times their size).
         let mut buffer: Vec<Prepared> = Vec::new();
+        // The newest object of the (re)list: what the index is not older than once it is applied.
+        let mut list_newest = 0;
         let mut list_started = Instant::now();
         let failure = loop {
             let Some(event) = stream.next().await else {
@@ -139,9 +141,11 @@ impl Store {
             match event {
                 Ok(Event::Init) => {
                     buffer.clear();
+                    list_newest = 0;
                     list_started = Instant::now();
                 }
                 Ok(Event::InitApply(obj)) => {
+                    list_newest = list_newest.max(index::revision_of(&obj).unwrap_or(0));
                     buffer.push(index::prepare(&self.settings.keys, what, obj))
                 }
                 Ok(Event::InitDone) => {
@@ -151,21 +155,25 @@ impl Store {
                         tracing::info!(watch = %name, objects = objects.len(), took = ?list_started.elapsed(), "listed");
                     }
                     self.metrics.watch_event(what.label(), "list");
-                    index::reset(&mut lock(&self.index), what, objects);
+                    {
+                        let mut index = lock(&self.index);
+                        index::reset(&mut index, what, objects);
+                        if *what == Watched::Machine {
+                            index.machines_relisted_at(list_newest);
+                        }
+                    }
+                    self.machine_events.notify_waiters();
                     synced = true;
                     self.watch_synced(name);
                     self.wake_rebuild();
                 }
                 Ok(Event::Apply(obj)) => {
                     self.metrics.watch_event(what.label(), "apply");
-                    if index::apply(&mut lock(&self.index), &self.settings.keys, what, obj) {
-                        self.wake_rebuild();
-                    }
+                    self.watched(what, obj, false);
                 }
                 Ok(Event::Delete(obj)) => {
                     self.metrics.watch_event(what.label(), "delete");
-                    index::delete(&mut lock(&self.index), what, &obj);
-                    self.wake_rebuild();
+                    self.watched(what, obj, true);
                 }
                 // 410 Gone: the resourceVersion is too old; the watcher lists again by itself.
                 Err(e) if watch_error_code(&e) == Some(410) => {
@@ -176,6 +184,34 @@ impl Store {
             }
         };
         Run { failure, synced }
+    }
+}
+
+impl Store {
+    /// A watch event, applied to the index (`deleted`: the object is gone); a Machine's revision
+    /// is how far the Machines watch has brought the index (a deleted object carries the
+    /// revision of its deletion).
+    pub(crate) fn watched<const S: bool>(&self, what: &Watched, obj: ApiObject<S>, deleted: bool) {
+        let machine_at = (*what == Watched::Machine).then(|| index::revision_of(&obj));
+        let changed = {
+            let mut index = lock(&self.index);
+            let changed = if deleted {
+                index::delete(&mut index, what, &obj);
+                true
+            } else {
+                index::apply(&mut index, &self.settings.keys, what, obj)
+            };
+            if let Some(revision) = machine_at.flatten() {
+                index.machines_watched_to(revision);
+            }
+            changed
+        };
+        if changed {
+            self.wake_rebuild();
+        }
+        if machine_at.is_some() {
+            self.machine_events.notify_waiters();
+        }
     }
 }
 
@@ -266,6 +302,82 @@ fn watch_error_code(e: &watcher::Error) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn machine(name: &str, version: &str) -> ApiObject {
+        ApiObject::from_json(serde_json::json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": {"name": name, "namespace": "ns", "uid": name, "resourceVersion": version},
+            "spec": {"clusterName": "c1"},
+        }))
+        .expect("a Machine")
+    }
+
+    /// What a read may take the cache's Machines for: how far the Machines watch brought them, from
+    /// its lists (the newest object listed: the list is not older) and its events (a deletion's
+    /// revision included); a relist answered older than the events before it lowers it.
+    #[tokio::test]
+    async fn the_machines_watch_says_how_far_it_has_brought_the_cache() {
+        let (service, _api) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let store = Store::fixed(
+            kube::Client::new(service, "ns"),
+            crate::apis::CapiApis::assume(crate::capi::DEFAULT_GROUP, "v1beta2"),
+            crate::snapshot::Settings::default(),
+            crate::cache::Index::default(),
+            Arc::new(crate::metrics::Metrics::new()),
+        );
+        let watched = |store: &Store| lock(&store.index).machines_watched();
+        let follow = |events: Vec<Event<ApiObject>>| {
+            let store = Arc::clone(&store);
+            async move {
+                let events = futures::stream::iter(events.into_iter().map(Ok));
+                store
+                    .follow(&Watched::Machine, "machines", events, false)
+                    .await;
+            }
+        };
+
+        follow(vec![
+            Event::Init,
+            Event::InitApply(machine("a", "7")),
+            Event::InitApply(machine("b", "5")),
+            Event::InitDone,
+        ])
+        .await;
+        assert_eq!(watched(&store), 7);
+        let deadline = Instant::now() + Duration::from_millis(50);
+        assert_eq!(store.machines_watched_from(7, deadline).await, Some(7));
+        assert_eq!(store.machines_watched_from(8, Instant::now()).await, None);
+
+        let waiting = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                store.machines_watched_from(15, deadline).await
+            }
+        });
+        follow(vec![
+            Event::Apply(machine("c", "12")),
+            Event::Delete(machine("a", "15")),
+        ])
+        .await;
+        assert_eq!(waiting.await.ok().flatten(), Some(15), "woken by the event");
+        assert!(
+            lock(&store.index)
+                .machine(&crate::capi::ObjectKey::new("ns", "a"))
+                .is_none()
+        );
+
+        follow(vec![
+            Event::Init,
+            Event::InitApply(machine("b", "5")),
+            Event::InitDone,
+        ])
+        .await;
+        assert_eq!(watched(&store), 5);
+    }
 
     /// Where the n-th pause may fall: 0.8 s doubling to 30 s, stretched by up to 100 %.
     fn pause_bounds(n: u32) -> (Duration, Duration) {
