@@ -1096,15 +1096,16 @@ async fn delete_nodes_pays_a_leftover_mark() {
     }
 }
 
-/// The repair: a mark of ours older than the grace period that no decrement pays for is taken back
-/// (with an Event on the Machine); a paid mark and someone else's mark stay.
+/// The repair: a mark of ours older than the grace period that no removal records is taken back
+/// (with an Event on the Machine); a settled mark its decrement pays for and someone else's mark
+/// stay.
 #[tokio::test]
 async fn orphan_marks_are_taken_back_after_the_grace_period() {
     let _shared = API_QUIET.read().await;
     let env = env().await;
     let capi = &env.capi;
     let md = Owner::Deployment("md".into());
-    // 3 Machines, replicas 3: no surplus, so a mark of ours is unpaid.
+    // 3 Machines, replicas 3, no record: a mark of ours no removal will settle.
     capi.create_deployment(&Scalable::md("md").bounds(0, 10).replicas(3), false)
         .await;
     machine_marked_by_us(capi, "orphan", md.clone(), 600).await;
@@ -1116,11 +1117,18 @@ async fn orphan_marks_are_taken_back_after_the_grace_period() {
     .await;
     capi.create_machine(&capi.running("plain", md.clone()))
         .await;
-    // A second group whose mark is paid (2 Machines, replicas 1).
+    // A second group whose mark is settled and paid (in its ledger; 2 Machines, replicas 1).
     let paid = Owner::Deployment("paid".into());
-    capi.create_deployment(&Scalable::md("paid").bounds(0, 10).replicas(1), false)
-        .await;
-    machine_marked_by_us(capi, "paid-0", paid.clone(), 600).await;
+    let stamp = now_unix() - 600;
+    capi.create_deployment(
+        &Scalable::md("paid")
+            .bounds(0, 10)
+            .replicas(1)
+            .annotation(LEDGER, &format!("paid-0@{stamp}")),
+        false,
+    )
+    .await;
+    machine_marked_by_us_at(capi, "paid-0", paid.clone(), stamp).await;
     capi.create_machine(&capi.running("paid-1", paid.clone()))
         .await;
     let (provider, _rpc) = provider_for_args(
@@ -1130,24 +1138,38 @@ async fn orphan_marks_are_taken_back_after_the_grace_period() {
     .await;
 
     let key = capi.delete_key();
-    poll_until(
-        "the orphan mark is taken back",
-        Duration::from_secs(20),
-        Duration::from_millis(100),
-        || async {
-            let marked = capi.marked_machines().await;
-            if marked == ids(&["foreign", "paid-0"]) {
-                Check::Done(())
-            } else {
-                Check::Wait(format!("marked {marked:?} ({key})"))
-            }
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
+    let taken_back = |machine: &'static str| {
+        let provider = &provider;
+        let key = &key;
+        async move {
+            poll_until(
+                &format!("the mark of {machine} is taken back"),
+                Duration::from_secs(20),
+                Duration::from_millis(100),
+                || async {
+                    let marked = capi.marked_machines().await;
+                    if marked.contains(machine) {
+                        Check::Wait(format!("marked {marked:?} ({key})"))
+                    } else {
+                        Check::Done(())
+                    }
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", provider.log_contents()));
+        }
+    };
+    taken_back("orphan").await;
+    wait_event(capi, "orphan", "DeleteMarkRepaired").await;
+    // Another orphan, taken back only in a later round of the repair, which has then gone over
+    // the paid group again with the first orphan gone.
+    machine_marked_by_us(capi, "orphan-2", md.clone(), 600).await;
+    taken_back("orphan-2").await;
+    assert_eq!(capi.marked_machines().await, ids(&["foreign", "paid-0"]));
+    let settled = format!("paid-0@{stamp}");
+    assert_eq!(ledger_marks(capi, "paid").await, ids(&[settled.as_str()]));
     assert_eq!(capi.replicas(Kind::MachineDeployment, "md").await, 3);
     assert_eq!(capi.replicas(Kind::MachineDeployment, "paid").await, 1);
-    wait_event(capi, "orphan", "DeleteMarkRepaired").await;
 }
 
 /// A scale-up that absorbs a paid mark's decrement makes the mark unpaid at once, however old it is;
@@ -1614,7 +1636,12 @@ async fn wait_instances(rpc: &Rpc, id: &str, count: usize) {
 
 /// A running Machine of `owner` carrying this provider's delete mark, written `age_secs` ago.
 async fn machine_marked_by_us(capi: &Capi, name: &str, owner: Owner, age_secs: u64) {
-    let mark = format!("unix {} by capi-autoscaler-provider", now_unix() - age_secs);
+    machine_marked_by_us_at(capi, name, owner, now_unix() - age_secs).await;
+}
+
+/// Machine `name` running under `owner`, carrying our mark stamped `stamp` (unix seconds).
+async fn machine_marked_by_us_at(capi: &Capi, name: &str, owner: Owner, stamp: u64) {
+    let mark = format!("unix {stamp} by capi-autoscaler-provider");
     capi.create_machine(
         &capi
             .running(name, owner)
