@@ -15,6 +15,7 @@ mod events;
 pub mod explain;
 pub mod grpc;
 pub mod logging;
+pub mod memory;
 pub mod metrics;
 pub mod object;
 pub mod options;

@@ -66,9 +66,28 @@ pub struct Index {
     journal: Journal,
     /// The basis of the last snapshot built with `Index::snapshot_reusing`.
     epoch: u64,
-    /// The revision the Machines watch has brought the index up to: every Machine event up to it
-    /// is applied (0: none yet). What the index holds of Machines is then not older than it.
-    machines_watched: u64,
+    /// How far the watches of Machines and of MachineSets have brought the index.
+    watched: Watermarks,
+}
+
+/// The revisions the watches of Machines and of MachineSets have brought the index up to: every
+/// event of theirs up to there is applied (0: none yet), so what the index holds of that kind is
+/// not older than it (a read's list of them at that revision or later returns nothing older).
+#[derive(Clone, Copy, Debug, Default)]
+struct Watermarks {
+    machines: u64,
+    machine_sets: u64,
+}
+
+impl Watermarks {
+    /// The watermark of Machines (`None`) or of a kind; `None` for a kind none is kept of.
+    fn of(&mut self, kind: Option<ScalableKind>) -> Option<&mut u64> {
+        match kind {
+            None => Some(&mut self.machines),
+            Some(ScalableKind::MachineSet) => Some(&mut self.machine_sets),
+            Some(_) => None,
+        }
+    }
 }
 
 /// The changes since a snapshot, when they are all of the kinds a rebuild can apply to the groups they
@@ -80,6 +99,14 @@ pub(crate) struct Journal {
     pub(crate) machines: BTreeSet<ObjectKey>,
     /// Any other change: the next snapshot is built from scratch.
     pub(crate) other: bool,
+}
+
+impl Journal {
+    /// Whether a snapshot built over these changes from the one built at `previous_basis` is built
+    /// whole: a change a patch cannot apply, or a snapshot these changes are not relative to.
+    pub(crate) fn builds_whole_after(&self, previous_basis: u64) -> bool {
+        self.other || previous_basis == 0 || previous_basis != self.since
+    }
 }
 
 impl Index {
@@ -197,25 +224,36 @@ impl Index {
             .collect()
     }
 
-    /// See [`Index::machines_watched`]: the revision every Machine event up to is applied.
-    pub fn machines_watched(&self) -> u64 {
-        self.machines_watched
+    /// How far the watch of Machines (`None`) or of `kind` has brought the index ([`Watermarks`]);
+    /// 0 for a kind none is kept of.
+    pub fn watched(&self, kind: Option<ScalableKind>) -> u64 {
+        let mut watermarks = self.watched;
+        watermarks.of(kind).map_or(0, |at| *at)
     }
 
-    /// The Machines watch applied an event at `revision`.
-    pub fn machines_watched_to(&mut self, revision: u64) {
-        self.machines_watched = self.machines_watched.max(revision);
+    /// The watch of Machines (`None`) or of `kind` applied an event at `revision`.
+    pub fn watched_to(&mut self, kind: Option<ScalableKind>, revision: u64) {
+        if let Some(at) = self.watched.of(kind) {
+            *at = (*at).max(revision);
+        }
     }
 
-    /// The Machines watch listed them all again, the newest of them at `revision`: the list is not
-    /// older than that (it may be older than the events before it, on another API server).
-    pub fn machines_relisted_at(&mut self, revision: u64) {
-        self.machines_watched = revision;
+    /// The watch of Machines (`None`) or of `kind` listed them all again, the newest of them at
+    /// `revision`: the list is not older than that (it may be older than the events before it, on
+    /// another API server).
+    pub fn relisted_at(&mut self, kind: Option<ScalableKind>, revision: u64) {
+        if let Some(at) = self.watched.of(kind) {
+            *at = revision;
+        }
     }
 
-    /// Whether `key` is cached (read, or failed to parse).
-    pub fn has_machine(&self, key: &ObjectKey) -> bool {
-        self.machines.contains_key(key)
+    /// Whether the Machine (`None`) or object of `kind` at `key` is cached (read, or failed to
+    /// parse).
+    pub fn has(&self, kind: Option<ScalableKind>, key: &ObjectKey) -> bool {
+        match kind {
+            None => self.machines.contains_key(key),
+            Some(kind) => self.resources.contains_key(&(kind, key.clone())),
+        }
     }
 
     pub fn machine(&self, key: &ObjectKey) -> Option<&Arc<Machine>> {
@@ -368,6 +406,11 @@ impl Index {
 
     /// Whether anything changed since the last `snapshot_reusing` (see `crate::snapshot`): every
     /// change goes through the journal, so this is true exactly when that snapshot is out of date.
+    /// Whether the snapshot after the one built from `previous_basis` is built whole, not patched.
+    pub fn builds_whole_after(&self, previous_basis: u64) -> bool {
+        self.journal.builds_whole_after(previous_basis)
+    }
+
     pub fn changed_since_snapshot(&self) -> bool {
         let journal = &self.journal;
         journal.other || !journal.resources.is_empty() || !journal.machines.is_empty()

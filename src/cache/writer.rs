@@ -206,11 +206,8 @@ pub(crate) fn machines_listed(
     items: Vec<ApiObject>,
 ) {
     let listed: std::collections::BTreeSet<ObjectKey> = items.iter().map(object_key).collect();
-    let watched = index.machines_watched();
     for obj in items {
-        let deleted = !index.has_machine(&object_key(&obj))
-            && revision_of(&obj).is_some_and(|at| at <= watched);
-        if !deleted {
+        if !deleted_since(index, None, &obj) {
             apply(index, keys, &Watched::Machine, obj);
         }
     }
@@ -248,6 +245,28 @@ fn is_older(cached: Option<&str>, incoming: Option<&str>) -> bool {
     match (cached.and_then(parse), incoming.and_then(parse)) {
         (Some(cached), Some(incoming)) => incoming < cached,
         _ => false,
+    }
+}
+
+/// Whether `obj`, a Machine (`kind` `None`) or object of `kind` a read got from the API (not the
+/// watch), is one the watch of its kind saw deleted since: not cached, at a version that watch has
+/// gone past (it brought every event up to there, so it brought this one's creation and deletion).
+/// A list or GET answered before the deletion and applied after it would bring it back otherwise.
+pub(crate) fn deleted_since<const S: bool>(
+    index: &Index,
+    kind: Option<ScalableKind>,
+    obj: &ApiObject<S>,
+) -> bool {
+    !index.has(kind, &object_key(obj))
+        && revision_of(obj).is_some_and(|at| at <= index.watched(kind))
+}
+
+/// The kind a watch's watermark is kept under ([`Index::watched`]): `None` for Machines.
+pub(crate) fn watermark_kind(what: &Watched) -> Option<Option<ScalableKind>> {
+    match what {
+        Watched::Machine => Some(None),
+        Watched::Scalable(kind) => Some(Some(*kind)),
+        Watched::Node | Watched::Infra(_) | Watched::Cluster => None,
     }
 }
 
@@ -450,7 +469,7 @@ mod tests {
             machine("gone", "5", None),
         );
         delete(&mut index, &Watched::Machine, &machine("gone", "9", None));
-        index.machines_watched_to(9);
+        index.watched_to(None, 9);
 
         machines_listed(
             &mut index,
@@ -472,6 +491,45 @@ mod tests {
             vec![machine("newer", "11", None)],
         );
         assert!(index.machine(&ObjectKey::new("ns", "newer")).is_some());
+    }
+
+    /// The same for a MachineSet a read got (its watch keeps a watermark too); a kind none is kept
+    /// of is never taken for deleted.
+    #[test]
+    fn a_machine_set_read_before_a_deletion_its_watch_brought_is_taken_for_deleted() {
+        let (keys, mut index) = (keys(), Index::default());
+        let set = |rv: &str| {
+            object(json!({
+                "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineSet",
+                "metadata": {"name": "md-1", "namespace": "ns", "uid": "u", "resourceVersion": rv},
+                "spec": {"clusterName": "c1", "replicas": 1},
+            }))
+        };
+        let sets = Some(ScalableKind::MachineSet);
+        apply(
+            &mut index,
+            &keys,
+            &Watched::Scalable(ScalableKind::MachineSet),
+            set("5"),
+        );
+        assert!(!deleted_since(&index, sets, &set("5")), "cached");
+        delete(
+            &mut index,
+            &Watched::Scalable(ScalableKind::MachineSet),
+            &set("9"),
+        );
+        assert!(
+            !deleted_since(&index, sets, &set("5")),
+            "the watch has not come to 9"
+        );
+        index.watched_to(sets, 9);
+        assert!(deleted_since(&index, sets, &set("5")));
+        assert!(!deleted_since(&index, sets, &set("10")), "made again since");
+        assert!(!deleted_since(
+            &index,
+            Some(ScalableKind::MachineDeployment),
+            &md("md", "5", 1, "3")
+        ));
     }
 
     #[test]

@@ -25,10 +25,10 @@ impl Actuator {
     /// etcd at once), then its MachineSets and its Machines beside them, listed at a revision not
     /// older than the group as just read and than every write this process made to the group's
     /// objects ([`Since`]): neither the members nor what Cluster API observed are then older than
-    /// the group, nor than this process's own writes. The Machines are not listed at all once the
-    /// Machines watch has brought every event up to that revision (right after a write of the
-    /// operation's own to a Machine, a read waits a moment for it): the cache then holds what such a
-    /// list would return, or newer. The MachineSets are read one by one (GETs)
+    /// the group, nor than this process's own writes. The Machines, and the MachineSets, are not
+    /// listed at all once their watch has brought every event up to that revision (right after a
+    /// write of the operation's own to a Machine, a read waits a moment for the Machines watch):
+    /// the cache then holds what such a list would return, or newer. The MachineSets are read one by one (GETs)
     /// instead of listed when [`Since::sets`] allows. MachineSets and Machines are listed by the
     /// label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write costs the
     /// group's objects, not the namespace's. Without `members` (an operation that decides from the
@@ -99,9 +99,14 @@ impl Actuator {
             .and_then(|r| r.generation);
         let (set_selector, machine_selector) = self.own_selectors(id, group);
         let watch_wait = since.watch_wait();
+        // The cache's MachineSets are a list not older than the floor once their watch has
+        // brought every event up to it (no wait: nothing of this operation's makes one).
+        let sets_watched = kind == ScalableKind::MachineDeployment
+            && floor
+                .is_some_and(|floor| self.store.watched(Some(ScalableKind::MachineSet)) >= floor);
         let (sets, machines) = tokio::join!(
             async {
-                if kind != ScalableKind::MachineDeployment {
+                if kind != ScalableKind::MachineDeployment || sets_watched {
                     return Ok::<_, ActuatorError>(None);
                 }
                 let api = self.set_api(&key.namespace)?;
@@ -128,7 +133,7 @@ impl Actuator {
                 if let Some(floor) = floor
                     && let Some(at) = self
                         .store
-                        .machines_watched_from(floor, Instant::now() + watch_wait)
+                        .watched_from(None, floor, Instant::now() + watch_wait)
                         .await
                 {
                     return Ok(Machines::Watched(at));
@@ -146,7 +151,7 @@ impl Actuator {
         );
         let machines = machines?;
         if let Some(sets) = sets? {
-            since.sets_read(observed, &sets);
+            since.sets_read(observed, sets.iter().map(|s| s.name_any()).collect());
             for set in sets {
                 self.store.record(Some(ScalableKind::MachineSet), set);
             }
@@ -167,10 +172,16 @@ impl Actuator {
             }
             Machines::Watched(at) => {
                 since.saw(Some(&at.to_string()));
-                self.store.refresh();
                 Some(at)
             }
         };
+        // Every change read is in the index: the snapshot the read is taken from is built over it.
+        self.store.refresh();
+        if sets_watched {
+            let snapshot = self.store.snapshot();
+            let names = snapshot.machine_sets_of(&key).iter();
+            since.sets_read(observed, names.map(|k| k.name.to_string()).collect());
+        }
         since.known = true;
         let read = self.cached_read(id, group)?;
         // The read's group is the newest the cache holds: its watch may have brought a version
@@ -463,8 +474,10 @@ impl Since {
         }
     }
 
-    fn sets_read(&mut self, observed: Option<i64>, sets: &[crate::object::ApiObject]) {
-        self.sets = observed.map(|g| (g, sets.iter().map(|s| s.name_any()).collect()));
+    /// The MachineSets read are `names`, with the MachineDeployment controller having observed
+    /// generation `observed`.
+    fn sets_read(&mut self, observed: Option<i64>, names: Vec<String>) {
+        self.sets = observed.map(|g| (g, names));
     }
 }
 
@@ -659,26 +672,18 @@ mod tests {
         );
     }
 
-    fn listed_set(name: &str) -> crate::object::ApiObject {
-        serde_json::from_value(serde_json::json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineSet",
-            "metadata": {"name": name, "namespace": "ns", "resourceVersion": "3"},
-        }))
-        .unwrap()
-    }
-
     #[test]
     fn machine_sets_are_read_one_by_one_only_at_the_observed_generation_they_were_listed_at() {
         let mut since = Since::default();
         assert_eq!(since.sets_to_get(Some(4)), None, "never listed: listed");
-        since.sets_read(Some(4), &[listed_set("md-1"), listed_set("md-2")]);
+        since.sets_read(Some(4), vec!["md-1".to_string(), "md-2".to_string()]);
         assert_eq!(
             since.sets_to_get(Some(4)),
             Some(vec!["md-1".to_string(), "md-2".to_string()])
         );
         assert_eq!(since.sets_to_get(Some(5)), None, "a new generation: listed");
         assert_eq!(since.sets_to_get(None), None, "not observed now: listed");
-        since.sets_read(None, &[listed_set("md-1")]);
+        since.sets_read(None, vec!["md-1".to_string()]);
         assert_eq!(
             since.sets_to_get(Some(4)),
             None,

@@ -174,7 +174,7 @@ pub struct Snapshot {
     /// can be decided): `/readyz` and gRPC health say it.
     pub scope_reason: Option<String>,
     /// Which state of the index this was built from ([`Index::snapshot_reusing`]); 0: none known.
-    basis: u64,
+    pub(crate) basis: u64,
     /// Resources that are candidates but not served (paused, bad bounds, …) by id, for `check`.
     pub skipped: BTreeMap<String, String>,
     /// The same resources, by id, with the kind of reason (the `node_groups_not_served` metric).

@@ -17,7 +17,7 @@ impl<'a> Builder<'a> {
     /// of another kind, or the previous snapshot is not the one they are relative to.
     pub(super) fn patch(&mut self, basis: u64) -> Option<Snapshot> {
         let (previous, journal) = (self.previous?, self.journal?);
-        if journal.other || previous.basis == 0 || previous.basis != journal.since {
+        if journal.builds_whole_after(previous.basis) {
             return None;
         }
         self.scope = previous.scope.clone();

@@ -86,8 +86,9 @@ pub struct Store {
     changed: Notify,
     /// Marked changed with every snapshot published.
     published: tokio::sync::watch::Sender<()>,
-    /// Signalled when the Machines watch has brought the index further ([`Index::machines_watched`]).
-    machine_events: Notify,
+    /// Signalled when the watch of Machines or of MachineSets has brought the index further
+    /// ([`Index::watched`]).
+    watermark_moved: Notify,
     watch_settings: WatchSettings,
     /// Every watch by resource name.
     health: Mutex<BTreeMap<String, WatchHealth>>,
@@ -122,7 +123,7 @@ impl Store {
             snapshot: ArcSwap::from_pointee(Snapshot::default()),
             changed: Notify::new(),
             published: tokio::sync::watch::channel(()).0,
-            machine_events: Notify::new(),
+            watermark_moved: Notify::new(),
             watch_settings,
             health: Mutex::new(BTreeMap::new()),
             health_changed: Notify::new(),
@@ -346,7 +347,11 @@ impl Store {
     /// version meanwhile); the snapshot follows on the next build.
     pub fn record(self: &Arc<Self>, kind: Option<ScalableKind>, object: ApiObject) {
         let what = kind.map_or(Watched::Machine, Watched::Scalable);
-        if index::apply(&mut lock(&self.index), &self.settings.keys, &what, object) {
+        let mut index = lock(&self.index);
+        if !index::deleted_since(&index, kind, &object)
+            && index::apply(&mut index, &self.settings.keys, &what, object)
+        {
+            drop(index);
             self.wake_rebuild();
         }
     }
@@ -384,18 +389,29 @@ impl Store {
         self.refresh();
     }
 
-    /// The revision the Machines watch has brought the index up to, once it is `floor` or newer,
-    /// waiting for it until `deadline`; `None` when it is still older then.
-    pub async fn machines_watched_from(&self, floor: u64, deadline: Instant) -> Option<u64> {
+    /// How far the watch of Machines (`kind` `None`) or of `kind` has brought the index.
+    pub fn watched(&self, kind: Option<ScalableKind>) -> u64 {
+        lock(&self.index).watched(kind)
+    }
+
+    /// The revision the watch of Machines (`kind` `None`) or of `kind` has brought the index up
+    /// to, once it is `floor` or newer, waiting for it until `deadline`; `None` when it is still
+    /// older then.
+    pub async fn watched_from(
+        &self,
+        kind: Option<ScalableKind>,
+        floor: u64,
+        deadline: Instant,
+    ) -> Option<u64> {
         loop {
-            let event = self.machine_events.notified();
-            tokio::pin!(event);
-            event.as_mut().enable();
-            let watched = lock(&self.index).machines_watched();
+            let moved = self.watermark_moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            let watched = lock(&self.index).watched(kind);
             if watched >= floor {
                 return Some(watched);
             }
-            tokio::time::timeout_at(deadline.into(), event).await.ok()?;
+            tokio::time::timeout_at(deadline.into(), moved).await.ok()?;
         }
     }
 
@@ -423,7 +439,7 @@ impl Store {
         let started = Instant::now();
         // Judged before the build: a snapshot is complete only if everything had listed before it.
         let ready = self.is_listed();
-        let snapshot = {
+        let (snapshot, whole) = {
             let mut index = lock(&self.index);
             if only_if_changed && !index.changed_since_snapshot() {
                 return;
@@ -432,6 +448,7 @@ impl Store {
             // enough (the provider's own writes), templates whose inputs did not change are reused.
             // Published under the index lock, so two builds never publish out of order.
             let previous = self.snapshot.load();
+            let whole = index.builds_whole_after(previous.basis);
             let snapshot = Arc::new(index.snapshot_reusing(&self.settings, &previous));
             self.snapshot.store(Arc::clone(&snapshot));
             self.published.send_replace(());
@@ -442,12 +459,17 @@ impl Store {
             {
                 log_scope(&snapshot);
             }
-            snapshot
+            (snapshot, whole)
         };
         if ready && !self.complete.swap(true, Ordering::AcqRel) {
             tracing::info!(groups = snapshot.groups.len(), machines = snapshot.machines, build = ?started.elapsed(), after = ?self.started.elapsed(), "serving: every watch has listed");
         }
         self.metrics.observe_snapshot(&snapshot, started.elapsed());
+        if whole {
+            // The snapshot before, and what the build allocated on its way, are free now (but for
+            // the readers still holding it): their pages go back to the system.
+            crate::memory::release_free_pages();
+        }
         self.start_referenced_infra_watches();
         // Until everything has listed, missing objects are just not seen yet: not problems to report.
         if self.is_listed() {

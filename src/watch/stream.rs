@@ -158,22 +158,22 @@ impl Store {
                     {
                         let mut index = lock(&self.index);
                         index::reset(&mut index, what, objects);
-                        if *what == Watched::Machine {
-                            index.machines_relisted_at(list_newest);
+                        if let Some(kind) = index::watermark_kind(what) {
+                            index.relisted_at(kind, list_newest);
                         }
                     }
-                    self.machine_events.notify_waiters();
+                    self.watermark_moved.notify_waiters();
                     synced = true;
                     self.watch_synced(name);
                     self.wake_rebuild();
                 }
                 Ok(Event::Apply(obj)) => {
                     self.metrics.watch_event(what.label(), "apply");
-                    self.watched(what, obj, false);
+                    self.take_event(what, obj, false);
                 }
                 Ok(Event::Delete(obj)) => {
                     self.metrics.watch_event(what.label(), "delete");
-                    self.watched(what, obj, true);
+                    self.take_event(what, obj, true);
                 }
                 // 410 Gone: the resourceVersion is too old; the watcher lists again by itself.
                 Err(e) if watch_error_code(&e) == Some(410) => {
@@ -188,11 +188,16 @@ impl Store {
 }
 
 impl Store {
-    /// A watch event, applied to the index (`deleted`: the object is gone); a Machine's revision
-    /// is how far the Machines watch has brought the index (a deleted object carries the
-    /// revision of its deletion).
-    pub(crate) fn watched<const S: bool>(&self, what: &Watched, obj: ApiObject<S>, deleted: bool) {
-        let machine_at = (*what == Watched::Machine).then(|| index::revision_of(&obj));
+    /// A watch event, applied to the index (`deleted`: the object is gone); its revision is how far
+    /// the watch of its kind has brought the index (a deleted object carries the revision of its
+    /// deletion), for the kinds a watermark is kept of ([`crate::cache::Index::watched`]).
+    pub(crate) fn take_event<const S: bool>(
+        &self,
+        what: &Watched,
+        obj: ApiObject<S>,
+        deleted: bool,
+    ) {
+        let watermark = index::watermark_kind(what).map(|kind| (kind, index::revision_of(&obj)));
         let changed = {
             let mut index = lock(&self.index);
             let changed = if deleted {
@@ -201,16 +206,16 @@ impl Store {
             } else {
                 index::apply(&mut index, &self.settings.keys, what, obj)
             };
-            if let Some(revision) = machine_at.flatten() {
-                index.machines_watched_to(revision);
+            if let Some((kind, Some(revision))) = watermark {
+                index.watched_to(kind, revision);
             }
             changed
         };
         if changed {
             self.wake_rebuild();
         }
-        if machine_at.is_some() {
-            self.machine_events.notify_waiters();
+        if watermark.is_some() {
+            self.watermark_moved.notify_waiters();
         }
     }
 }
@@ -328,7 +333,7 @@ mod tests {
             crate::cache::Index::default(),
             Arc::new(crate::metrics::Metrics::new()),
         );
-        let watched = |store: &Store| lock(&store.index).machines_watched();
+        let watched = |store: &Store| lock(&store.index).watched(None);
         let follow = |events: Vec<Event<ApiObject>>| {
             let store = Arc::clone(&store);
             async move {
@@ -348,14 +353,14 @@ mod tests {
         .await;
         assert_eq!(watched(&store), 7);
         let deadline = Instant::now() + Duration::from_millis(50);
-        assert_eq!(store.machines_watched_from(7, deadline).await, Some(7));
-        assert_eq!(store.machines_watched_from(8, Instant::now()).await, None);
+        assert_eq!(store.watched_from(None, 7, deadline).await, Some(7));
+        assert_eq!(store.watched_from(None, 8, Instant::now()).await, None);
 
         let waiting = tokio::spawn({
             let store = Arc::clone(&store);
             async move {
                 let deadline = Instant::now() + Duration::from_secs(30);
-                store.machines_watched_from(15, deadline).await
+                store.watched_from(None, 15, deadline).await
             }
         });
         follow(vec![
