@@ -712,6 +712,13 @@ impl Fixture {
             .map(str::to_string)
     }
 
+    /// The resourceVersion of the object at `path` as the API has it.
+    fn version(&self, path: &str) -> Option<u64> {
+        self.object(path)["metadata"]["resourceVersion"]
+            .as_str()
+            .and_then(|v| v.parse().ok())
+    }
+
     /// The delete-machine mark on Machine `name` as the API has it.
     fn mark(&self, name: &str) -> Option<String> {
         self.annotation(&format!("machines/{name}"), &keys().delete_machine)
@@ -1002,9 +1009,7 @@ async fn a_removals_lists_are_not_older_than_the_group_read_nor_its_own_mark() {
         .await
         .unwrap();
 
-    let marked_at = lock(&fixture.api).objects["machines/c"]["metadata"]["resourceVersion"]
-        .as_str()
-        .and_then(|v| v.parse::<u64>().ok());
+    let marked_at = fixture.version("machines/c");
     assert!(marked_at > Some(1), "the mark made a new revision");
     assert_eq!(
         fixture.list_floors("machines"),
@@ -1054,9 +1059,7 @@ async fn a_removal_whose_watch_lags_behind_its_mark_lists_the_machines_not_older
         .await
         .unwrap();
 
-    let marked_at = lock(&fixture.api).objects["machines/c"]["metadata"]["resourceVersion"]
-        .as_str()
-        .and_then(|v| v.parse::<u64>().ok());
+    let marked_at = fixture.version("machines/c");
     assert_eq!(
         fixture.list_floors("machines"),
         [marked_at],

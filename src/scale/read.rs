@@ -104,53 +104,21 @@ impl Actuator {
         let sets_watched = kind == ScalableKind::MachineDeployment
             && floor
                 .is_some_and(|floor| self.store.watched(Some(ScalableKind::MachineSet)) >= floor);
+        let get_sets = since.sets_to_get(observed);
         let (sets, machines) = tokio::join!(
             async {
                 if kind != ScalableKind::MachineDeployment || sets_watched {
-                    return Ok::<_, ActuatorError>(None);
+                    return Ok(None);
                 }
-                let api = self.set_api(&key.namespace)?;
-                if let Some(names) = since.sets_to_get(observed)
-                    && let Some(sets) = self.get_all(&api, names).await?
-                {
-                    return Ok(Some(sets));
-                }
-                let list = self
-                    .list(
-                        api,
-                        "MachineSets",
-                        &key.namespace,
-                        set_selector.as_ref(),
-                        floor,
-                    )
-                    .await?;
-                since.saw(list.metadata.resource_version.as_deref());
-                Ok(Some(list.items))
+                self.read_sets(&key.namespace, set_selector.as_ref(), floor, get_sets)
+                    .await
+                    .map(Some)
             },
-            async {
-                // The cache's Machines are a list not older than the floor once the Machines
-                // watch has brought every event up to it: no list to ask for.
-                if let Some(floor) = floor
-                    && let Some(at) = self
-                        .store
-                        .watched_from(None, floor, Instant::now() + watch_wait)
-                        .await
-                {
-                    return Ok(Machines::Watched(at));
-                }
-                self.list(
-                    self.machine_api(&key.namespace),
-                    "Machines",
-                    &key.namespace,
-                    machine_selector.as_ref(),
-                    floor,
-                )
-                .await
-                .map(Machines::Listed)
-            },
+            self.read_machines(&key.namespace, machine_selector.as_ref(), floor, watch_wait),
         );
         let machines = machines?;
-        if let Some(sets) = sets? {
+        if let Some((sets, listed)) = sets? {
+            since.saw(listed.as_deref());
             since.sets_read(observed, sets.iter().map(|s| s.name_any()).collect());
             for set in sets {
                 self.store.record(Some(ScalableKind::MachineSet), set);
@@ -195,6 +163,56 @@ impl Actuator {
             return Ok(None);
         }
         Ok(Some(read))
+    }
+
+    /// The MachineSets of the group: those named in `get` read one by one, else (or when one is
+    /// gone) listed (labelled `selector`) not older than `floor`, with the list's revision.
+    async fn read_sets(
+        &self,
+        namespace: &str,
+        selector: Option<&(String, String)>,
+        floor: Option<u64>,
+        get: Option<Vec<String>>,
+    ) -> Result<(Vec<crate::object::ApiObject>, Option<String>), ActuatorError> {
+        let api = self.set_api(namespace)?;
+        if let Some(names) = get
+            && let Some(sets) = self.get_all(&api, names).await?
+        {
+            return Ok((sets, None));
+        }
+        let list = self
+            .list(api, "MachineSets", namespace, selector, floor)
+            .await?;
+        Ok((list.items, list.metadata.resource_version))
+    }
+
+    /// The group's Machines: from the cache once the Machines watch has brought every event up to
+    /// `floor` (waiting for it until `wait` has passed), else listed (labelled `selector`) not
+    /// older than `floor`.
+    async fn read_machines(
+        &self,
+        namespace: &str,
+        selector: Option<&(String, String)>,
+        floor: Option<u64>,
+        wait: Duration,
+    ) -> Result<Machines, ActuatorError> {
+        if let Some(floor) = floor
+            && let Some(at) = self
+                .store
+                .watched_from(None, floor, Instant::now() + wait)
+                .await
+        {
+            return Ok(Machines::Watched(at));
+        }
+        self.list(
+            self.machine_api(namespace),
+            "Machines",
+            namespace,
+            selector,
+            floor,
+        )
+        .await
+        .map(Machines::Listed)
     }
 
     /// The MachineSets named, each read (GETs side by side); `None` when one is gone: only a list
