@@ -404,13 +404,13 @@ impl Index {
         self.infra.get(&(kind.clone(), key.clone()))
     }
 
-    /// Whether anything changed since the last `snapshot_reusing` (see `crate::snapshot`): every
-    /// change goes through the journal, so this is true exactly when that snapshot is out of date.
     /// Whether the snapshot after the one built from `previous_basis` is built whole, not patched.
     pub fn builds_whole_after(&self, previous_basis: u64) -> bool {
         self.journal.builds_whole_after(previous_basis)
     }
 
+    /// Whether anything changed since the last `snapshot_reusing` (see `crate::snapshot`): every
+    /// change goes through the journal, so this is true exactly when that snapshot is out of date.
     pub fn changed_since_snapshot(&self) -> bool {
         let journal = &self.journal;
         journal.other || !journal.resources.is_empty() || !journal.machines.is_empty()

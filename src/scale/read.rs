@@ -28,8 +28,8 @@ impl Actuator {
     /// the group, nor than this process's own writes. The Machines, and the MachineSets, are not
     /// listed at all once their watch has brought every event up to that revision (right after a
     /// write of the operation's own to a Machine, a read waits a moment for the Machines watch):
-    /// the cache then holds what such a list would return, or newer. The MachineSets are read one by one (GETs)
-    /// instead of listed when [`Since::sets`] allows. MachineSets and Machines are listed by the
+    /// the cache then holds what such a list would return, or newer. The MachineSets are read one
+    /// by one (GETs) instead of listed when [`Since::sets`] allows. MachineSets and Machines are listed by the
     /// label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write costs the
     /// group's objects, not the namespace's. Without `members` (an operation that decides from the
     /// group object and its Cluster alone) neither MachineSets nor Machines are read: the read has
