@@ -321,7 +321,29 @@ pub struct ClusterTopology {
 /// Test fixtures of the Cluster API views, for the unit tests of every module.
 #[cfg(test)]
 pub(crate) mod test_fixtures {
-    use super::{Labels, MachineTemplate, ObjectKey, ScalableKind, ScalableResource};
+    use super::{Labels, Machine, MachineTemplate, ObjectKey, ScalableKind, ScalableResource};
+
+    /// A Machine `ns/name` of Cluster `c1` at version "1", with no labels, annotations, owners,
+    /// providerID or Node.
+    pub(crate) fn machine(name: &str) -> Machine {
+        Machine {
+            key: ObjectKey::new("ns", name),
+            uid: String::new(),
+            resource_version: "1".into(),
+            labels: Labels::default(),
+            annotations: Default::default(),
+            cluster_name: "c1".into(),
+            provider_id: None,
+            node_ref: None,
+            failure_domain: None,
+            deleting: false,
+            owners: Vec::new(),
+            phase: None,
+            failure: None,
+            conditions_unhealthy: false,
+        }
+    }
+
     /// A resource `ns/name` of Cluster `c1` at zero replicas, with no labels, annotations or owners.
     pub(crate) fn resource(kind: ScalableKind, name: &str) -> ScalableResource {
         ScalableResource {

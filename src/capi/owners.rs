@@ -73,9 +73,8 @@ fn named(value: Option<&str>) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::capi::OwnerRef;
     use crate::capi::test_fixtures::resource;
-    use crate::capi::{Labels, ObjectKey, OwnerRef};
-    use std::collections::BTreeMap;
 
     fn owner(kind: &str, name: &str) -> OwnerRef {
         OwnerRef {
@@ -101,22 +100,7 @@ mod tests {
     }
 
     fn machine() -> Machine {
-        Machine {
-            key: ObjectKey::new("ns", "m"),
-            uid: String::new(),
-            resource_version: "1".into(),
-            labels: Labels::default(),
-            annotations: BTreeMap::new(),
-            cluster_name: "c1".into(),
-            provider_id: None,
-            node_ref: None,
-            failure_domain: None,
-            deleting: false,
-            owners: Vec::new(),
-            phase: None,
-            failure: None,
-            conditions_unhealthy: false,
-        }
+        crate::capi::test_fixtures::machine("m")
     }
 
     #[test]

@@ -1,5 +1,5 @@
 use super::*;
-use crate::capi::test_fixtures::resource;
+use crate::capi::test_fixtures::{machine as resource_machine, resource};
 use crate::protocol::our_mark;
 
 fn md(replicas: i32, generation: i64, observed: i64) -> ScalableResource {
@@ -126,22 +126,8 @@ fn the_group_read_carries_its_records_and_bounds_of_that_version() {
 #[test]
 fn members_carry_their_mark_version_and_node_and_pool_instances_have_entries() {
     let keys = Keys::default();
-    let mut machine = Machine {
-        key: ObjectKey::new("ns", "m0"),
-        uid: String::new(),
-        resource_version: "7".into(),
-        labels: Default::default(),
-        annotations: Default::default(),
-        cluster_name: "c1".into(),
-        provider_id: None,
-        node_ref: None,
-        failure_domain: None,
-        deleting: false,
-        owners: Vec::new(),
-        phase: None,
-        failure: None,
-        conditions_unhealthy: false,
-    };
+    let mut machine = resource_machine("m0");
+    machine.resource_version = "7".into();
     machine
         .annotations
         .insert(keys.delete_machine.clone(), our_mark(9));
