@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use capi_autoscaler_provider::proto::{
     ExternalGrpcNode, NodeGroupDeleteNodesRequest, NodeGroupIncreaseSizeRequest,
 };
+use kube::ResourceExt as _;
 use kube::api::{Patch, PatchParams};
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::json;
@@ -34,7 +35,8 @@ use support::capi::{
     socket_addr_of,
 };
 use support::faults::{
-    ApiServer, GroupView, History, LEDGER_ANNOTATION, StallProxy, provider_metric,
+    ApiServer, CLAIMS_ANNOTATION, GroupView, History, LEDGER_ANNOTATION, StallProxy,
+    provider_metric,
 };
 use support::procs::{self, announce};
 use support::real_capi_scenario::RealCapiScenario;
@@ -528,7 +530,8 @@ async fn client_deadlines_during_an_api_stall_leave_no_unpaid_mark_and_no_lost_d
 
 /// A write the provider gave up on is delivered late. Every request shares the provider's one
 /// HTTP/2 connection, so the network holds it with the write: the proxy holds that connection's
-/// requests from the write on. The provider's ping goes unanswered, it gives the connection up,
+/// requests from the write on (DeleteNodes: its mark, held once the test sees its claim land;
+/// IncreaseSize: its one write). The provider's ping goes unanswered, it gives the connection up,
 /// reads the group again on a new one and finishes the operation there; only then is the held write
 /// delivered, as through a load balancer that forwards a request whose client has gone. The change
 /// must not be applied twice: one DeleteNodes lowers replicas by exactly one (and CAPI deletes
@@ -545,16 +548,24 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
     let victim = machines[0].clone();
     let victim_node = node_of(&s, &victim).await;
     let mut history = History::start(capi, Kind::MachineDeployment).await;
-    // A held connection is given up within about 2 s: before the provider's 4 s call timeout.
+    // A held connection is given up within about 2 s. The requests before the held one are
+    // delayed (see REACTION): a call has 8 s to finish on a new connection.
     let (proxy, provider, rpc) = proxied_provider(
         &s,
-        &["--api-ping-interval", "1s", "--api-ping-timeout", "1s"],
+        &[
+            "--api-ping-interval",
+            "1s",
+            "--api-ping-timeout",
+            "1s",
+            "--request-timeout",
+            "8s",
+        ],
     )
     .await;
     let id = capi.id(Kind::MachineDeployment, "md");
     // Delivers what the proxy holds once the provider has answered, and waits until the apiserver
     // has refused it.
-    let deliver_late = |what: &'static str| {
+    let deliver_late = |what: &'static str, resource: &'static str| {
         let (admin, proxy, provider, s) = (&admin, &proxy, &provider, &s);
         async move {
             s.check(
@@ -564,16 +575,16 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
                     provider.log_contents()
                 ),
             );
-            let before = refused_deployment_patches(admin).await;
+            let before = refused_patches(admin, resource).await;
             proxy.resume();
             poll_until(
                 &format!("{what} delivered late and refused"),
                 Duration::from_secs(30),
                 Duration::from_millis(50),
                 || async {
-                    match refused_deployment_patches(admin).await {
+                    match refused_patches(admin, resource).await {
                         n if n > before => Check::Done(()),
-                        n => Check::Wait(format!("{n} refused MachineDeployment patches")),
+                        n => Check::Wait(format!("{n} refused patches of {resource}")),
                     }
                 },
             )
@@ -582,11 +593,21 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
         }
     };
 
-    // DeleteNodes: its first read answered (the group, its MachineSets and its Cluster together,
-    // then its Machines: two rounds); the claim it writes next is held.
+    // DeleteNodes: the mark it writes once its claim landed is held.
     wait_quiet(&s).await;
-    proxy.hold_after_answers(2);
-    let removal = delete_nodes(&rpc, &id, vec![victim_node], Duration::from_secs(10)).await;
+    proxy.delay_requests(REACTION);
+    let removal = {
+        let rpc = rpc.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            delete_nodes(&rpc, &id, vec![victim_node], Duration::from_secs(10)).await
+        })
+    };
+    let claims = s.capi.api(Kind::MachineDeployment);
+    wait_annotated(&s, &claims, "md", CLAIMS_ANNOTATION, &provider).await;
+    proxy.hold_open_connections();
+    proxy.delay_requests(Duration::ZERO);
+    let removal = removal.await.expect("the DeleteNodes task");
     s.check(
         code_of(&removal) == Code::Ok,
         &format!(
@@ -594,7 +615,7 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
             provider.log_contents()
         ),
     );
-    deliver_late("the scale-down's decrement").await;
+    deliver_late("the scale-down's mark", "machines").await;
     drain_group(&rpc, &id).await;
     let after_removal = view(capi, Kind::MachineDeployment, "md").await;
     s.check(
@@ -635,7 +656,7 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
             provider.log_contents()
         ),
     );
-    deliver_late("the scale-up's write").await;
+    deliver_late("the scale-up's write", "machinedeployments").await;
     drain_group(&rpc, &id).await;
     let after_increase = view(capi, Kind::MachineDeployment, "md").await;
     s.check(
@@ -654,20 +675,49 @@ async fn a_write_delivered_after_the_provider_gave_up_on_it_is_not_applied_twice
     announce(&format!(
         "faults: writes delivered after the provider gave up on their connection (real CAPI): DeleteNodes → \
          replicas 3 → 2 and CAPI deleted exactly that Machine, IncreaseSize(+1) → 2 → 3 and CAPI made one, \
-         both late writes refused (409); {versions} versions within bounds; passed in {:.1}s",
+         the late mark and the late raise refused (409); {versions} versions within bounds; passed in {:.1}s",
         started.elapsed().as_secs_f64()
     ));
     s.passed();
 }
 
-/// How many patches of MachineDeployments (not of their status) the apiserver refused with 409.
-async fn refused_deployment_patches(admin: &kube::Client) -> f64 {
+/// How long a proxy delays each request so that the test, polling the API, sees a write land
+/// before the provider's next request passes the proxy (see [`StallProxy::hold_open_connections`]).
+const REACTION: Duration = Duration::from_millis(250);
+
+/// Waits until object `name` of `api` carries annotation `key`, polling faster than
+/// [`REACTION`].
+async fn wait_annotated(
+    s: &RealCapiScenario,
+    api: &kube::Api<kube::api::DynamicObject>,
+    name: &str,
+    key: &str,
+    provider: &ProviderProcess,
+) {
+    poll_until(
+        &format!("{name}'s {key} in the API"),
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        || async {
+            match api.get(name).await {
+                Ok(m) if m.annotations().contains_key(key) => Check::Done(()),
+                Ok(m) => Check::Wait(format!("annotations {:?}", m.annotations())),
+                Err(e) => Check::Wait(e.to_string()),
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| s.fail(&format!("{e}\n{}", provider.log_contents())));
+}
+
+/// How many patches of `resource` (not of their status) the apiserver refused with 409.
+async fn refused_patches(admin: &kube::Client, resource: &str) -> f64 {
     request_counts(admin)
         .await
         .iter()
         .filter(|(series, _)| {
             label_of(series, "verb") == Some("PATCH")
-                && label_of(series, "resource") == Some("machinedeployments")
+                && label_of(series, "resource") == Some(resource)
                 && matches!(label_of(series, "subresource"), None | Some(""))
                 && label_of(series, "code") == Some("409")
         })
@@ -675,9 +725,10 @@ async fn refused_deployment_patches(admin: &kube::Client) -> f64 {
         .sum()
 }
 
-/// The provider SIGKILLed between its two writes, at a controlled point: the proxy holds the
-/// apiserver's answers, so the mark reaches the API while the provider never learns it did and
-/// cannot have sent the decrement; the test kills it as soon as it sees the mark in the API.
+/// The provider SIGKILLed between its two writes, at a controlled point: the proxy delays each
+/// request; as soon as the test sees the mark in the API it holds the requests of the provider's
+/// connections, the decrement still on its way among them, and kills the provider: the mark is in
+/// the API, the decrement never reaches it.
 /// Restarted: the node CA retries is paid once (and only once) and CAPI deletes exactly that
 /// Machine; the node nobody retries has its mark taken back once its claim has stood the grace
 /// period on the restarted provider (and not before), and CAPI deletes nothing of its group meanwhile.
@@ -703,8 +754,7 @@ async fn provider_killed_between_mark_and_decrement_is_paid_or_repaired_after_re
         capi.id(Kind::MachineDeployment, "b"),
     );
     let b0_node = node_of(&s, &b0).await;
-    // One provider per mark: a held answer also holds the TLS handshake of any new connection, so
-    // each provider gets exactly one removal through (on a connection it already has).
+    // One provider per mark: each is killed with its decrement held.
     let (a_asked, _) = kill_between_mark_and_decrement(&s, &a, "a", &a0).await;
     let (_, killed_at) = kill_between_mark_and_decrement(&s, &b, "b", &b0).await;
     let (second, rpc) = provider(
@@ -852,11 +902,8 @@ async fn kill_between_mark_and_decrement(
     let capi = &s.capi;
     let node = node_of(s, machine).await;
     let (proxy, provider, rpc) = proxied_provider(s, &[]).await;
-    // Before its mark the provider reads (the group, its MachineSets and its Cluster together,
-    // then its Machines: two rounds) and claims the removal on the group: those three rounds of
-    // answers pass.
     wait_quiet(s).await;
-    proxy.hold_answers_after(3);
+    proxy.delay_requests(REACTION);
     let asked = Instant::now();
     let call = {
         let rpc = rpc.clone();
@@ -865,16 +912,9 @@ async fn kill_between_mark_and_decrement(
             async move { delete_nodes(&rpc, &id, vec![node], Duration::from_secs(30)).await },
         )
     };
-    wait_view(
-        capi,
-        Kind::MachineDeployment,
-        group,
-        &format!("{machine}'s mark in the API"),
-        Duration::from_secs(10),
-        |v| v.marked().contains(machine),
-    )
-    .await
-    .unwrap_or_else(|e| s.fail(&format!("{e}\n{}", provider.log_contents())));
+    let machines = s.capi.api(Kind::Machine);
+    wait_annotated(s, &machines, machine, &s.capi.delete_key(), &provider).await;
+    proxy.hold_open_connections();
     drop(provider); // SIGKILL
     let killed_at = Instant::now();
     s.check(

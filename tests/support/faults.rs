@@ -1,9 +1,9 @@
 //! Fault injection and invariant checks for the write-path tests (tests/faults.rs, tests/model.rs).
 //!
 //! - [`StallProxy`]: a TCP forwarder between the provider and the apiserver that can stall traffic
-//!   (connections stay open, no bytes move), hold the answers to new requests, hold requests, add
-//!   latency, and hold one connection's requests until the test lets them go, even after the client
-//!   has closed it (a late delivery). TLS passes through untouched (only the plaintext record headers
+//!   (connections stay open, no bytes move), hold requests, add latency, and hold the requests of
+//!   one connection or of the connections open now until the test lets them go, even after the
+//!   client has closed them (a late delivery). TLS passes through untouched (only the plaintext record headers
 //!   are read, to tell requests from silence), so tests time faults by watching the API directly.
 //! - [`ApiServer`]: the test control plane's kube-apiserver process: SIGKILL and restart on the same
 //!   port and etcd, SIGSTOP / SIGCONT.
@@ -38,6 +38,8 @@ use super::{ControlPlane, client_from_kubeconfig};
 pub const OUR_MARK_SUFFIX: &str = " by capi-autoscaler-provider";
 /// The MachinePool annotation listing the removals its replicas pay for.
 pub const LEDGER_ANNOTATION: &str = "capi-autoscaler-provider/removed";
+/// The group annotation naming the removals under way (claimed before their marks).
+pub const CLAIMS_ANNOTATION: &str = "capi-autoscaler-provider/claims";
 
 /// Seconds since the epoch.
 pub fn now_unix() -> u64 {
@@ -65,11 +67,10 @@ pub fn our_mark_time(value: &str) -> Option<u64> {
 enum Gate {
     Open,
     Closed,
-    /// Server→client only: held on connections whose client sent a request (a TLS application-data
-    /// record) in this epoch or later. Watch events on quiet connections and TLS handshakes pass.
-    AnswersFrom(u64),
     /// Client→server only: held on connections flagged [`Connection::hold_requests`].
     Flagged,
+    /// Client→server only: held on the connections opened before the one with this id.
+    OpenedBefore(u64),
 }
 
 impl Gate {
@@ -77,8 +78,8 @@ impl Gate {
         match self {
             Gate::Open => false,
             Gate::Closed => true,
-            Gate::AnswersFrom(epoch) => connection.request_epoch.load(Ordering::SeqCst) >= epoch,
             Gate::Flagged => connection.hold_requests.load(Ordering::SeqCst),
+            Gate::OpenedBefore(id) => connection.id < id,
         }
     }
 }
@@ -100,9 +101,6 @@ enum Hold {
     /// number, passes; then, after as many more answers as the third number says (each to a
     /// request sent after the previous answer), [`Hold::NextRequest`].
     AfterAnswer(u64, u64, u32),
-    /// Like [`Hold::AfterAnswer`], then the answers to the requests sent from then on are held
-    /// (as by [`StallProxy::hold_answers`]).
-    AnswersAfter(u64, u64, u32),
     /// The connection that sends the next request is held (requests only).
     NextRequest,
     /// This connection's requests are held until [`StallProxy::resume`].
@@ -144,8 +142,9 @@ impl ProxyShared {
 
 /// A TCP forwarder to `target` whose traffic a test can stall, hold and delay.
 ///
-/// Bytes are read from one side and written to the other in chunks; a held chunk waits until its
-/// direction opens for its connection (it is neither dropped nor reordered within the connection).
+/// Bytes are read from one side as they come and written to the other in chunks; a held chunk
+/// waits until its direction opens for its connection (it is neither dropped nor reordered within
+/// the connection), and a delayed one until its delay has passed since it was read.
 /// When a client closes its side, the proxy still delivers what it read, and passes the close on
 /// (its TLS close_notify, then its FIN) only after a `linger`: a request the provider gave up on
 /// reaches the apiserver late and is processed normally, as through a load balancer that buffers.
@@ -238,24 +237,6 @@ impl StallProxy {
         self.shared.down.send_replace(Gate::Open);
     }
 
-    /// The answers to requests sent from now on are held (on every connection that carries such a
-    /// request, including connections opened meanwhile, whose TLS handshake passes); the requests
-    /// themselves reach the apiserver, and watch events on connections that send nothing pass.
-    pub fn hold_answers(&self) {
-        let epoch = self.shared.new_epoch();
-        self.shared.down.send_replace(Gate::AnswersFrom(epoch));
-    }
-
-    /// Like [`hold_answers`](Self::hold_answers), from the request the provider sends after
-    /// `answers` answers (each to a request sent after the previous one) on connections that exist
-    /// now: DeleteNodes' group read and Machine list pass, its mark reaches the apiserver and its
-    /// answer is held.
-    pub fn hold_answers_after(&self, answers: u32) {
-        let epoch = self.shared.new_epoch();
-        let existing = self.shared.next_connection.load(Ordering::SeqCst);
-        *lock(&self.shared.hold) = Hold::AnswersAfter(epoch, existing, answers.max(1));
-    }
-
     /// Requests (client→server) held; answers and watch events still reach the provider.
     pub fn hold_requests(&self) {
         self.shared.up.send_replace(Gate::Closed);
@@ -270,29 +251,39 @@ impl StallProxy {
         *lock(&self.shared.hold) = Hold::NextRequest;
     }
 
-    /// Like [`hold_next_request`](Self::hold_next_request), for the request the provider sends in
-    /// reaction to the answer to its next request (the decrement after the mark). Only answers on
-    /// connections that exist now count: on a connection opened later, the first bytes after the
-    /// TLS handshake are session tickets and settings, not an answer.
-    pub fn hold_after_next_answer(&self) {
-        self.hold_after_answers(1);
-    }
-
-    /// Like [`hold_after_next_answer`](Self::hold_after_next_answer), for the request the provider
-    /// sends after `answers` answers, each to a request sent after the previous one (DeleteNodes:
-    /// the group read, the Machines listed and the mark answered, then the decrement).
+    /// Like [`hold_next_request`](Self::hold_next_request), for the request the provider sends
+    /// after `answers` answers, each to a request sent after the previous one (IncreaseSize: its
+    /// read of the group and its Cluster answered, then its write). Only answers on connections
+    /// that exist now count: on a connection opened later, the first bytes after the TLS handshake
+    /// are session tickets and settings, not an answer. A count of answers suits a call whose
+    /// reads do not depend on the cache (a removal's do: see
+    /// [`hold_open_connections`](Self::hold_open_connections)).
     pub fn hold_after_answers(&self, answers: u32) {
         let epoch = self.shared.new_epoch();
         let existing = self.shared.next_connection.load(Ordering::SeqCst);
         *lock(&self.shared.hold) = Hold::AfterAnswer(epoch, existing, answers.max(1));
     }
 
-    /// Whether a connection's requests are held now.
-    pub fn holding(&self) -> bool {
-        matches!(*lock(&self.shared.hold), Hold::Holding(..))
+    /// Requests on the connections open now are held from now on, those already read and still
+    /// delayed by [`delay_requests`](Self::delay_requests) included, until
+    /// [`resume`](Self::resume); connections opened later flow. Armed when the test sees in the
+    /// API that a write landed, under a delay longer than the test takes to see it, this holds
+    /// the request the provider sends on learning of that write (the decrement after the mark),
+    /// whatever requests came before it: no count of answers, which depends on how the provider
+    /// reads.
+    pub fn hold_open_connections(&self) {
+        let next = self.shared.next_connection.load(Ordering::SeqCst);
+        *lock(&self.shared.hold) = Hold::Off;
+        self.shared.up.send_replace(Gate::OpenedBefore(next));
     }
 
-    /// Every client→server chunk waits `delay` before it is passed on.
+    /// Whether the provider's requests are held now (some of their bytes wait in the proxy).
+    pub fn holding(&self) -> bool {
+        self.held_request_bytes() > 0
+    }
+
+    /// Every client→server chunk is passed on `delay` after it was read (its latency, not a
+    /// limit on throughput).
     pub fn delay_requests(&self, delay: Duration) {
         self.shared
             .delay_up_ms
@@ -379,6 +370,21 @@ impl Records {
     }
 }
 
+/// What the reader of one direction hands its writer.
+enum Piece {
+    Chunk {
+        bytes: Vec<u8>,
+        read_at: tokio::time::Instant,
+        /// The client's close_notify (TLS alert): passed on after the linger, like its FIN.
+        goodbye: bool,
+    },
+    Closed,
+}
+
+/// One direction of a connection: a reader that takes every byte off the socket as it comes (so
+/// that what the source sent before it closed or reset the connection is kept, as a buffering
+/// load balancer keeps it) and a writer that passes each chunk on once its delay has passed and
+/// its direction's gate is open, in order.
 async fn pump(
     connection: Arc<Connection>,
     dir: Dir,
@@ -386,70 +392,100 @@ async fn pump(
     mut to: OwnedWriteHalf,
     shared: Arc<ProxyShared>,
 ) {
-    let mut gate = shared.gate(dir).subscribe();
-    let mut records = Records::default();
-    let mut buf = vec![0u8; 64 * 1024];
-    let open = |g: &Gate| !g.holds(&connection);
+    let (pieces, mut queue) = tokio::sync::mpsc::unbounded_channel();
     let debug = tracing_enabled();
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if debug {
-            trace(format_args!(
-                "conn {} {dir:?}: {n} bytes, gate {:?}",
-                connection.id,
-                *gate.borrow()
-            ));
-        }
-        let mut goodbye = false;
-        match dir {
-            Dir::Up => {
-                let seen = records.scan(&buf[..n]);
-                if seen.application_data {
-                    on_request(&shared, &connection);
+    let reader = {
+        let (connection, shared) = (Arc::clone(&connection), Arc::clone(&shared));
+        async move {
+            let mut records = Records::default();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match from.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                if debug {
+                    trace(format_args!(
+                        "conn {} {dir:?}: {n} bytes, gate {:?}",
+                        connection.id,
+                        *shared.gate(dir).borrow()
+                    ));
                 }
-                goodbye = seen.alert;
+                let mut goodbye = false;
+                match dir {
+                    Dir::Up => {
+                        let seen = records.scan(&buf[..n]);
+                        if seen.application_data {
+                            on_request(&shared, &connection);
+                        }
+                        goodbye = seen.alert;
+                        shared.held_up.fetch_add(n, Ordering::SeqCst);
+                    }
+                    Dir::Down => on_answer(&shared, &connection),
+                }
+                let piece = Piece::Chunk {
+                    bytes: buf[..n].to_vec(),
+                    read_at: tokio::time::Instant::now(),
+                    goodbye,
+                };
+                if pieces.send(piece).is_err() {
+                    return;
+                }
             }
-            Dir::Down => on_answer(&shared, &connection),
-        }
-        if dir == Dir::Up {
-            shared.held_up.fetch_add(n, Ordering::SeqCst);
-        }
-        let waited = gate.wait_for(open).await.map(drop);
-        if dir == Dir::Up {
-            let delay = shared.delay_up_ms.load(Ordering::SeqCst);
-            if delay > 0 {
-                tokio::time::sleep(Duration::from_millis(delay)).await;
+            if debug {
+                trace(format_args!(
+                    "conn {} {dir:?}: closed by its source",
+                    connection.id
+                ));
             }
-            if goodbye {
-                // The client's close_notify waits like its disconnect (see the linger below).
-                tokio::time::sleep(shared.linger).await;
+            let _ = pieces.send(Piece::Closed);
+        }
+    };
+    let writer = async move {
+        let mut gate = shared.gate(dir).subscribe();
+        let open = |g: &Gate| !g.holds(&connection);
+        while let Some(piece) = queue.recv().await {
+            match piece {
+                Piece::Chunk {
+                    bytes,
+                    read_at,
+                    goodbye,
+                } => {
+                    // A request is delayed before the gate: one still on its way when a hold
+                    // starts is held.
+                    if dir == Dir::Up {
+                        let delay = shared.delay_up_ms.load(Ordering::SeqCst);
+                        tokio::time::sleep_until(read_at + Duration::from_millis(delay)).await;
+                    }
+                    let waited = gate.wait_for(open).await.map(drop);
+                    if goodbye {
+                        // The client's close_notify waits like its disconnect (see below).
+                        tokio::time::sleep(shared.linger).await;
+                    }
+                    if dir == Dir::Up {
+                        shared.held_up.fetch_sub(bytes.len(), Ordering::SeqCst);
+                    }
+                    if waited.is_err() || to.write_all(&bytes).await.is_err() {
+                        return;
+                    }
+                }
+                Piece::Closed => {
+                    // The source closed: pass the close on once this direction flows, after a
+                    // linger upstream so a late request is processed rather than cancelled by
+                    // the client's disconnect.
+                    if gate.wait_for(open).await.is_err() {
+                        return;
+                    }
+                    if dir == Dir::Up {
+                        tokio::time::sleep(shared.linger).await;
+                    }
+                    let _ = to.shutdown().await;
+                    return;
+                }
             }
         }
-        if dir == Dir::Up {
-            shared.held_up.fetch_sub(n, Ordering::SeqCst);
-        }
-        if waited.is_err() || to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-    // The source closed: pass the close on once this direction flows, after a linger upstream so a
-    // late request is processed rather than cancelled by the client's disconnect.
-    if debug {
-        trace(format_args!(
-            "conn {} {dir:?}: closed by its source",
-            connection.id
-        ));
-    }
-    if gate.wait_for(open).await.is_err() {
-        return;
-    }
-    if dir == Dir::Up {
-        tokio::time::sleep(shared.linger).await;
-    }
-    let _ = to.shutdown().await;
+    };
+    tokio::join!(reader, writer);
 }
 
 /// `STALL_PROXY_DEBUG=1` traces every chunk, hold and release to stderr (to debug a fault test).
@@ -503,18 +539,6 @@ fn on_answer(shared: &ProxyShared, connection: &Connection) {
         } else {
             Hold::NextRequest
         };
-    } else if let Hold::AnswersAfter(epoch, existing, left) = &*hold
-        && request_epoch >= *epoch
-        && connection.id < *existing
-    {
-        if *left > 1 {
-            *hold = Hold::AnswersAfter(shared.new_epoch(), *existing, left - 1);
-        } else {
-            *hold = Hold::Off;
-            shared
-                .down
-                .send_replace(Gate::AnswersFrom(shared.new_epoch()));
-        }
     }
 }
 
