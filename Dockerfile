@@ -1,4 +1,5 @@
-# The provider's image: a static (musl) binary in an empty image, running as a non-root user.
+# The provider's image: a static binary (glibc linked statically, as `make image` builds it: one
+# allocator, the one the benchmarks measure) in an empty image, running as a non-root user.
 #
 #   docker build -t capi-autoscaler-provider:0.1.0 --build-arg REVISION="$(git rev-parse HEAD)" .
 #   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/capi-autoscaler-provider:0.1.0 \
@@ -16,12 +17,10 @@ ARG REVISION=unknown
 # Builders without BuildKit leave TARGETARCH empty: then the build stage's own architecture.
 RUN arch="${TARGETARCH:-$(dpkg --print-architecture)}" \
     && case "$arch" in \
-      amd64) echo x86_64-unknown-linux-musl ;; \
-      arm64) echo aarch64-unknown-linux-musl ;; \
+      amd64) echo x86_64-unknown-linux-gnu ;; \
+      arm64) echo aarch64-unknown-linux-gnu ;; \
       *) echo "unsupported TARGETARCH '$arch' (amd64, arm64)" >&2; exit 1 ;; \
     esac > /rust-target \
-    && apt-get update && apt-get install -y --no-install-recommends musl-tools \
-    && rm -rf /var/lib/apt/lists/* \
     && rustup target add "$(cat /rust-target)"
 WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
@@ -29,9 +28,10 @@ COPY proto proto
 COPY src src
 # Cargo.toml declares a bench: cargo refuses the manifest when its file is missing.
 COPY benches benches
-# TARGET_CC: ring's C code is compiled for musl with musl-gcc (from musl-tools) on either architecture.
+# crt-static: glibc linked into the binary (the image has no libc); the build stage runs on the
+# target platform, so its own gcc and glibc serve.
 RUN target="$(cat /rust-target)" \
-    && TARGET_CC=musl-gcc BUILD_GIT_COMMIT="$REVISION" \
+    && RUSTFLAGS="-C target-feature=+crt-static" BUILD_GIT_COMMIT="$REVISION" \
        cargo build --release --locked --target "$target" --bin capi-autoscaler-provider \
     && cp "target/$target/release/capi-autoscaler-provider" /capi-autoscaler-provider
 
