@@ -726,9 +726,9 @@ async fn refused_patches(admin: &kube::Client, resource: &str) -> f64 {
 }
 
 /// The provider SIGKILLed between its two writes, at a controlled point: the proxy delays each
-/// request; as soon as the test sees the mark in the API it holds the requests of the provider's
-/// connections, the decrement still on its way among them, and kills the provider: the mark is in
-/// the API, the decrement never reaches it.
+/// request; as soon as the test sees the mark in the API it holds every request the provider
+/// sends from then on (its read after the mark is still on its way, so the decrement is not sent
+/// yet) and kills the provider: the mark is in the API, the decrement never reaches it.
 /// Restarted: the node CA retries is paid once (and only once) and CAPI deletes exactly that
 /// Machine; the node nobody retries has its mark taken back once its claim has stood the grace
 /// period on the restarted provider (and not before), and CAPI deletes nothing of its group meanwhile.

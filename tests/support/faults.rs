@@ -268,9 +268,9 @@ impl StallProxy {
     /// delayed by [`delay_requests`](Self::delay_requests) included, until
     /// [`resume`](Self::resume); connections opened later flow. Armed when the test sees in the
     /// API that a write landed, under a delay longer than the test takes to see it, this holds
-    /// the request the provider sends on learning of that write (the decrement after the mark),
-    /// whatever requests came before it: no count of answers, which depends on how the provider
-    /// reads.
+    /// the requests the provider sends on learning of that write (after a claim: the mark; after
+    /// a mark: its read, and so the decrement) whatever requests came before it: no count of
+    /// answers, which depends on how the provider reads.
     pub fn hold_open_connections(&self) {
         let next = self.shared.next_connection.load(Ordering::SeqCst);
         *lock(&self.shared.hold) = Hold::Off;
