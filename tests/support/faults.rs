@@ -1,10 +1,10 @@
 //! Fault injection and invariant checks for the write-path tests (tests/faults.rs, tests/model.rs).
 //!
 //! - [`StallProxy`]: a TCP forwarder between the provider and the apiserver that can stall traffic
-//!   (connections stay open, no bytes move), hold requests, add latency, and hold the requests of
-//!   one connection or of the connections open now until the test lets them go, even after the
-//!   client has closed them (a late delivery). TLS passes through untouched (only the plaintext record headers
-//!   are read, to tell requests from silence), so tests time faults by watching the API directly.
+//!   (connections stay open, no bytes move), add latency, and hold the requests of one connection
+//!   or of the connections open now until the test lets them go, even after the client has closed
+//!   them (a late delivery). TLS passes through untouched (only the plaintext record headers are
+//!   read, to tell requests from silence), so tests time faults by watching the API directly.
 //! - [`ApiServer`]: the test control plane's kube-apiserver process: SIGKILL and restart on the same
 //!   port and etcd, SIGSTOP / SIGCONT.
 //! - [`GroupView`] and [`History`]: what invariants 2 and 3 (docs/architecture.md) are checked on — a group's
@@ -237,23 +237,13 @@ impl StallProxy {
         self.shared.down.send_replace(Gate::Open);
     }
 
-    /// Requests (client→server) held; answers and watch events still reach the provider.
-    pub fn hold_requests(&self) {
-        self.shared.up.send_replace(Gate::Closed);
-    }
-
-    /// The connection that carries the provider's next request has that request and every later
-    /// one held (answers and watch events on it still pass) until [`resume`](Self::resume). When
-    /// the provider gives the connection up, what it sent is still delivered on resume: a request
-    /// it gave up on reaches the apiserver after everything it did since, as through a load
-    /// balancer that forwards a request whose client has gone.
-    pub fn hold_next_request(&self) {
-        *lock(&self.shared.hold) = Hold::NextRequest;
-    }
-
-    /// Like [`hold_next_request`](Self::hold_next_request), for the request the provider sends
-    /// after `answers` answers, each to a request sent after the previous one (IncreaseSize: its
-    /// read of the group and its Cluster answered, then its write). Only answers on connections
+    /// The connection that carries the request the provider sends after `answers` answers, each
+    /// to a request sent after the previous one (IncreaseSize: its read of the group and its
+    /// Cluster answered, then its write), has that request and every later one held (answers and
+    /// watch events on it still pass) until [`resume`](Self::resume). When the provider gives the
+    /// connection up, what it sent is still delivered on resume: a request it gave up on reaches
+    /// the apiserver after everything it did since, as through a load balancer that forwards a
+    /// request whose client has gone. Only answers on connections
     /// that exist now count: on a connection opened later, the first bytes after the TLS handshake
     /// are session tickets and settings, not an answer. A count of answers suits a call whose
     /// reads do not depend on the cache (a removal's do: see
