@@ -22,7 +22,8 @@ use crate::snapshot::{NodeGroup, NotServed, Snapshot};
 impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
     /// that read serves it). The group object and its Cluster are read first (GETs, answered from
-    /// etcd at once), then its MachineSets and its Machines beside them, listed at a revision not
+    /// etcd at once; right after a landed write of the operation's own to the group, its answer
+    /// is that read: [`Since::group_answered`]), then its MachineSets and its Machines beside them, listed at a revision not
     /// older than the group as just read and than every write this process made to the group's
     /// objects ([`Since`]): neither the members nor what Cluster API observed are then older than
     /// the group, nor than this process's own writes. The Machines, and the MachineSets, are not
@@ -62,25 +63,14 @@ impl Actuator {
     ) -> Result<Option<Read>, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
-        let group_api = self.group_api(kind, &key.namespace)?;
-        let cluster_api = self
-            .cluster_api(&key.namespace)
-            .filter(|_| !group.resource.cluster_name.is_empty());
-        let (object, cluster) =
-            tokio::join!(self.get(group_api, &key.name, kind.as_str()), async {
-                match cluster_api {
-                    Some(api) => self
-                        .get(api, &group.resource.cluster_name, "Cluster")
-                        .await
-                        .ok(),
-                    None => None,
-                }
-            },);
-        let object = object?;
-        since.saw(object.resource_version().as_deref());
-        self.store.record(Some(kind), object);
-        if let Some(cluster) = cluster {
-            self.store.record_cluster(cluster);
+        match self.store.cached_resource(kind, &key) {
+            // The group as this operation's own write just returned it (or newer, from the
+            // watch): that answer is a read of the group at the write's revision, as a GET would
+            // be (the Cluster as cached).
+            Some(cached) if since.take_group_answered() => {
+                since.saw(Some(&cached.resource_version));
+            }
+            _ => self.read_group(group, since).await?,
         }
         if !members {
             // The holds come from the snapshot: built over what was just read.
@@ -163,6 +153,33 @@ impl Actuator {
             return Ok(None);
         }
         Ok(Some(read))
+    }
+
+    /// The group object and its Cluster (GETs side by side), recorded in the cache.
+    async fn read_group(&self, group: &NodeGroup, since: &mut Since) -> Result<(), ActuatorError> {
+        let kind = group.kind();
+        let key = &group.resource.key;
+        let group_api = self.group_api(kind, &key.namespace)?;
+        let cluster_api = self
+            .cluster_api(&key.namespace)
+            .filter(|_| !group.resource.cluster_name.is_empty());
+        let (object, cluster) =
+            tokio::join!(self.get(group_api, &key.name, kind.as_str()), async {
+                match cluster_api {
+                    Some(api) => self
+                        .get(api, &group.resource.cluster_name, "Cluster")
+                        .await
+                        .ok(),
+                    None => None,
+                }
+            },);
+        let object = object?;
+        since.saw(object.resource_version().as_deref());
+        self.store.record(Some(kind), object);
+        if let Some(cluster) = cluster {
+            self.store.record_cluster(cluster);
+        }
+        Ok(())
     }
 
     /// The MachineSets of the group: those named in `get` read one by one, else (or when one is
@@ -415,6 +432,10 @@ pub(super) struct Since {
     /// Whether the newest revision is a write of this operation to a Machine: the Machines watch
     /// is about to bring it.
     machine_write: bool,
+    /// Whether this operation's last write to the group landed, with nothing unknown since: its
+    /// answer, recorded in the cache, is the group as read at that write's revision, and the next
+    /// read takes it from there instead of a GET.
+    group_answered: bool,
 }
 
 impl Default for Since {
@@ -424,6 +445,7 @@ impl Default for Since {
             known: true,
             sets: None,
             machine_write: false,
+            group_answered: false,
         }
     }
 }
@@ -433,8 +455,10 @@ impl Since {
     /// revision this process's reads and writes of the group got back (kept under its lock).
     pub(super) fn carry(&mut self, newest: &mut u64) {
         if *newest > self.newest {
+            // Another operation of this process wrote meanwhile.
             self.newest = *newest;
             self.machine_write = false;
+            self.group_answered = false;
         }
         *newest = self.newest;
     }
@@ -462,6 +486,15 @@ impl Since {
             self.newest = revision;
             self.machine_write = machine;
         }
+        if !machine {
+            self.group_answered = true;
+        }
+    }
+
+    /// Whether the next read may take the group from the cache, as this operation's own write
+    /// returned it (see [`Since::group_answered`]); once only.
+    fn take_group_answered(&mut self) -> bool {
+        std::mem::take(&mut self.group_answered)
     }
 
     /// How long the next read waits for the Machines watch to reach its floor before it lists
@@ -478,6 +511,7 @@ impl Since {
     /// A write whose effect is not known: the next read is at the newest revision there is.
     pub(super) fn lost_track(&mut self) {
         self.known = false;
+        self.group_answered = false;
     }
 
     /// The MachineSets to read one by one instead of listing them: those listed before, while the
