@@ -47,7 +47,7 @@ pub use ledger::{
 pub use read::{Accounts, GroupRead, Hold, Member, Read, Standing};
 pub use refusal::Refusal;
 pub use removal::{Purpose, Removal};
-pub use repair::{Repair, RepairAction, Ripe};
+pub use repair::{Repair, RepairAction, Ripe, repair_has_work};
 pub use resize::{Cancel, Raise};
 
 /// A write the shell makes, guarded by the version it names.

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeSet;
 
-use super::ledger::{Entry, is_our_mark};
+use super::ledger::{Entry, Ledger, is_our_mark};
 use super::read::{Read, Standing};
 use super::settlement::{owed_settlement, pruned};
 use super::{GroupWrite, Next, Outcome, Write};
@@ -82,6 +82,14 @@ impl Ripe {
             Ripe::All => true,
         }
     }
+}
+
+/// Whether a round can have anything to write on a group whose records are `records` (the ledger,
+/// claims and taking-back annotations) and whose members carry a delete mark, anyone's (`marked`):
+/// every step settles, takes back or cleans a record or a member's mark, so on a group with
+/// neither a round is done without a read, and the repair loop skips it.
+pub fn repair_has_work(records: [Option<&str>; 3], marked: bool) -> bool {
+    marked || records.into_iter().any(|r| !Ledger::parse(r).is_empty())
 }
 
 impl Repair {

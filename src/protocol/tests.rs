@@ -798,6 +798,45 @@ fn the_repair_settles_what_cluster_api_acted_on_first() {
     assert!(w.ledger.is_some_and(|l| l.contains("m0@6")));
 }
 
+/// A group with no records and no mark on any member (pending, running or being deleted): a round
+/// has nothing to write whatever is ripe, so the repair loop skips it unread. Each record alone,
+/// and a mark alone, anyone's, is work.
+#[test]
+fn the_repair_has_work_only_where_records_or_marks_are() {
+    let plain = read(
+        group(3, "", "", ""),
+        vec![
+            member("m0", None),
+            deleting(member("m1", None)),
+            pending("m2"),
+        ],
+    );
+    for ripe in [Ripe::All, Ripe::Only(Default::default())] {
+        assert_eq!(Repair::new(ripe).read(&plain), Next::Done(Ok(())));
+    }
+    assert!(!repair_has_work([None, Some(""), Some(" , ")], false));
+    for records in [
+        [Some("m1@5"), None, None],
+        [None, Some("m1@5"), None],
+        [None, None, Some("m1@5")],
+    ] {
+        assert!(repair_has_work(records, false), "{records:?}");
+    }
+    assert!(repair_has_work([None; 3], true));
+    let unrecorded = read(
+        group(3, "", "", ""),
+        vec![
+            member("m0", Some(&our_mark(5))),
+            member("m1", None),
+            member("m2", None),
+        ],
+    );
+    assert!(
+        matches!(Repair::new(Ripe::All).read(&unrecorded), Next::Write(_)),
+        "a mark with no record is taken back: a group the loop counts as work"
+    );
+}
+
 /// Three Machines, m1 marked by a removal stamped `stamp` that claimed it and stopped there.
 fn claimed_m1(stamp: u64) -> Read {
     read(

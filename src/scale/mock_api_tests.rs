@@ -1821,6 +1821,34 @@ async fn repair_takes_back_a_stopped_removal_once_the_api_servers_clock_is_past_
     assert_eq!(fixture.replicas(), 3);
 }
 
+/// The repair looks only at groups with records or a marked member: a mark of ours with no record
+/// left on its group (a stale claim dropped under a mark still on its way) is one of them, and
+/// once ripe it is taken back through the record like any other.
+#[tokio::test]
+async fn repair_takes_back_a_ripe_mark_of_ours_that_no_record_names() {
+    let stamp = NEW_YEAR - 10;
+    let objects = vec![
+        deployment(3, &[]),
+        machine_set(3),
+        machine("a", true, None),
+        machine("b", true, None),
+        machine("c", true, Some(our_mark(stamp))),
+    ];
+    let fixture = Fixture::new(&objects);
+    fixture.server_time(stamp + 3600);
+
+    within(fixture.actuator.repair(Duration::from_secs(3600))).await;
+
+    assert_eq!(fixture.mark("c"), None);
+    let md = fixture.patches(MD);
+    assert_eq!(
+        md[0]["metadata"]["annotations"][TAKING_BACK_ANNOTATION],
+        json!(mark_entry("c", stamp)),
+        "recorded before the unmark"
+    );
+    assert_eq!(fixture.replicas(), 3);
+}
+
 /// A removal's records carry its start on the API server's clock (rounded up: a `Date` is cut
 /// down to the second), not this machine's.
 #[tokio::test]

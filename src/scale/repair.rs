@@ -18,20 +18,29 @@ use std::time::{Duration, Instant};
 use super::Actuator;
 use super::execute::Caller;
 use crate::lock;
-use crate::protocol::{Next, Operation, Repair, RepairAction, Ripe, has_stamp};
+use crate::protocol::ledger::{CLAIMS_ANNOTATION, LEDGER_ANNOTATION, TAKING_BACK_ANNOTATION};
+use crate::protocol::{Next, Operation, Repair, RepairAction, Ripe, has_stamp, repair_has_work};
 use crate::server_clock::whole_secs;
 
 /// When each waiting record with no stamp was first seen, by group and entry.
 pub(super) type Waiting = HashMap<(String, String), Instant>;
 
 impl Actuator {
-    /// One round over every group; the number of marks taken back and removals settled.
+    /// One round over every group with records or marks ([`repair_has_work`]: the others have
+    /// nothing a round could write); the number of marks taken back and removals settled.
     pub async fn repair(&self, grace: Duration) -> usize {
+        self.store.refresh();
         let snapshot = self.store.snapshot();
         let mut repaired = 0;
-        for (id, _) in snapshot.groups.iter() {
-            // A round looks at every group from the cache (about 9 µs each, 90 ms at 10,000
-            // groups): between two, CA's calls waiting for this worker thread are answered first.
+        for (id, served) in snapshot.groups.iter() {
+            let records = [LEDGER_ANNOTATION, CLAIMS_ANNOTATION, TAKING_BACK_ANNOTATION]
+                .map(|key| served.resource.annotations.get(key));
+            if !repair_has_work(records, served.marked) {
+                // Nothing waits on it any more.
+                self.saw(id, &BTreeSet::new());
+                continue;
+            }
+            // Between two groups looked at, CA's calls waiting for this worker thread go first.
             tokio::task::yield_now().await;
             let group_lock = self.group_lock(&snapshot, id);
             let guard = group_lock.lock().await;

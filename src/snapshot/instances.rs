@@ -45,6 +45,21 @@ impl MachineView<'_> {
             .collect()
     }
 
+    /// Whether a Machine of `instances` or `unlisted` (being deleted or not) carries a delete mark.
+    pub(super) fn marked(&self, instances: &[Instance], unlisted: &[ObjectKey]) -> bool {
+        instances
+            .iter()
+            .filter_map(|i| i.machine.as_ref())
+            .chain(unlisted)
+            .any(|key| {
+                self.index
+                    .machines()
+                    .get(key)
+                    .and_then(|m| m.as_ref().ok())
+                    .is_some_and(|m| m.annotations.contains_key(self.delete_key))
+            })
+    }
+
     /// Marked Machines that the replica count no longer covers are on their way out: CAPI deletes
     /// marked Machines first when replicas drop below the Machines it has. Reported as deleting, CA
     /// stops counting them: an unregistered one is otherwise "removed" again every loop and its

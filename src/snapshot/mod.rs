@@ -82,6 +82,10 @@ pub struct NodeGroup {
     /// Machines (not being deleted) carrying a delete mark this provider did not write: Cluster API
     /// deletes them first all the same (see `crate::protocol`).
     pub foreign_marks: Vec<String>,
+    /// Whether a member Machine (being deleted or not) carries a delete mark, anyone's: with the
+    /// protocol's records on the group, what gives the repair something to look at
+    /// ([`crate::protocol::repair_has_work`]).
+    pub marked: bool,
     /// Nodes that registered: running instances, and Machines with a Node but no known providerID.
     pub registered: i32,
     pub template: Option<Arc<TemplateNode>>,

@@ -177,6 +177,7 @@ impl<'a> Builder<'a> {
             .count();
         group.registered = running as i32 + group.unlisted.len() as i32;
         group.foreign_marks = self.machines().foreign_marks(&list, &group.unlisted);
+        group.marked = self.machines().marked(&list, &group.unlisted);
         group.instances = list;
         Some(())
     }

@@ -1364,6 +1364,43 @@ fn a_rebuild_after_our_own_write_keeps_the_scope() {
     });
 }
 
+/// A group is `marked` while any member carries a delete mark, anyone's, being deleted or not
+/// (the repair loop looks only at such groups and those with records), after a whole build and
+/// after a patch alike.
+#[test]
+fn a_group_with_a_marked_member_is_marked_after_a_build_and_a_patch() {
+    let mut index = Index::default();
+    add(
+        &mut index,
+        resource(ScalableKind::MachineSet, "ms", Some("0"), Some("5"), 2),
+    );
+    let delete_key = settings().keys.delete_machine.clone();
+    add_machine(
+        &mut index,
+        machine("a", "MachineSet", "ms", Some("p:///a"), true),
+    );
+    add_machine(&mut index, machine("b", "MachineSet", "ms", None, true));
+    let s = index.snapshot_reusing(&settings(), &Snapshot::default());
+    assert!(!s.group("MachineSet/ns/ms").expect("served").marked);
+
+    // Our mark on the Machine without a providerID (an unlisted member), as a write records it.
+    let mut b = Machine::clone(index.machine(&ObjectKey::new("ns", "b")).expect("added"));
+    b.annotations
+        .insert(delete_key.clone(), crate::protocol::our_mark(5));
+    add_machine(&mut index, b);
+    let next = index.snapshot_reusing(&settings(), &s);
+    assert!(Arc::ptr_eq(&next.lookup, &s.lookup), "patched, not rebuilt");
+    assert!(next.group("MachineSet/ns/ms").expect("served").marked);
+
+    // Being deleted, marked by hand: still marked (the repair settles what Cluster API took).
+    let mut b = Machine::clone(index.machine(&ObjectKey::new("ns", "b")).expect("added"));
+    b.annotations.insert(delete_key.clone(), "yes".into());
+    b.deleting = true;
+    add_machine(&mut index, b);
+    let whole = index.snapshot_reusing(&settings(), &Snapshot::default());
+    assert!(whole.group("MachineSet/ns/ms").expect("served").marked);
+}
+
 /// Marks someone else wrote are listed on the group (for `check`), ours and those of Machines being
 /// deleted are not; a Machine with a Node and no providerID is kept with the group's Machines.
 #[test]

@@ -205,6 +205,7 @@ impl<'a> Builder<'a> {
             group.foreign_marks = self
                 .machines()
                 .foreign_marks(&group.instances, &group.unlisted);
+            group.marked = self.machines().marked(&group.instances, &group.unlisted);
         }
     }
 }

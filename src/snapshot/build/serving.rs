@@ -278,6 +278,7 @@ impl<'a> Builder<'a> {
                 instances: Vec::new(),
                 unlisted: Vec::new(),
                 foreign_marks: Vec::new(),
+                marked: false,
                 registered: 0,
                 template: None,
                 options,
