@@ -616,6 +616,11 @@ impl Fixture {
     /// With the watches of Machines and MachineSets: they have listed the fake's, and the Machines
     /// watch brings each Machine a write changes a moment after the write is answered.
     fn watching(self) -> Self {
+        self.watching_after(Duration::from_millis(2))
+    }
+
+    /// As [`Fixture::watching`], the Machines watch bringing each change `lag` after the write.
+    fn watching_after(self, lag: Duration) -> Self {
         let (send, mut changed) = tokio::sync::mpsc::unbounded_channel::<Value>();
         let store = Arc::clone(&self.actuator.store);
         let listed: Vec<(Watched, Value)> = {
@@ -638,7 +643,7 @@ impl Fixture {
         }
         tokio::spawn(async move {
             while let Some(machine) = changed.recv().await {
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                tokio::time::sleep(lag).await;
                 store.take_event(&Watched::Machine, object(machine), false);
             }
         });
@@ -1102,6 +1107,27 @@ async fn a_removal_whose_watch_lags_behind_its_mark_lists_the_machines_not_older
         "the first read from the watch, the settlement's listed"
     );
     assert_eq!(fixture.replicas(), 2);
+}
+
+/// A watch later than the read waits for it: the Machines are listed, and the watch still answers
+/// the read when it brings the mark before the list's answer (here never given).
+#[tokio::test]
+async fn a_removal_whose_watch_brings_its_mark_while_the_list_is_pending_reads_it_from_the_watch() {
+    let fixture = Fixture::new(&three_running(3, &[])).watching_after(Duration::from_millis(200));
+    let never = Arc::new(tokio::sync::Notify::new());
+    fixture.fault(Method::GET, "machines", Fault::Held(Arc::clone(&never)));
+
+    within(fixture.actuator.delete_nodes(GROUP, &[node("c")]))
+        .await
+        .unwrap();
+
+    let mut want: Vec<String> = [GET_MD, GET_CLUSTER, PATCH_MD, "PATCH machines/c"]
+        .map(String::from)
+        .to_vec();
+    want.extend([GET_MS, LIST_MACHINES, PATCH_MD].map(String::from));
+    assert_eq!(fixture.requests(), want);
+    assert_eq!(fixture.replicas(), 2);
+    assert!(fixture.mark("c").is_some());
 }
 
 /// A mark that met a change it did not make (a conflict) leaves no revision to read from: the
