@@ -22,19 +22,20 @@ use crate::snapshot::{NodeGroup, NotServed, Snapshot};
 impl Actuator {
     /// The group and its members as the API has them now (and the group as the snapshot built over
     /// that read serves it). The group object and its Cluster are read first (GETs, answered from
-    /// etcd at once; right after a landed write of the operation's own to the group, its answer
-    /// is that read: [`Since::group_answered`]), then its MachineSets and its Machines beside them, listed at a revision not
-    /// older than the group as just read and than every write this process made to the group's
-    /// objects ([`Since`]): neither the members nor what Cluster API observed are then older than
-    /// the group, nor than this process's own writes. The Machines, and the MachineSets, are not
-    /// listed at all once their watch has brought every event up to that revision (right after a
-    /// write of the operation's own to a Machine, a read waits a moment for the Machines watch):
-    /// the cache then holds what such a list would return, or newer. The MachineSets are read one
-    /// by one (GETs) instead of listed when [`Since::sets`] allows. MachineSets and Machines are listed by the
-    /// label Cluster API gives a group's own (see [`Actuator::own_label`]), so a write costs the
-    /// group's objects, not the namespace's. Without `members` (an operation that decides from the
-    /// group object and its Cluster alone) neither MachineSets nor Machines are read: the read has
-    /// no members, and what Cluster API observed and a rollout are as cached.
+    /// etcd at once; right after a landed write of the operation's own to the group, its answer is
+    /// that read: [`Since::group_answered`]), then its MachineSets and its Machines beside them,
+    /// listed at a revision not older than the group as just read and than every write this process
+    /// made to the group's objects ([`Since`]): neither the members nor what Cluster API observed
+    /// are then older than the group, nor than this process's own writes. The Machines, and the
+    /// MachineSets, are not listed at all once their watch has brought every event up to that
+    /// revision (right after a write of the operation's own to a Machine, a read waits a moment for
+    /// the Machines watch): the cache then holds what such a list would return, or newer. The
+    /// MachineSets are read one by one (GETs) instead of listed when [`Since::sets`] allows.
+    /// MachineSets and Machines are listed by the label Cluster API gives a group's own (see
+    /// [`Actuator::own_label`]), so a write costs the group's objects, not the namespace's. Without
+    /// `members` (an operation that decides from the group object and its Cluster alone) neither
+    /// MachineSets nor Machines are read: the read has no members, and what Cluster API observed
+    /// and a rollout are as cached.
     pub(super) async fn read(
         &self,
         id: &str,
