@@ -64,11 +64,12 @@ impl Actuator {
     ) -> Result<Option<Read>, ActuatorError> {
         let kind = group.kind();
         let key = group.resource.key.clone();
+        let answered = since.take_group_answered();
         match self.store.cached_resource(kind, &key) {
             // The group as this operation's own write just returned it (or newer, from the
             // watch): that answer is a read of the group at the write's revision, as a GET would
             // be (the Cluster as cached).
-            Some(cached) if since.take_group_answered() => {
+            Some(cached) if answered => {
                 since.saw(Some(&cached.resource_version));
             }
             _ => self.read_group(group, since).await?,

@@ -8,6 +8,13 @@ use super::{
 use crate::cache::Index;
 use crate::capi::{Machine, Name, ObjectKey};
 
+/// A group's delete marks ([`MachineView::marks`]).
+#[derive(Default)]
+pub(super) struct Marks {
+    pub foreign: Vec<String>,
+    pub any: bool,
+}
+
 /// The cached Machines and Nodes a group's instances are read from.
 #[derive(Clone, Copy)]
 pub(super) struct MachineView<'a> {
@@ -17,47 +24,28 @@ pub(super) struct MachineView<'a> {
 }
 
 impl MachineView<'_> {
-    /// The Machines (not being deleted) of `instances` and `unlisted` carrying a delete mark this
-    /// provider did not write.
-    pub(super) fn foreign_marks(
-        &self,
-        instances: &[Instance],
-        unlisted: &[ObjectKey],
-    ) -> Vec<String> {
-        let delete_key = self.delete_key;
-        instances
+    /// The delete marks on the Machines of `instances` and `unlisted`: those (not being deleted)
+    /// this provider did not write, by name, and whether any of them (being deleted or not) carries
+    /// one, anyone's.
+    pub(super) fn marks(&self, instances: &[Instance], unlisted: &[ObjectKey]) -> Marks {
+        let mut marks = Marks::default();
+        let members = instances
             .iter()
             .filter_map(|i| i.machine.as_ref())
-            .chain(unlisted)
-            .filter(|key| {
-                self.index
-                    .machines()
-                    .get(*key)
-                    .and_then(|m| m.as_ref().ok())
-                    .is_some_and(|m| {
-                        !m.deleting
-                            && m.annotations
-                                .get(delete_key)
-                                .is_some_and(|v| !crate::protocol::is_our_mark(v))
-                    })
-            })
-            .map(|key| key.name.to_string())
-            .collect()
-    }
-
-    /// Whether a Machine of `instances` or `unlisted` (being deleted or not) carries a delete mark.
-    pub(super) fn marked(&self, instances: &[Instance], unlisted: &[ObjectKey]) -> bool {
-        instances
-            .iter()
-            .filter_map(|i| i.machine.as_ref())
-            .chain(unlisted)
-            .any(|key| {
-                self.index
-                    .machines()
-                    .get(key)
-                    .and_then(|m| m.as_ref().ok())
-                    .is_some_and(|m| m.annotations.contains_key(self.delete_key))
-            })
+            .chain(unlisted);
+        for key in members {
+            let Some(machine) = self.index.machines().get(key).and_then(|m| m.as_ref().ok()) else {
+                continue;
+            };
+            let Some(mark) = machine.annotations.get(self.delete_key) else {
+                continue;
+            };
+            marks.any = true;
+            if !machine.deleting && !crate::protocol::is_our_mark(mark) {
+                marks.foreign.push(key.name.to_string());
+            }
+        }
+        marks
     }
 
     /// Marked Machines that the replica count no longer covers are on their way out: CAPI deletes

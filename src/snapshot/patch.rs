@@ -176,8 +176,8 @@ impl<'a> Builder<'a> {
             .filter(|i| i.state == InstanceState::Running)
             .count();
         group.registered = running as i32 + group.unlisted.len() as i32;
-        group.foreign_marks = self.machines().foreign_marks(&list, &group.unlisted);
-        group.marked = self.machines().marked(&list, &group.unlisted);
+        let marks = self.machines().marks(&list, &group.unlisted);
+        (group.foreign_marks, group.marked) = (marks.foreign, marks.any);
         group.instances = list;
         Some(())
     }

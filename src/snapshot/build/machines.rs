@@ -202,10 +202,8 @@ impl<'a> Builder<'a> {
                 + unlisted as i32;
             group.instances = list;
             group.unlisted = found.unlisted.remove(id.as_str()).unwrap_or_default();
-            group.foreign_marks = self
-                .machines()
-                .foreign_marks(&group.instances, &group.unlisted);
-            group.marked = self.machines().marked(&group.instances, &group.unlisted);
+            let marks = self.machines().marks(&group.instances, &group.unlisted);
+            (group.foreign_marks, group.marked) = (marks.foreign, marks.any);
         }
     }
 }
