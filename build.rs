@@ -28,6 +28,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ".clusterautoscaler.cloudprovider.v1.externalgrpc.NodeGroupsResponse",
             "crate::proto::NodeGroupsResponse",
         )
+        // Shared, not copied, by every answer of the same template.
+        .bytes(".clusterautoscaler.cloudprovider.v1.externalgrpc.NodeGroupTemplateNodeInfoResponse")
         .compile_fds(descriptors)?;
 
     println!("cargo:rerun-if-env-changed=BUILD_GIT_COMMIT");

@@ -28,8 +28,10 @@ mod zone;
 
 use crate::capi::Labels;
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 
 use k8s_openapi::api::core::v1 as api;
+use prost::bytes::Bytes;
 
 use crate::capi::{InfraTemplate, ScalableResource, Taint};
 use crate::problem::{Problem, Subject};
@@ -99,10 +101,30 @@ pub struct TemplateOutcome {
     pub problems: Vec<Problem>,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct TemplateNode {
     pub node: api::Node,
     pub summary: TemplateSummary,
+    /// `node` as CA receives it, encoded by the gRPC layer the first time CA asks: a template is
+    /// shared by every snapshot until its group changes, so each is encoded once.
+    pub encoded: OnceLock<Bytes>,
+}
+
+impl TemplateNode {
+    fn new(node: api::Node, summary: TemplateSummary) -> Self {
+        TemplateNode {
+            node,
+            summary,
+            encoded: OnceLock::new(),
+        }
+    }
+}
+
+/// Two templates are the same when they describe the same node, encoded or not.
+impl PartialEq for TemplateNode {
+    fn eq(&self, other: &Self) -> bool {
+        self.node == other.node && self.summary == other.summary
+    }
 }
 
 /// Where the capacity came from (the default `pods` does not count). Serialized as its text.
@@ -219,7 +241,7 @@ pub fn build(inputs: &TemplateInputs) -> TemplateOutcome {
     summary.zone = zone;
     let node = node(&summary, &capacity, inputs.group_id);
     TemplateOutcome {
-        template: Some(TemplateNode { node, summary }),
+        template: Some(TemplateNode::new(node, summary)),
         problems,
     }
 }

@@ -392,7 +392,7 @@ impl Floor {
                 (wire(g).id, NodeGroupNodesResponse { instances })
             })
             .collect();
-        let bytes = template_node().encode_to_vec();
+        let bytes = prost::bytes::Bytes::from(template_node().encode_to_vec());
         Floor {
             groups,
             by_node,

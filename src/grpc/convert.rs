@@ -220,9 +220,12 @@ pub(super) fn nodes_to_delete(nodes: Vec<ExternalGrpcNode>) -> Vec<NodeToDelete>
 
 /// A template node as Kubernetes protobuf: the bytes of Go's `v1.Node.Marshal()` (no `k8s\0`
 /// envelope, no TypeMeta), for `nodeBytes` of `NodeGroupTemplateNodeInfoResponse`. Carries every
-/// field [`crate::template::build`] sets.
-pub fn template_bytes(template: &TemplateNode) -> Vec<u8> {
-    to_pb(&template.node).encode_to_vec()
+/// field [`crate::template::build`] sets. Encoded once per template; later answers share the bytes.
+pub fn template_bytes(template: &TemplateNode) -> prost::bytes::Bytes {
+    template
+        .encoded
+        .get_or_init(|| to_pb(&template.node).encode_to_vec().into())
+        .clone()
 }
 
 /// k8s-openapi `Node` → k8s-pb `Node`, for the fields templates use.

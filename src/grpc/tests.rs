@@ -68,7 +68,7 @@ fn node() -> k8s_pb::api::core::v1::Node {
 
 #[test]
 fn an_old_ca_reads_the_template_from_the_legacy_field() {
-    let bytes = node().encode_to_vec();
+    let bytes = prost::bytes::Bytes::from(node().encode_to_vec());
     let response = NodeGroupTemplateNodeInfoResponse {
         node_info: bytes.clone(),
         node_bytes: bytes,
@@ -78,7 +78,7 @@ fn an_old_ca_reads_the_template_from_the_legacy_field() {
     let new =
         NodeGroupTemplateNodeInfoResponse::decode(response.encode_to_vec().as_slice()).unwrap();
     assert_eq!(
-        k8s_pb::api::core::v1::Node::decode(new.node_bytes.as_slice()).unwrap(),
+        k8s_pb::api::core::v1::Node::decode(new.node_bytes).unwrap(),
         node()
     );
 }
@@ -527,6 +527,11 @@ mod handlers {
     impl Fixed {
         /// MachineDeployment ns/md (min 1, max 5, replicas 2) with Machines a and b.
         fn new() -> Fixed {
+            Fixed::of(md(2))
+        }
+
+        /// `md` (MachineDeployment ns/md) with its MachineSet md-1 of 2 replicas, Machines a and b.
+        fn of(md: serde_json::Value) -> Fixed {
             let settings = Settings::default();
             let ms = json!({
                 "kind": "MachineSet",
@@ -538,7 +543,7 @@ mod handlers {
             });
             let index = index_of(
                 vec![
-                    (ScalableKind::MachineDeployment, md(2)),
+                    (ScalableKind::MachineDeployment, md),
                     (ScalableKind::MachineSet, ms),
                 ],
                 vec![machine("a", "md-1"), machine("b", "md-1")],
@@ -635,6 +640,36 @@ mod handlers {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         encoding.abort();
+    }
+
+    /// CA asks for a group's template every loop: the template is encoded on the first call, and
+    /// every answer after it (both fields) shares those bytes.
+    #[tokio::test]
+    async fn a_groups_template_is_encoded_once_and_every_answer_shares_the_bytes() {
+        let mut md = md(2);
+        md["metadata"]["annotations"][crate::capi::capacity::CPU] = json!("2");
+        md["metadata"]["annotations"][crate::capi::capacity::MEMORY] = json!("4Gi");
+        let (service, backend) = service(Fixed::of(md));
+        let request = || Request::new(NodeGroupTemplateNodeInfoRequest { id: ID.into() });
+        let first = service.node_group_template_node_info(request()).await;
+        let second = service.node_group_template_node_info(request()).await;
+        let (first, second) = (first.unwrap().into_inner(), second.unwrap().into_inner());
+
+        let node = backend
+            .snapshot
+            .group(ID)
+            .unwrap()
+            .template
+            .clone()
+            .unwrap();
+        assert_eq!(
+            <k8s_pb::api::core::v1::Node as prost::Message>::decode(&first.node_bytes[..]).unwrap(),
+            super::super::convert::to_pb(&node.node)
+        );
+        for bytes in [&first.node_info, &second.node_bytes, &second.node_info] {
+            assert_eq!(bytes.as_ptr(), first.node_bytes.as_ptr(), "encoded again");
+            assert_eq!(bytes.len(), first.node_bytes.len());
+        }
     }
 
     #[tokio::test]
@@ -840,7 +875,7 @@ fn template_bytes_carry_every_field_the_template_sets() {
     let bytes = template_bytes(&t);
     assert!(!bytes.is_empty());
     assert!(!bytes.starts_with(b"k8s\0"));
-    let decoded = k8s_pb::api::core::v1::Node::decode(bytes.as_slice()).expect("decodes");
+    let decoded = k8s_pb::api::core::v1::Node::decode(&bytes[..]).expect("decodes");
     assert_eq!(decoded, to_pb(&t.node));
 
     let md = decoded.metadata.clone().unwrap_or_default();

@@ -229,7 +229,7 @@ pub async fn template_node(rpc: &mut Rpc, id: &str) -> Result<TemplateAnswer, St
         response.node_info, response.node_bytes,
         "NodeGroupTemplateNodeInfo({id}): the legacy nodeInfo field must carry the same bytes as nodeBytes"
     );
-    let node = pb::Node::decode(response.node_bytes.as_slice()).unwrap_or_else(|e| {
+    let node = pb::Node::decode(&response.node_bytes[..]).unwrap_or_else(|e| {
         panic!("NodeGroupTemplateNodeInfo({id}): nodeBytes is no v1.Node: {e}")
     });
     Ok(TemplateAnswer { node, response })
