@@ -325,7 +325,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
     }
     let bytes = template_bytes(t);
     let decoded =
-        k8s_pb::api::core::v1::Node::decode(bytes.as_slice()).expect("template bytes decode");
+        k8s_pb::api::core::v1::Node::decode(&bytes[..]).expect("template bytes decode");
     assert_eq!(decoded.encode_to_vec(), bytes);
     assert_eq!(
         decoded.metadata.and_then(|m| m.name).as_deref(),
