@@ -260,11 +260,19 @@ impl Index {
         self.machines.get(key).and_then(|m| m.as_ref().ok())
     }
 
-    pub fn apply_node(&mut self, node: Node) {
+    /// Whether the Node changed what the index keeps of it. A kubelet rewrites its Node's status
+    /// (conditions, images, heartbeats) without touching any of that: such an update costs no
+    /// snapshot build, where every one was a whole build (half a second at 100,000 Machines,
+    /// hundreds of updates a second from as many kubelets).
+    pub fn apply_node(&mut self, node: Node) -> bool {
+        if self.nodes.get(&node.name).is_some_and(|old| **old == node) {
+            return false;
+        }
         self.journal.other = true;
         self.count_node_cluster(Some(&node), 1);
         let old = self.nodes.insert(node.name.clone(), Arc::new(node));
         self.count_node_cluster(old.as_deref(), -1);
+        true
     }
 
     pub fn delete_node(&mut self, name: &str) {

@@ -57,6 +57,10 @@ pub(super) fn machine(name: &str, rv: &str, provider_id: &str, mark: Option<&str
 }
 
 fn node(name: &str, rv: &str, cluster: Option<&str>) -> NodeObject {
+    NodeObject::from_json(node_json(name, rv, cluster)).expect("a Node")
+}
+
+fn node_json(name: &str, rv: &str, cluster: Option<&str>) -> serde_json::Value {
     let annotations = match cluster {
         Some(cluster) => json!({
             "cluster.x-k8s.io/cluster-namespace": "ns",
@@ -64,12 +68,11 @@ fn node(name: &str, rv: &str, cluster: Option<&str>) -> NodeObject {
         }),
         None => json!({}),
     };
-    NodeObject::from_json(json!({
+    json!({
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "resourceVersion": rv, "annotations": annotations},
         "spec": {"providerID": format!("e2e:///{name}")},
-    }))
-    .expect("a Node")
+    })
 }
 
 fn infra_kind() -> InfraKind {
@@ -373,6 +376,37 @@ fn nodes_count_the_clusters_they_name_as_they_come_and_go() {
     reset(&mut index, &n, listed);
     assert_eq!(observed(&index), ["ns/c3"]);
     assert_eq!(index.nodes().len(), 1);
+}
+
+/// A kubelet's status updates (conditions, heartbeats, images) leave the Node's view as it was:
+/// no change for the next snapshot. A label templates copy, a providerID or a Cluster is one.
+#[test]
+fn a_node_update_that_changes_nothing_the_index_keeps_is_no_change() {
+    let keys = Keys::default();
+    let n = Watched::Node;
+    let mut index = Index::default();
+    assert!(apply(&mut index, &keys, &n, node("n1", "1", Some("c1"))));
+    index.take_journal();
+
+    let mut heartbeat = node_json("n1", "2", Some("c1"));
+    heartbeat["status"] = json!({
+        "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "2026-11-29T21:00:00Z"}],
+        "images": [{"names": ["registry.example/app:1"], "sizeBytes": 1000}],
+    });
+    heartbeat["metadata"]["labels"] = json!({"not-copied.example/label": "x"});
+    let heartbeat = NodeObject::from_json(heartbeat).expect("a Node");
+    assert!(!apply(&mut index, &keys, &n, heartbeat));
+    assert!(!index.changed_since_snapshot());
+
+    let mut labelled = node_json("n1", "3", Some("c1"));
+    labelled["metadata"]["labels"] = json!({"kubernetes.io/arch": "arm64"});
+    let labelled = NodeObject::from_json(labelled).expect("a Node");
+    assert!(apply(&mut index, &keys, &n, labelled));
+    assert!(index.changed_since_snapshot());
+    index.take_journal();
+
+    assert!(apply(&mut index, &keys, &n, node("n1", "4", Some("c2"))));
+    assert!(index.changed_since_snapshot());
 }
 
 #[test]

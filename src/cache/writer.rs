@@ -145,7 +145,7 @@ pub fn reset(index: &mut Index, what: &Watched, objects: Vec<Prepared>) {
 /// index took it: a version older than the cached one is ignored, so a watch event behind a write
 /// already recorded, or a write's answer behind a watch event, never rolls the cache back; the
 /// cached version again (the watch's echo of a write already recorded) changes nothing, so it costs
-/// no snapshot build.
+/// no snapshot build; nor does a Node whose update changed nothing the index keeps of it.
 pub(crate) fn apply<const S: bool>(
     index: &mut Index,
     keys: &Keys,
@@ -171,11 +171,7 @@ pub(crate) fn apply<const S: bool>(
             }
         }
         Prepared::Machine(key, parsed) => index.apply_machine(key, parsed),
-        Prepared::Node(node) => {
-            if let Some(node) = node {
-                index.apply_node(node);
-            }
-        }
+        Prepared::Node(node) => return node.is_some_and(|node| index.apply_node(node)),
         Prepared::Infra(key, parsed) => {
             if let Watched::Infra(kind) = what {
                 index.apply_infra(kind.clone(), key, parsed);
