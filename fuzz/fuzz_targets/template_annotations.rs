@@ -324,8 +324,7 @@ fn run(u: &mut Unstructured) -> Result<()> {
         assert_eq!(s.labels.get(LABEL_HOSTNAME), Some(&s.name));
     }
     let bytes = template_bytes(t);
-    let decoded =
-        k8s_pb::api::core::v1::Node::decode(&bytes[..]).expect("template bytes decode");
+    let decoded = k8s_pb::api::core::v1::Node::decode(&bytes[..]).expect("template bytes decode");
     assert_eq!(decoded.encode_to_vec(), bytes);
     assert_eq!(
         decoded.metadata.and_then(|m| m.name).as_deref(),
