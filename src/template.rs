@@ -105,9 +105,9 @@ pub struct TemplateOutcome {
 pub struct TemplateNode {
     pub node: api::Node,
     pub summary: TemplateSummary,
-    /// `node` as CA receives it, encoded by the gRPC layer the first time CA asks: a template is
-    /// shared by every snapshot until its group changes, so each is encoded once.
-    pub encoded: OnceLock<Bytes>,
+    /// `node` as CA receives it, encoded the first time CA asks ([`TemplateNode::encoded`]): a
+    /// template is shared by every snapshot until its group changes, so each is encoded once.
+    encoded: OnceLock<Bytes>,
 }
 
 impl TemplateNode {
@@ -117,6 +117,14 @@ impl TemplateNode {
             summary,
             encoded: OnceLock::new(),
         }
+    }
+
+    /// `node` as `encode` writes it, encoded on the first call only; every later call shares
+    /// those bytes.
+    pub fn encoded(&self, encode: impl FnOnce(&api::Node) -> Vec<u8>) -> Bytes {
+        self.encoded
+            .get_or_init(|| encode(&self.node).into())
+            .clone()
     }
 }
 

@@ -222,10 +222,7 @@ pub(super) fn nodes_to_delete(nodes: Vec<ExternalGrpcNode>) -> Vec<NodeToDelete>
 /// envelope, no TypeMeta), for `nodeBytes` of `NodeGroupTemplateNodeInfoResponse`. Carries every
 /// field [`crate::template::build`] sets. Encoded once per template; later answers share the bytes.
 pub fn template_bytes(template: &TemplateNode) -> prost::bytes::Bytes {
-    template
-        .encoded
-        .get_or_init(|| to_pb(&template.node).encode_to_vec().into())
-        .clone()
+    template.encoded(|node| to_pb(node).encode_to_vec())
 }
 
 /// k8s-openapi `Node` → k8s-pb `Node`, for the fields templates use.
