@@ -430,7 +430,9 @@ async fn size(
                             (&mut ours, &mut ours_figures),
                             (&mut floor, &mut floor_figures),
                         ];
-                        if k % 2 == 1 {
+                        // Who goes first alternates across rounds too: at 100,000 Machines a round
+                        // holds one loop of each, and the machine calms down over the rounds.
+                        if (k + round) % 2 == 1 {
                             pair.reverse();
                         }
                         for (target, figures) in pair {
@@ -560,13 +562,29 @@ async fn replay_once(
     let identities: Vec<Identity> = target.identities.clone();
     let identities: Vec<&Identity> = identities.iter().collect();
     let before = apf::counts(admin).await;
-    let run = replay::run(
+    let cpu = || {
+        (
+            target.cpu(),
+            stats::cpu_of(std::process::id()),
+            stats::machine_cpu(),
+        )
+    };
+    let cpu_before = cpu();
+    let mut run = replay::run(
         &mut client,
         plan,
         mode,
         round as u64 + figures.loops.len() as u64,
     )
     .await;
+    let cpu_after = cpu();
+    run.server_cpu = cpu_after.0.zip(cpu_before.0).map(|(a, b)| a - b);
+    run.others_cpu = match (cpu_before, cpu_after) {
+        ((Some(s0), Some(c0), Some(m0)), (Some(s1), Some(c1), Some(m1))) => {
+            Some((m1 - m0) - (s1 - s0) - (c1 - c0))
+        }
+        _ => None,
+    };
     let after = apf::counts(admin).await;
     if let Err(e) = target.check_alive() {
         panic!("{e}");

@@ -91,6 +91,11 @@ pub struct LoopRun {
     /// Wall time actually spent.
     pub spent: Duration,
     pub estimated: bool,
+    /// CPU seconds the server used during the loop.
+    pub server_cpu: Option<f64>,
+    /// CPU seconds the rest of the machine used during the loop: all but the server and the replay
+    /// client (the API server, etcd, the other servers).
+    pub others_cpu: Option<f64>,
 }
 
 /// Replays one loop against `client`. `seed` picks the samples of a sampled loop.

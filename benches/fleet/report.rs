@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use serde_json::{Value, json};
 
-use crate::replay::KINDS;
+use crate::replay::{KINDS, LoopRun};
 use crate::stats::Samples;
 use crate::{ServerFigures, SizeResult};
 
@@ -168,6 +168,35 @@ fn rows(r: &SizeResult) -> Vec<Row> {
             );
         }
     }
+    // Whole loops only: a sampled loop's CPU is of a different amount of work.
+    let cpu_per_loop = |f: &ServerFigures, pick: fn(&LoopRun) -> Option<f64>| {
+        let s = Samples(
+            f.loops
+                .iter()
+                .filter(|l| !l.estimated)
+                .filter_map(pick)
+                .collect(),
+        );
+        s.p50()
+    };
+    push(
+        "replay: the server's CPU per loop (median)",
+        Unit::Seconds,
+        cpu_per_loop(ours, |l| l.server_cpu),
+        None,
+        None,
+        floor.and_then(|f| cpu_per_loop(f, |l| l.server_cpu)),
+        String::new(),
+    );
+    push(
+        "replay: the rest of the machine's CPU per loop (median)",
+        Unit::Seconds,
+        cpu_per_loop(ours, |l| l.others_cpu),
+        None,
+        None,
+        floor.and_then(|f| cpu_per_loop(f, |l| l.others_cpu)),
+        "all but the server and the replay client: the API server, etcd, the idle servers".into(),
+    );
     push(
         "apiserver requests per replay loop (max)",
         Unit::Count,

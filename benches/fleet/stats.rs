@@ -67,6 +67,23 @@ pub fn cpu_of(pid: u32) -> Option<f64> {
     Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
 }
 
+/// CPU time every CPU of the machine has spent busy so far (user, nice, system, irq, softirq, steal),
+/// seconds.
+pub fn machine_cpu() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    let busy: u64 = [0, 1, 2, 5, 6, 7]
+        .iter()
+        .filter_map(|&i| fields.get(i))
+        .sum();
+    Some(busy as f64 / 100.0)
+}
+
 /// `VmRSS` and `VmHWM` (peak) of a process, in bytes.
 pub fn rss_of(pid: u32) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
