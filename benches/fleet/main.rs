@@ -562,14 +562,7 @@ async fn replay_once(
     let identities: Vec<Identity> = target.identities.clone();
     let identities: Vec<&Identity> = identities.iter().collect();
     let before = apf::counts(admin).await;
-    let cpu = || {
-        (
-            target.cpu(),
-            stats::cpu_of(std::process::id()),
-            stats::machine_cpu(),
-        )
-    };
-    let cpu_before = cpu();
+    let cpu_before = stats::cpu_by_process();
     let mut run = replay::run(
         &mut client,
         plan,
@@ -577,14 +570,18 @@ async fn replay_once(
         round as u64 + figures.loops.len() as u64,
     )
     .await;
-    let cpu_after = cpu();
-    run.server_cpu = cpu_after.0.zip(cpu_before.0).map(|(a, b)| a - b);
-    run.others_cpu = match (cpu_before, cpu_after) {
-        ((Some(s0), Some(c0), Some(m0)), (Some(s1), Some(c1), Some(m1))) => {
-            Some((m1 - m0) - (s1 - s0) - (c1 - c0))
-        }
-        _ => None,
-    };
+    let cpu_after = stats::cpu_by_process();
+    if let Some(pid) = target.pid() {
+        run.server_cpu = cpu_after
+            .get(&pid)
+            .zip(cpu_before.get(&pid))
+            .map(|(a, b)| a - b);
+        run.others_cpu = Some(stats::cpu_of_others(
+            &cpu_before,
+            &cpu_after,
+            &[pid, std::process::id()],
+        ));
+    }
     let after = apf::counts(admin).await;
     if let Err(e) = target.check_alive() {
         panic!("{e}");

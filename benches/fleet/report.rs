@@ -195,7 +195,7 @@ fn rows(r: &SizeResult) -> Vec<Row> {
         None,
         None,
         floor.and_then(|f| cpu_per_loop(f, |l| l.others_cpu)),
-        "all but the server and the replay client: the API server, etcd, the idle servers".into(),
+        "every other process: the API server, etcd, the idle servers".into(),
     );
     push(
         "apiserver requests per replay loop (max)",

@@ -1,5 +1,6 @@
 //! Latency samples and the figures made of them.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Samples of one measured thing (seconds), in arrival order.
@@ -67,21 +68,28 @@ pub fn cpu_of(pid: u32) -> Option<f64> {
     Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
 }
 
-/// CPU time every CPU of the machine has spent busy so far (user, nice, system, irq, softirq, steal),
-/// seconds.
-pub fn machine_cpu() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
-    let fields: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .map(|v| v.parse().ok())
-        .collect::<Option<_>>()?;
-    let busy: u64 = [0, 1, 2, 5, 6, 7]
+/// CPU time each process on the machine has used so far, seconds, by pid. (`/proc/stat`'s busy ticks are
+/// sampled at the timer tick and miss much of a server's short bursts; a process's own times do not.)
+pub fn cpu_by_process() -> BTreeMap<u32, f64> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return BTreeMap::new();
+    };
+    dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, cpu_of(pid)?)))
+        .collect()
+}
+
+/// CPU time used between two [`cpu_by_process`] readings by every process alive at both but `except`.
+pub fn cpu_of_others(
+    before: &BTreeMap<u32, f64>,
+    after: &BTreeMap<u32, f64>,
+    except: &[u32],
+) -> f64 {
+    after
         .iter()
-        .filter_map(|&i| fields.get(i))
-        .sum();
-    Some(busy as f64 / 100.0)
+        .filter(|(pid, _)| !except.contains(pid))
+        .filter_map(|(pid, a)| Some(a - before.get(pid)?))
+        .sum()
 }
 
 /// `VmRSS` and `VmHWM` (peak) of a process, in bytes.
