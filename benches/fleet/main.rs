@@ -576,10 +576,21 @@ async fn replay_once(
             .get(&pid)
             .zip(cpu_before.get(&pid))
             .map(|(a, b)| a - b);
-        run.others_cpu = Some(stats::cpu_of_others(
-            &cpu_before,
-            &cpu_after,
-            &[pid, std::process::id()],
+        let except = [pid, std::process::id()];
+        run.others_cpu = Some(stats::cpu_of_others(&cpu_before, &cpu_after, &except));
+        // Every loop: which neighbour took the time when a loop is slow.
+        let busiest = stats::busiest_others(&cpu_before, &cpu_after, &except, 3);
+        say(&format!(
+            "round {}: {} loop {:.3}s, its CPU {:.2}s; others {}",
+            round + 1,
+            target.name,
+            run.wall.as_secs_f64(),
+            run.server_cpu.unwrap_or(f64::NAN),
+            busiest
+                .iter()
+                .map(|(name, seconds)| format!("{name} {seconds:.2}s"))
+                .collect::<Vec<_>>()
+                .join(", ")
         ));
     }
     let after = apf::counts(admin).await;

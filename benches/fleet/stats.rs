@@ -92,6 +92,31 @@ pub fn cpu_of_others(
         .sum()
 }
 
+/// The `n` processes but `except` that used the most CPU between two [`cpu_by_process`] readings: name
+/// (from `/proc/PID/comm`) and seconds.
+pub fn busiest_others(
+    before: &BTreeMap<u32, f64>,
+    after: &BTreeMap<u32, f64>,
+    except: &[u32],
+    n: usize,
+) -> Vec<(String, f64)> {
+    let mut used: Vec<(u32, f64)> = after
+        .iter()
+        .filter(|(pid, _)| !except.contains(pid))
+        .filter_map(|(&pid, a)| Some((pid, a - before.get(&pid)?)))
+        .collect();
+    used.sort_by(|a, b| b.1.total_cmp(&a.1));
+    used.into_iter()
+        .take(n)
+        .map(|(pid, seconds)| {
+            let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .map(|c| c.trim().to_string())
+                .unwrap_or_else(|_| pid.to_string());
+            (name, seconds)
+        })
+        .collect()
+}
+
 /// `VmRSS` and `VmHWM` (peak) of a process, in bytes.
 pub fn rss_of(pid: u32) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
