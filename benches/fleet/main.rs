@@ -431,7 +431,7 @@ async fn size(
                             (&mut floor, &mut floor_figures),
                         ];
                         // Who goes first alternates across rounds too: at 100,000 Machines a round
-                        // holds one loop of each, and the machine calms down over the rounds.
+                        // holds one loop of each.
                         if (k + round) % 2 == 1 {
                             pair.reverse();
                         }
@@ -577,18 +577,19 @@ async fn replay_once(
             .zip(cpu_before.get(&pid))
             .map(|(a, b)| a - b);
         let except = [pid, std::process::id()];
-        run.others_cpu = Some(stats::cpu_of_others(&cpu_before, &cpu_after, &except));
-        // Every loop: which neighbour took the time when a loop is slow.
-        let busiest = stats::busiest_others(&cpu_before, &cpu_after, &except, 3);
+        let others = stats::cpu_of_others(&cpu_before, &cpu_after, &except);
+        run.others_cpu = Some(others.iter().map(|(_, seconds)| seconds).sum());
         say(&format!(
             "round {}: {} loop {:.3}s, its CPU {:.2}s; others {}",
             round + 1,
             target.name,
             run.wall.as_secs_f64(),
             run.server_cpu.unwrap_or(f64::NAN),
-            busiest
+            // Every loop: which neighbour took the time when a loop is slow.
+            others
                 .iter()
-                .map(|(name, seconds)| format!("{name} {seconds:.2}s"))
+                .take(3)
+                .map(|&(pid, seconds)| format!("{} {seconds:.2}s", stats::process_name(pid)))
                 .collect::<Vec<_>>()
                 .join(", ")
         ));

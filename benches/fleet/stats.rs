@@ -79,42 +79,27 @@ pub fn cpu_by_process() -> BTreeMap<u32, f64> {
         .collect()
 }
 
-/// CPU time used between two [`cpu_by_process`] readings by every process alive at both but `except`.
+/// CPU time each process but `except` used between two [`cpu_by_process`] readings, the busiest first
+/// (processes alive at both).
 pub fn cpu_of_others(
     before: &BTreeMap<u32, f64>,
     after: &BTreeMap<u32, f64>,
     except: &[u32],
-) -> f64 {
-    after
-        .iter()
-        .filter(|(pid, _)| !except.contains(pid))
-        .filter_map(|(pid, a)| Some(a - before.get(pid)?))
-        .sum()
-}
-
-/// The `n` processes but `except` that used the most CPU between two [`cpu_by_process`] readings: name
-/// (from `/proc/PID/comm`) and seconds.
-pub fn busiest_others(
-    before: &BTreeMap<u32, f64>,
-    after: &BTreeMap<u32, f64>,
-    except: &[u32],
-    n: usize,
-) -> Vec<(String, f64)> {
+) -> Vec<(u32, f64)> {
     let mut used: Vec<(u32, f64)> = after
         .iter()
         .filter(|(pid, _)| !except.contains(pid))
         .filter_map(|(&pid, a)| Some((pid, a - before.get(&pid)?)))
         .collect();
     used.sort_by(|a, b| b.1.total_cmp(&a.1));
-    used.into_iter()
-        .take(n)
-        .map(|(pid, seconds)| {
-            let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .map(|c| c.trim().to_string())
-                .unwrap_or_else(|_| pid.to_string());
-            (name, seconds)
-        })
-        .collect()
+    used
+}
+
+/// A process's name (`/proc/PID/comm`), or its pid once it has ended.
+pub fn process_name(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_else(|_| pid.to_string())
 }
 
 /// `VmRSS` and `VmHWM` (peak) of a process, in bytes.
