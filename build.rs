@@ -23,10 +23,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
-        // Hand-written in src/proto.rs: answered from bytes encoded once per snapshot.
+        // Hand-written in src/proto.rs: answered from bytes encoded once per group change.
         .extern_path(
             ".clusterautoscaler.cloudprovider.v1.externalgrpc.NodeGroupsResponse",
             "crate::proto::NodeGroupsResponse",
+        )
+        .extern_path(
+            ".clusterautoscaler.cloudprovider.v1.externalgrpc.NodeGroupForNodeResponse",
+            "crate::proto::NodeGroupForNodeResponse",
         )
         // Shared, not copied, by every answer of the same template.
         .bytes(".clusterautoscaler.cloudprovider.v1.externalgrpc.NodeGroupTemplateNodeInfoResponse")

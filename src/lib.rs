@@ -11,6 +11,7 @@ pub mod capi;
 pub mod check;
 pub mod config;
 pub mod discovery;
+mod encoded;
 mod events;
 pub mod explain;
 pub mod grpc;

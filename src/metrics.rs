@@ -1,6 +1,7 @@
 //! Prometheus metrics: RPCs, API writes, watches, snapshot builds, node groups and problems.
 //! deploy/monitoring/ (alerts, dashboard) uses these names; tests/monitoring.rs checks it uses no other.
 
+use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Metric, Registry};
 
 use crate::problem::ProblemKind;
+use crate::proto::METHODS;
 use crate::snapshot::{NotServed, Snapshot};
 use crate::version;
 
@@ -94,8 +96,18 @@ pub struct Metrics {
 struct Calls {
     requests: Family<RpcLabels, Counter>,
     seconds: Family<MethodLabels, Histogram>,
+    /// Per method of [`METHODS`], its OK count and its latency, taken from the families when first
+    /// needed: CA makes one call per node every loop, and a family lookup hashes its labels.
+    answered: [MethodHandles; METHODS.len()],
     rejected: Family<RejectLabels, Counter>,
     tls_reloads: Family<OutcomeLabels, Counter>,
+}
+
+/// One method's series in [`Calls`], as handles.
+#[derive(Default)]
+struct MethodHandles {
+    ok: OnceLock<Counter>,
+    latency: OnceLock<Histogram>,
 }
 
 /// Writes to the management cluster.
@@ -153,6 +165,7 @@ impl Calls {
                     Histogram::new(exponential_buckets(0.000_01, 4.0, 12))
                 }),
             ),
+            answered: Default::default(),
             rejected: registered(
                 registry,
                 "grpc_rejected",
@@ -342,17 +355,30 @@ impl Metrics {
     }
 
     pub fn rpc(&self, method: &'static str, code: tonic::Code, elapsed: Duration) {
-        self.calls
-            .requests
-            .get_or_create(&RpcLabels {
-                method,
-                code: code_name(code),
-            })
-            .inc();
-        self.calls
-            .seconds
-            .get_or_create(&MethodLabels { method })
-            .observe(elapsed.as_secs_f64());
+        let calls = &self.calls;
+        let handles = METHODS
+            .iter()
+            .position(|m| *m == method)
+            .and_then(|i| calls.answered.get(i));
+        let labels = || RpcLabels {
+            method,
+            code: code_name(code),
+        };
+        match handles {
+            Some(handles) if code == tonic::Code::Ok => handles
+                .ok
+                .get_or_init(|| calls.requests.get_or_create(&labels()).clone())
+                .inc(),
+            _ => calls.requests.get_or_create(&labels()).inc(),
+        };
+        let latency = || calls.seconds.get_or_create(&MethodLabels { method });
+        match handles {
+            Some(handles) => handles
+                .latency
+                .get_or_init(|| latency().clone())
+                .observe(elapsed.as_secs_f64()),
+            None => latency().observe(elapsed.as_secs_f64()),
+        }
     }
 
     /// One write to the management cluster and how long its request took.
@@ -514,6 +540,46 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("capi_autoscaler_provider_api_writes_total{operation=\"scale\",outcome=\"conflict\"} 1"), "{text}");
+    }
+
+    /// The OK answers of a known method are counted through its kept handles, every other code
+    /// and any other method through the families: all land in the same series.
+    #[test]
+    fn every_call_is_counted_by_method_and_code_and_timed_by_method() {
+        let m = Metrics::new();
+        for _ in 0..3 {
+            m.rpc(
+                "NodeGroupForNode",
+                tonic::Code::Ok,
+                Duration::from_micros(30),
+            );
+        }
+        m.rpc(
+            "NodeGroupForNode",
+            tonic::Code::InvalidArgument,
+            Duration::from_micros(5),
+        );
+        m.rpc(
+            "NodeGroupTargetSize",
+            tonic::Code::NotFound,
+            Duration::from_micros(5),
+        );
+        m.rpc("unknown", tonic::Code::Ok, Duration::from_micros(5));
+        let text = m.encode();
+        for line in [
+            "capi_autoscaler_provider_grpc_requests_total{method=\"NodeGroupForNode\",code=\"OK\"} 3",
+            "capi_autoscaler_provider_grpc_requests_total{method=\"NodeGroupForNode\",code=\"INVALID_ARGUMENT\"} 1",
+            "capi_autoscaler_provider_grpc_request_duration_seconds_count{method=\"NodeGroupForNode\"} 4",
+            "capi_autoscaler_provider_grpc_requests_total{method=\"NodeGroupTargetSize\",code=\"NOT_FOUND\"} 1",
+            "capi_autoscaler_provider_grpc_request_duration_seconds_count{method=\"NodeGroupTargetSize\"} 1",
+            "capi_autoscaler_provider_grpc_requests_total{method=\"unknown\",code=\"OK\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+        assert!(
+            !text.contains("method=\"NodeGroupTargetSize\",code=\"OK\""),
+            "a method never answered OK has no OK series: {text}"
+        );
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::config::ServeArgs;
 use crate::grpc::Service;
 use crate::grpc::wire::{self, Shape};
 use crate::metrics::Metrics;
+use crate::proto::METHODS;
 use crate::proto::cloud_provider_server::CloudProviderServer;
 use crate::scale::Actuator;
 use crate::startup::start_store;
@@ -350,25 +351,6 @@ async fn loopback_only(
 
 /// The CloudProvider service's path prefix; health and reflection are not limited.
 const CLOUD_PROVIDER: &str = "/clusterautoscaler.cloudprovider.v1.externalgrpc.CloudProvider/";
-
-/// Every CloudProvider method (bounded label values for the metrics).
-const METHODS: [&str; 15] = [
-    "NodeGroups",
-    "NodeGroupForNode",
-    "PricingNodePrice",
-    "PricingPodPrice",
-    "GPULabel",
-    "GetAvailableGPUTypes",
-    "Cleanup",
-    "Refresh",
-    "NodeGroupTargetSize",
-    "NodeGroupIncreaseSize",
-    "NodeGroupDeleteNodes",
-    "NodeGroupDecreaseTargetSize",
-    "NodeGroupNodes",
-    "NodeGroupTemplateNodeInfo",
-    "NodeGroupGetOptions",
-];
 
 /// Memory a request that carries nodes (their labels and annotations) may decode into.
 const NODE_REQUEST_BUDGET: u64 = 64 << 20;

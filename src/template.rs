@@ -28,12 +28,12 @@ mod zone;
 
 use crate::capi::Labels;
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 
 use k8s_openapi::api::core::v1 as api;
 use prost::bytes::Bytes;
 
 use crate::capi::{InfraTemplate, ScalableResource, Taint};
+use crate::encoded::Encoded;
 use crate::problem::{Problem, Subject};
 
 pub use annotations::{not_carried, parse_count, parse_labels_annotation, parse_taints_annotation};
@@ -107,7 +107,7 @@ pub struct TemplateNode {
     pub summary: TemplateSummary,
     /// `node` as CA receives it, encoded the first time CA asks ([`TemplateNode::encoded`]): a
     /// template is shared by every snapshot until its group changes, so each is encoded once.
-    encoded: OnceLock<Bytes>,
+    encoded: Encoded,
 }
 
 impl TemplateNode {
@@ -115,16 +115,14 @@ impl TemplateNode {
         TemplateNode {
             node,
             summary,
-            encoded: OnceLock::new(),
+            encoded: Encoded::default(),
         }
     }
 
     /// `node` as `encode` writes it, encoded on the first call only; every later call shares
     /// those bytes.
     pub fn encoded(&self, encode: impl FnOnce(&api::Node) -> Vec<u8>) -> Bytes {
-        self.encoded
-            .get_or_init(|| encode(&self.node).into())
-            .clone()
+        self.encoded.get_or_encode(|| encode(&self.node))
     }
 }
 

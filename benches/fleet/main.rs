@@ -256,7 +256,7 @@ fn options_text(o: &Options) -> String {
 }
 
 async fn run(options: &Options) -> Vec<SizeResult> {
-    let cp = support::control_plane(support::Setup::shipped());
+    let cp = support::control_plane(support::Setup::shipped().without_cache_consistency_checks());
     let admin = cp.admin_client().await;
     let system_ns = cp.fresh_namespace().await;
     let ids = Identities {

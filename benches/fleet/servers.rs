@@ -330,7 +330,8 @@ pub fn floor_main(plan: &str) {
 /// Answers every read RPC of the replay with a response computed once from the fleet plan.
 struct Floor {
     groups: NodeGroupsResponse,
-    by_node: HashMap<String, NodeGroup>,
+    /// Each node's answer, encoded (as the provider answers it, so the floor is no slower there).
+    by_node: HashMap<String, prost::bytes::Bytes>,
     sizes: HashMap<String, NodeGroupTargetSizeResponse>,
     nodes: HashMap<String, NodeGroupNodesResponse>,
     template: Arc<NodeGroupTemplateNodeInfoResponse>,
@@ -367,7 +368,10 @@ impl Floor {
         let groups = NodeGroupsResponse::from(plan.iter().map(wire).collect::<Vec<_>>());
         let by_node = plan
             .iter()
-            .flat_map(|g| members(g).into_iter().map(move |m| (m, wire(g))))
+            .flat_map(|g| {
+                let answer = prost::bytes::Bytes::from(node_group_field(&wire(g)));
+                members(g).into_iter().map(move |m| (m, answer.clone()))
+            })
             .collect();
         let sizes = plan
             .iter()
@@ -485,8 +489,9 @@ impl CloudProvider for Floor {
             .as_ref()
             .map(|n| n.provider_id.as_str())
             .unwrap_or_default();
-        Ok(Response::new(NodeGroupForNodeResponse {
-            node_group: Some(self.by_node.get(id).cloned().unwrap_or_default()),
+        Ok(Response::new(match self.by_node.get(id) {
+            Some(answer) => NodeGroupForNodeResponse::encoded(answer.clone()),
+            None => NodeGroupForNodeResponse::from(NodeGroup::default()),
         }))
     }
 

@@ -54,8 +54,8 @@ impl EncodedGroups {
         {
             return response.clone();
         }
-        let groups: Vec<NodeGroup> = snapshot.groups.values().map(wire_group).collect();
-        let response = NodeGroupsResponse::encoded(&groups);
+        let fields: Vec<prost::bytes::Bytes> = snapshot.groups.values().map(group_field).collect();
+        let response = NodeGroupsResponse::encoded(fields.iter().map(|f| f.as_ref()));
         *cached = Some((Arc::downgrade(snapshot), response.clone()));
         response
     }
@@ -67,6 +67,12 @@ impl EncodedGroups {
             .as_ref()
             .is_some_and(|(of, _)| std::ptr::eq(of.as_ptr(), Arc::as_ptr(snapshot)))
     }
+}
+
+/// `group` as it is sent, alone (NodeGroupForNode) or among the others (NodeGroups): encoded the
+/// first time either is answered, shared by every later answer until the group changes.
+pub(super) fn group_field(group: &Group) -> prost::bytes::Bytes {
+    group.encoded(|g| node_group_field(&wire_group(g)))
 }
 
 pub(super) fn wire_group(group: &Group) -> NodeGroup {

@@ -22,7 +22,7 @@ mod convert;
 mod limits;
 pub mod wire;
 
-use convert::{EncodedGroups, node_ref, period, wire_group};
+use convert::{EncodedGroups, group_field, node_ref, period};
 pub use convert::{options_response, template_bytes};
 use limits::{bounded, pod_bytes_within_limits, shorten};
 
@@ -193,14 +193,14 @@ impl<B: Backend> CloudProvider for Service<B> {
                 .as_ref()
                 .ok_or_else(|| Status::invalid_argument("node is required"))?;
             let snapshot = self.backend.snapshot();
-            // An empty id tells CA the node is not autoscaled.
-            let group = snapshot
-                .group_for_node(&node_ref(node), self.keys())
-                .map(wire_group)
-                .unwrap_or_default();
-            Ok(NodeGroupForNodeResponse {
-                node_group: Some(group),
-            })
+            Ok(
+                match snapshot.group_for_node(&node_ref(node), self.keys()) {
+                    Some(group) => NodeGroupForNodeResponse::encoded(group_field(group)),
+                    // An empty id tells CA the node is not autoscaled (a group it must get: CA reads
+                    // the id through it).
+                    None => NodeGroupForNodeResponse::from(NodeGroup::default()),
+                },
+            )
         })
         .await
     }

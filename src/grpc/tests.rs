@@ -403,13 +403,15 @@ mod rollout {
             .unwrap()
             .node_groups;
         assert_eq!(listed.len(), 1, "{listed:?}");
-        let for_node = service
+        let answer = service
             .node_group_for_node(Request::new(NodeGroupForNodeRequest {
                 node: Some(node(node_name)),
             }))
             .await
             .unwrap()
-            .into_inner()
+            .into_inner();
+        let for_node = NodeGroupForNodeResponse::decode(answer.encode_to_vec().as_slice())
+            .unwrap()
             .node_group
             .unwrap();
         (listed[0].clone(), for_node)
@@ -508,6 +510,7 @@ mod handlers {
     use crate::backend::{ApiCause, NodeToDelete};
     use crate::capi::ScalableKind;
     use crate::snapshot::Settings;
+    use prost::Message as _;
     use serde_json::json;
     use std::sync::Mutex;
 
@@ -640,6 +643,73 @@ mod handlers {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         encoding.abort();
+    }
+
+    async fn group_for_node(
+        service: &Service<Arc<Fixed>>,
+        node: ExternalGrpcNode,
+    ) -> (NodeGroupForNodeResponse, Option<NodeGroup>) {
+        let answer = service
+            .node_group_for_node(Request::new(NodeGroupForNodeRequest { node: Some(node) }))
+            .await
+            .unwrap()
+            .into_inner();
+        let read = NodeGroupForNodeResponse::decode(answer.encode_to_vec().as_slice()).unwrap();
+        (answer, read.node_group)
+    }
+
+    fn node_of(provider_id: &str, name: &str) -> ExternalGrpcNode {
+        ExternalGrpcNode {
+            provider_id: provider_id.into(),
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+
+    /// CA asks for the group of every node every loop: the group is encoded on the first answer
+    /// that needs it, and every NodeGroupForNode and NodeGroups answer after it sends those bytes.
+    #[tokio::test]
+    async fn a_group_is_encoded_once_for_every_node_group_for_node_and_node_groups_answer() {
+        let (service, backend) = service(Fixed::new());
+        let (a, read_a) = group_for_node(&service, node_of("e2e:///ns/a", "a")).await;
+        let (b, read_b) = group_for_node(&service, node_of("e2e:///ns/b", "b")).await;
+
+        let group = backend.snapshot.group(ID).unwrap();
+        assert_eq!(read_a, Some(super::super::convert::wire_group(group)));
+        assert_eq!(
+            read_a.as_ref().unwrap().debug,
+            "MachineDeployment/ns/md (min: 1, max: 5, replicas: 2)"
+        );
+        assert_eq!(read_b, read_a);
+        let kept = group.encoded(|_| panic!("the group was not kept encoded by its first answer"));
+        assert_eq!(a.encode_to_vec(), kept.to_vec());
+        assert_eq!(b.encode_to_vec(), kept.to_vec());
+
+        let groups = service
+            .node_groups(Request::new(NodeGroupsRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            groups.encode_to_vec(),
+            kept.to_vec(),
+            "one group: its bytes alone"
+        );
+    }
+
+    /// A node of no group gets a group with an empty id, not none: CA reads the id through it.
+    #[tokio::test]
+    async fn a_node_of_no_group_is_answered_with_an_empty_group() {
+        let (service, _) = service(Fixed::new());
+        for node in [node_of("e2e:///ns/elsewhere", "elsewhere"), node_of("", "")] {
+            let (answer, read) = group_for_node(&service, node).await;
+            assert_eq!(read, Some(NodeGroup::default()));
+            assert_eq!(
+                answer.encode_to_vec(),
+                [0x0a, 0x00],
+                "field 1, an empty message"
+            );
+        }
     }
 
     /// CA asks for a group's template every loop: the template is encoded on the first call, and

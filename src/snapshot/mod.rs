@@ -9,10 +9,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use prost::bytes::Bytes;
+
 use crate::cache::Index;
 use crate::capi::rollout::Rollout;
 use crate::capi::{Keys, Name, ObjectKey, ScalableKind, ScalableResource, providerid};
 use crate::discovery::DiscoverySpec;
+use crate::encoded::Encoded;
 use crate::options::GroupOptions;
 use crate::pricing::{PriceSource, ReferencePrices};
 use crate::problem::Problem;
@@ -97,9 +100,18 @@ pub struct NodeGroup {
     /// one of its MachineDeployment's): the replicas beyond its Machines are reported as instances
     /// being created with an error (`crate::capi::preflight`).
     pub preflight: Option<crate::capi::preflight::PreflightHold>,
+    /// The group as CA receives it ([`NodeGroup::encoded`]): a group is shared by every snapshot
+    /// until it changes, so it is encoded once per change, not once per NodeGroupForNode.
+    encoded: Encoded,
 }
 
 impl NodeGroup {
+    /// The group as `encode` writes it, encoded on the first call only; every later call shares
+    /// those bytes.
+    pub fn encoded(&self, encode: impl FnOnce(&NodeGroup) -> Vec<u8>) -> Bytes {
+        self.encoded.get_or_encode(|| encode(self))
+    }
+
     pub fn kind(&self) -> ScalableKind {
         self.resource.kind
     }

@@ -9,6 +9,7 @@ use crate::cache::Index;
 use crate::capi::rollout::{self, REVISION_ANNOTATION, Rollout};
 use crate::capi::{self, ObjectKey, ScalableKind, ScalableResource, owners};
 use crate::discovery;
+use crate::encoded::Encoded;
 use crate::options;
 use crate::pricing;
 use crate::problem::{Problem, ProblemKind};
@@ -285,6 +286,7 @@ impl<'a> Builder<'a> {
                 price,
                 rollout,
                 preflight,
+                encoded: Encoded::default(),
             }
         });
         Some((group, problems))
