@@ -155,6 +155,9 @@ impl NodeGroup {
 pub struct Location {
     /// One string per group, shared by its locations.
     pub group_id: Name,
+    /// The group's position in the snapshot's [`Groups`] (`u32::MAX`: not served), so that CA's
+    /// question of every node finds its group without looking its id up.
+    group: u32,
     pub machine: Option<ObjectKey>,
     /// The node is listed in the MachinePool's providerIDList.
     pub in_pool_list: bool,
@@ -253,52 +256,88 @@ impl NotServed {
     }
 }
 
-/// The served node groups by id. A group, and its id, are shared by every snapshot it did not
-/// change in, so a rebuild after a write copies pointers, not groups or strings.
+/// The served node groups, in id order. A group, and its id, are shared by every snapshot it did
+/// not change in, so a rebuild after a write copies pointers, not groups or strings.
 #[derive(Clone, Debug, Default)]
-pub struct Groups(BTreeMap<Arc<str>, Arc<NodeGroup>>);
+pub struct Groups {
+    list: Vec<Arc<NodeGroup>>,
+    /// Each group's position in `list`, by id. A patch changes groups, never which there are, so
+    /// the snapshots patched from one build share it (and their lookups' [`Location::group`]).
+    positions: Arc<HashMap<Arc<str>, u32>>,
+}
 
 impl Groups {
+    /// The groups of `served`, in its order.
+    fn new(served: BTreeMap<Arc<str>, Arc<NodeGroup>>) -> Groups {
+        let mut positions = HashMap::with_capacity(served.len());
+        let mut list = Vec::with_capacity(served.len());
+        for (id, group) in served {
+            positions.insert(id, position(&list));
+            list.push(group);
+        }
+        Groups {
+            list,
+            positions: Arc::new(positions),
+        }
+    }
+
     pub fn get(&self, id: &str) -> Option<&NodeGroup> {
-        self.0.get(id).map(Arc::as_ref)
+        self.positions.get(id).and_then(|&at| self.at(at))
+    }
+
+    /// The group at `position` ([`Location::group`]).
+    fn at(&self, position: u32) -> Option<&NodeGroup> {
+        self.list.get(position as usize).map(Arc::as_ref)
+    }
+
+    /// The id of group `id` as every snapshot of this build shares it.
+    fn shared_id(&self, id: &str) -> Option<&Arc<str>> {
+        self.positions.get_key_value(id).map(|(id, _)| id)
+    }
+
+    /// Puts `group` in the place of the group of its id; `None` when there is none.
+    fn replace(&mut self, group: NodeGroup) -> Option<()> {
+        let at = *self.positions.get(group.id.as_str())?;
+        *self.list.get_mut(at as usize)? = Arc::new(group);
+        Some(())
     }
 
     pub fn contains_key(&self, id: &str) -> bool {
-        self.0.contains_key(id)
+        self.positions.contains_key(id)
     }
 
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.list.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.list.is_empty()
     }
 
     /// Ids in order.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.0.keys().map(AsRef::as_ref)
+        self.list.iter().map(|g| g.id.as_str())
     }
 
     /// Groups in id order.
     pub fn values(&self) -> impl Iterator<Item = &NodeGroup> {
-        self.0.values().map(Arc::as_ref)
+        self.list.iter().map(Arc::as_ref)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&str, &NodeGroup)> {
-        self.0.iter().map(|(id, g)| (id.as_ref(), g.as_ref()))
+        self.into_iter()
     }
 }
 
 impl<'a> IntoIterator for &'a Groups {
     type Item = (&'a str, &'a NodeGroup);
     type IntoIter = std::iter::Map<
-        std::collections::btree_map::Iter<'a, Arc<str>, Arc<NodeGroup>>,
-        fn((&'a Arc<str>, &'a Arc<NodeGroup>)) -> (&'a str, &'a NodeGroup),
+        std::slice::Iter<'a, Arc<NodeGroup>>,
+        fn(&'a Arc<NodeGroup>) -> (&'a str, &'a NodeGroup),
     >;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.0.iter().map(|(id, g)| (id.as_ref(), g.as_ref()))
+        self.list.iter().map(|g| (g.id.as_str(), g.as_ref()))
     }
 }
 
@@ -316,6 +355,17 @@ struct Lookup {
 }
 
 impl Lookup {
+    /// Sets each location's [`Location::group`] to its group's position in `groups`.
+    fn place_groups(&mut self, groups: &Groups) {
+        for location in &mut self.locations {
+            location.group = groups
+                .positions
+                .get(location.group_id.as_str())
+                .copied()
+                .unwrap_or(NOT_PLACED);
+        }
+    }
+
     /// Built once and kept until the next full build, so no room to grow: the served snapshot and
     /// the one being built are both held at a rebuild's peak.
     fn shrink_to_fit(&mut self) {
@@ -344,6 +394,7 @@ impl Lookup {
         let at = position(&self.locations);
         self.locations.push(Location {
             group_id: id.clone(),
+            group: NOT_PLACED,
             machine: instance.machine.clone(),
             in_pool_list,
         });
@@ -392,15 +443,20 @@ impl Snapshot {
     }
 
     pub fn group_for_node(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&NodeGroup> {
-        self.locate(node, keys)
-            .and_then(|l| self.groups.get(&l.group_id))
+        let location = self.locate(node, keys)?;
+        self.groups
+            .at(location.group)
+            .filter(|g| g.id.as_str() == location.group_id.as_str())
     }
 }
 
-/// The index the next location pushed onto `locations` gets.
-fn position(locations: &[Location]) -> u32 {
-    u32::try_from(locations.len()).unwrap_or(u32::MAX)
+/// The index the next item pushed onto `items` gets.
+fn position<T>(items: &[T]) -> u32 {
+    u32::try_from(items.len()).unwrap_or(u32::MAX)
 }
+
+/// [`Location::group`] until the groups are placed ([`Lookup::place_groups`]).
+const NOT_PLACED: u32 = u32::MAX;
 
 fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> crate::problem::Subject {
     crate::problem::Subject::object(kind, key)

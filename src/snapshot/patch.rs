@@ -52,7 +52,7 @@ impl<'a> Builder<'a> {
             } else {
                 group_problems.insert(Arc::clone(id), Arc::from(problems));
             }
-            groups.0.insert(Arc::clone(id), Arc::new(group));
+            groups.replace(group)?;
         }
         let mut snapshot = self.finish(
             basis,
@@ -77,7 +77,7 @@ impl<'a> Builder<'a> {
         let index = self.index;
         let mut affected: BTreeSet<&'a Arc<str>> = BTreeSet::new();
         let mut served = |id: String| {
-            if let Some((id, _)) = previous.groups.0.get_key_value(id.as_str()) {
+            if let Some(id) = previous.groups.shared_id(id.as_str()) {
                 affected.insert(id);
             }
         };

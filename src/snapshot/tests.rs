@@ -960,12 +960,21 @@ fn view(s: &Snapshot, nodes: &[(&str, &str)]) -> String {
         .iter()
         .map(|(id, name)| s.locate(&node(id, name), &keys).cloned())
         .collect();
+    // What NodeGroupForNode answers: the group found by position, as it is now.
+    let answered: Vec<_> = nodes
+        .iter()
+        .map(|(id, name)| {
+            s.group_for_node(&node(id, name), &keys)
+                .map(|g| (g.id.clone(), g.target, g.served_min()))
+        })
+        .collect();
     format!(
-        "{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{}",
+        "{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{}",
         s.groups.iter().collect::<Vec<_>>(),
         s.problems,
         s.skipped,
         located,
+        answered,
         s.reference_prices,
         s.machines
     )

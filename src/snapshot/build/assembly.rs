@@ -53,7 +53,6 @@ impl<'a> Builder<'a> {
         let found = self.machines_by_group(&groups, &mut lookup);
         self.attach_instances(&mut groups, found, &mut lookup);
         lookup.by_normalized_id = normalized_ids(&lookup);
-        lookup.shrink_to_fit();
         let mut templates = self.templates(&mut groups, &mut group_problems);
         // One shared id per group, for the maps every later patch copies.
         let mut shared_templates = HashMap::with_capacity(templates.len());
@@ -69,7 +68,9 @@ impl<'a> Builder<'a> {
             }
             served.insert(shared, Arc::new(group));
         }
-        let groups = Groups(served);
+        let groups = Groups::new(served);
+        lookup.place_groups(&groups);
+        lookup.shrink_to_fit();
         let (templates, group_problems) = (shared_templates, shared_problems);
         let mut base_problems = std::mem::take(&mut self.problems);
         base_problems.sort();

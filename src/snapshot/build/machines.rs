@@ -9,7 +9,8 @@ use crate::capi::{Name, ObjectKey, ScalableKind, owners, providerid};
 use crate::problem::Problem;
 use crate::snapshot::instances::{held_instances, is_synthetic};
 use crate::snapshot::{
-    GroupId, Instance, InstanceState, Location, Lookup, NodeGroup, object_name, position,
+    GroupId, Instance, InstanceState, Location, Lookup, NOT_PLACED, NodeGroup, object_name,
+    position,
 };
 
 /// Normalised providerIDs → locations, for nodes whose providerID is spelled differently from the
@@ -123,6 +124,7 @@ impl<'a> Builder<'a> {
                 .insert(key.clone(), position(&lookup.locations));
             lookup.locations.push(Location {
                 group_id: group_id.clone(),
+                group: NOT_PLACED,
                 machine: Some(key.clone()),
                 in_pool_list: false,
             });
