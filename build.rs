@@ -21,6 +21,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         descriptors.encode_to_vec(),
     )?;
     tonic_prost_build::configure()
+        // prost's, but a request that carries nodes is measured before it is decoded.
+        .codec_path("crate::grpc::codec::ScreenedCodec")
         .build_client(true)
         .build_server(true)
         // Hand-written in src/proto.rs: answered from bytes encoded once per group change.

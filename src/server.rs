@@ -2,27 +2,25 @@
 //! grpc.health.v1, and HTTP /metrics, /healthz, /readyz.
 //!
 //! Every CloudProvider call passes [`Limits`] first: at most `--max-concurrent-requests` at a time,
-//! answered within `--request-timeout`, no request larger than `--max-message-size`, and none whose
-//! few bytes would decode into far more memory (see [`crate::grpc::wire`]).
+//! answered within `--request-timeout`; none larger than `--max-message-size` (the gRPC library's
+//! limit) and none whose few bytes would decode into far more memory (`crate::grpc::codec`) is
+//! decoded.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use http_body_util::BodyExt;
-use tokio::sync::Semaphore;
-use tonic::body::Body;
 use tonic::transport::Server;
+
+mod deadlines;
+mod limits;
+
+pub use limits::Limits;
 
 use crate::config::ServeArgs;
 use crate::grpc::Service;
-use crate::grpc::wire::{self, Shape};
 use crate::metrics::Metrics;
-use crate::proto::METHODS;
 use crate::proto::cloud_provider_server::CloudProviderServer;
 use crate::scale::Actuator;
 use crate::startup::start_store;
@@ -369,226 +367,11 @@ async fn loopback_only(
         .into_response()
 }
 
-/// The CloudProvider service's path prefix; health and reflection are not limited.
-const CLOUD_PROVIDER: &str = "/clusterautoscaler.cloudprovider.v1.externalgrpc.CloudProvider/";
-
-/// Memory a request that carries nodes (their labels and annotations) may decode into.
-const NODE_REQUEST_BUDGET: u64 = 64 << 20;
-
-/// The requests whose decoded form can be far larger than their bytes: they carry
-/// `ExternalGrpcNode`s, whose maps and (for DeleteNodes) whose list cost hundreds of bytes per two
-/// bytes on the wire. PricingPodPrice carries its pod as bytes, checked by the handler.
-fn carries_nodes(method: &str) -> bool {
-    matches!(
-        method,
-        "NodeGroupDeleteNodes" | "NodeGroupForNode" | "PricingNodePrice"
-    )
-}
-
-/// Limits on every CloudProvider call, as a tower layer around the gRPC routes. One `Arc`: each
-/// call takes one reference.
-#[derive(Clone)]
-pub struct Limits(Arc<Bounds>);
-
-struct Bounds {
-    max_message: usize,
-    timeout: Duration,
-    permits: Semaphore,
-    concurrency: usize,
-    metrics: Arc<Metrics>,
-}
-
-impl Limits {
-    pub fn new(
-        max_message: usize,
-        concurrency: usize,
-        timeout: Duration,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        let concurrency = concurrency.clamp(1, Semaphore::MAX_PERMITS);
-        Limits(Arc::new(Bounds {
-            max_message,
-            timeout,
-            permits: Semaphore::new(concurrency),
-            concurrency,
-            metrics,
-        }))
-    }
-}
-
-impl Bounds {
-    fn reject(
-        &self,
-        method: &'static str,
-        reason: &'static str,
-        status: tonic::Status,
-    ) -> http::Response<Body> {
-        self.metrics.rejected(method, reason);
-        self.metrics.rpc(method, status.code(), Duration::ZERO);
-        tracing::warn!(method, reason, "{}", status.message());
-        status.into_http()
-    }
-
-    /// Reads the request (at most one message of `max_message` bytes) and, for requests that carry
-    /// nodes, refuses it when its decoded form would pass [`NODE_REQUEST_BUDGET`]; else gives it back
-    /// whole.
-    async fn screen(
-        &self,
-        method: &'static str,
-        request: http::Request<Body>,
-    ) -> Result<http::Request<Body>, http::Response<Body>> {
-        let (parts, body) = request.into_parts();
-        // The gRPC frame: one byte "compressed", four bytes length, the message.
-        let limit = self.max_message.saturating_add(5);
-        let bytes = match http_body_util::Limited::new(body, limit).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-                return Err(self.reject(
-                    method,
-                    "message-size",
-                    tonic::Status::resource_exhausted(format!(
-                        "{method}: the request is larger than --max-message-size ({} bytes)",
-                        self.max_message
-                    )),
-                ));
-            }
-            Err(e) => {
-                return Err(tonic::Status::cancelled(format!(
-                    "{method}: reading the request: {e}"
-                ))
-                .into_http());
-            }
-        };
-        // Unary: one frame. A compressed one is refused by the codec (no compression is enabled).
-        if carries_nodes(method)
-            && let Some((&0, rest)) = bytes.split_first()
-            && let Some(message) = rest.get(4..)
-            && let Err(e) = wire::cost(message, Shape::NodeRequest, NODE_REQUEST_BUDGET)
-        {
-            return Err(self.reject(
-                method,
-                "decoded-size",
-                tonic::Status::resource_exhausted(format!(
-                    "{method}: too many nodes, labels or annotations: {e}"
-                )),
-            ));
-        }
-        Ok(http::Request::from_parts(
-            parts,
-            Body::new(http_body_util::Full::new(bytes)),
-        ))
-    }
-}
-
-impl<S> tower::Layer<S> for Limits {
-    type Service = Limited<S>;
-
-    fn layer(&self, inner: S) -> Limited<S> {
-        Limited {
-            inner,
-            limits: self.clone(),
-        }
-    }
-}
-
-/// The gRPC routes behind [`Limits`].
-#[derive(Clone)]
-pub struct Limited<S> {
-    inner: S,
-    limits: Limits,
-}
-
-type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
-
-impl<S> tower::Service<http::Request<Body>> for Limited<S>
-where
-    S: tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-{
-    type Response = http::Response<Body>;
-    type Error = Infallible;
-    type Future = BoxFuture<Result<http::Response<Body>, Infallible>>;
-
-    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Infallible>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let method = request
-            .uri()
-            .path()
-            .strip_prefix(CLOUD_PROVIDER)
-            .map(|name| {
-                METHODS
-                    .into_iter()
-                    .find(|m| *m == name)
-                    .unwrap_or("unknown")
-            });
-        // The ready service answers this call; a clone takes its place for the next one.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
-        let Some(method) = method else {
-            return Box::pin(inner.call(request));
-        };
-        let limits = Arc::clone(&self.limits.0);
-        Box::pin(async move {
-            let deadline = tokio::time::Instant::now() + limits.timeout;
-            // A permit is free but under load: no timer then.
-            let permit = match limits.permits.try_acquire() {
-                Ok(permit) => permit,
-                Err(_) => match tokio::time::timeout_at(deadline, limits.permits.acquire()).await {
-                    Ok(Ok(permit)) => permit,
-                    Ok(Err(_)) | Err(_) => {
-                        return Ok(limits.reject(
-                            method,
-                            "concurrency",
-                            tonic::Status::unavailable(format!(
-                                "{method}: {} calls in progress (--max-concurrent-requests) for longer than {:?}; retry",
-                                limits.concurrency, limits.timeout
-                            )),
-                        ));
-                    }
-                },
-            };
-            let request = match tokio::time::timeout_at(deadline, limits.screen(method, request))
-                .await
-            {
-                Ok(Ok(request)) => request,
-                Ok(Err(response)) => return Ok(response),
-                Err(_) => {
-                    return Ok(limits.reject(
-                        method,
-                        "timeout",
-                        tonic::Status::deadline_exceeded(format!(
-                            "{method}: the request was not received within {:?} (--request-timeout)",
-                            limits.timeout
-                        )),
-                    ));
-                }
-            };
-            let response = match tokio::time::timeout_at(deadline, inner.call(request)).await {
-                Ok(response) => response,
-                Err(_) => Ok(limits.reject(
-                    method,
-                    "timeout",
-                    tonic::Status::deadline_exceeded(format!(
-                        "{method}: no answer within {:?} (--request-timeout); a scale operation that was accepted goes on to completion, retry to see its outcome",
-                        limits.timeout
-                    )),
-                )),
-            };
-            drop(permit);
-            response
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
+    use tonic::body::Body;
 
     /// `/check` behind [`loopback_only`], asked from `peer`: the status and body.
     async fn ask_check(peer: SocketAddr) -> (u16, String) {
@@ -628,147 +411,5 @@ mod tests {
         // A descriptor set that does not decode, or a missing import, fails here and not at start-up.
         reflection_v1().unwrap();
         reflection_v1alpha().unwrap();
-    }
-
-    mod limits {
-        use super::*;
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use tower::{Layer, Service as _};
-
-        /// Stands in for the gRPC routes: reads the request, waits `delay`, answers OK.
-        #[derive(Clone)]
-        struct Routes {
-            delay: Duration,
-            called: Arc<AtomicUsize>,
-            body_len: Arc<AtomicUsize>,
-        }
-
-        impl tower::Service<http::Request<Body>> for Routes {
-            type Response = http::Response<Body>;
-            type Error = Infallible;
-            type Future = BoxFuture<Result<http::Response<Body>, Infallible>>;
-
-            fn poll_ready(&mut self, _: &mut TaskContext<'_>) -> Poll<Result<(), Infallible>> {
-                Poll::Ready(Ok(()))
-            }
-
-            fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-                let me = self.clone();
-                Box::pin(async move {
-                    me.called.fetch_add(1, Ordering::SeqCst);
-                    let body = request.into_body().collect().await.unwrap().to_bytes();
-                    me.body_len.store(body.len(), Ordering::SeqCst);
-                    tokio::time::sleep(me.delay).await;
-                    Ok(tonic::Status::ok("").into_http())
-                })
-            }
-        }
-
-        fn routes(delay: Duration) -> Routes {
-            Routes {
-                delay,
-                called: Arc::new(AtomicUsize::new(0)),
-                body_len: Arc::new(AtomicUsize::new(0)),
-            }
-        }
-
-        fn limits(concurrency: usize, timeout: Duration) -> Limits {
-            Limits::new(1 << 20, concurrency, timeout, Arc::new(Metrics::new()))
-        }
-
-        /// A unary gRPC request to `method` carrying `message`.
-        fn call(method: &str, message: &[u8]) -> http::Request<Body> {
-            let mut framed = vec![0u8];
-            framed.extend((message.len() as u32).to_be_bytes());
-            framed.extend_from_slice(message);
-            http::Request::post(format!("{CLOUD_PROVIDER}{method}"))
-                .body(Body::new(http_body_util::Full::new(
-                    prost::bytes::Bytes::from(framed),
-                )))
-                .unwrap()
-        }
-
-        fn code(response: &http::Response<Body>) -> tonic::Code {
-            tonic::Status::from_header_map(response.headers())
-                .map(|s| s.code())
-                .unwrap_or(tonic::Code::Ok)
-        }
-
-        #[tokio::test]
-        async fn a_normal_call_passes_whole() {
-            let inner = routes(Duration::ZERO);
-            let mut svc = limits(4, Duration::from_secs(1)).layer(inner.clone());
-            let response = svc
-                .call(call("NodeGroupDeleteNodes", &[0x12, 0x01, b'x']))
-                .await
-                .unwrap();
-            assert_eq!(code(&response), tonic::Code::Ok);
-            assert_eq!(inner.body_len.load(Ordering::SeqCst), 8);
-        }
-
-        #[tokio::test]
-        async fn millions_of_empty_nodes_are_refused_before_decoding() {
-            let inner = routes(Duration::ZERO);
-            let mut svc = limits(4, Duration::from_secs(5)).layer(inner.clone());
-            let nodes: Vec<u8> = std::iter::repeat_n([0x0a, 0x00], 500_000)
-                .flatten()
-                .collect();
-            let response = svc
-                .call(call("NodeGroupDeleteNodes", &nodes))
-                .await
-                .unwrap();
-            assert_eq!(code(&response), tonic::Code::ResourceExhausted);
-            assert_eq!(inner.called.load(Ordering::SeqCst), 0);
-            // Over the size limit: refused whatever the method.
-            let big = vec![0u8; (1 << 20) + 1];
-            let response = svc.call(call("NodeGroupTargetSize", &big)).await.unwrap();
-            assert_eq!(code(&response), tonic::Code::ResourceExhausted);
-            assert_eq!(inner.called.load(Ordering::SeqCst), 0);
-        }
-
-        #[tokio::test]
-        async fn a_slow_call_is_answered_deadline_exceeded_in_time() {
-            let inner = routes(Duration::from_secs(30));
-            let mut svc = limits(4, Duration::from_millis(200)).layer(inner);
-            let started = Instant::now();
-            let response = svc.call(call("NodeGroupIncreaseSize", &[])).await.unwrap();
-            assert_eq!(code(&response), tonic::Code::DeadlineExceeded);
-            assert!(started.elapsed() < Duration::from_secs(5));
-        }
-
-        #[tokio::test]
-        async fn calls_over_the_concurrency_limit_wait_then_are_unavailable() {
-            let inner = routes(Duration::from_secs(30));
-            let layer = limits(1, Duration::from_millis(300));
-            let mut first = layer.layer(inner.clone());
-            let mut second = layer.layer(inner.clone());
-            let busy = tokio::spawn(first.call(call("NodeGroups", &[])));
-            // The first call holds the only permit until its own timeout.
-            tokio::time::timeout(Duration::from_secs(5), async {
-                while inner.called.load(Ordering::SeqCst) == 0 {
-                    tokio::task::yield_now().await;
-                }
-            })
-            .await
-            .expect("the first call reaches the routes");
-            let response = second.call(call("NodeGroups", &[])).await.unwrap();
-            assert_eq!(code(&response), tonic::Code::Unavailable);
-            assert_eq!(
-                code(&busy.await.unwrap().unwrap()),
-                tonic::Code::DeadlineExceeded
-            );
-            assert_eq!(inner.called.load(Ordering::SeqCst), 1);
-        }
-
-        #[tokio::test]
-        async fn health_and_reflection_are_not_limited() {
-            let inner = routes(Duration::from_millis(400));
-            let mut svc = limits(1, Duration::from_millis(100)).layer(inner);
-            let request = http::Request::post("/grpc.health.v1.Health/Check")
-                .body(Body::empty())
-                .unwrap();
-            let response = svc.call(request).await.unwrap();
-            assert_eq!(code(&response), tonic::Code::Ok);
-        }
     }
 }

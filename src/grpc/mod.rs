@@ -18,6 +18,7 @@ use crate::proto::*;
 use crate::snapshot::{GroupId, NodeGroup as Group, Snapshot};
 use crate::template::NODE_GROUP_ANNOTATION;
 
+pub(crate) mod codec;
 mod convert;
 mod limits;
 pub mod wire;

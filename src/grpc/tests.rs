@@ -712,6 +712,91 @@ mod handlers {
         }
     }
 
+    /// A request over --max-message-size, or one whose nodes would decode into too much memory, is
+    /// refused RESOURCE_EXHAUSTED by the served stack (the limits, the library, the codec) before
+    /// any handler runs, and counted; a normal one is answered.
+    #[tokio::test]
+    async fn hostile_requests_are_refused_before_the_handler_and_counted() {
+        use tower::{Layer, Service as _};
+        let backend = Arc::new(Fixed::new());
+        let metrics = Arc::new(Metrics::new());
+        let server = crate::proto::cloud_provider_server::CloudProviderServer::new(Service::new(
+            Arc::clone(&backend),
+            Arc::clone(&metrics),
+        ))
+        .max_decoding_message_size(1 << 20);
+        let limits = crate::server::Limits::new(
+            1 << 20,
+            4,
+            std::time::Duration::from_secs(2),
+            Arc::clone(&metrics),
+        );
+        let mut stack = limits.layer(server);
+        let call = |method: &str, message: Vec<u8>| {
+            let mut framed = vec![0u8];
+            framed.extend((message.len() as u32).to_be_bytes());
+            framed.extend(message);
+            http::Request::post(format!(
+                "/clusterautoscaler.cloudprovider.v1.externalgrpc.CloudProvider/{method}"
+            ))
+            .header("content-type", "application/grpc")
+            .body(tonic::body::Body::new(http_body_util::Full::new(
+                prost::bytes::Bytes::from(framed),
+            )))
+            .unwrap()
+        };
+        let status = |response: &http::Response<tonic::body::Body>| {
+            Status::from_header_map(response.headers()).unwrap_or_else(|| Status::ok(""))
+        };
+
+        let mut nodes = ID.as_bytes().to_vec();
+        nodes.insert(0, ID.len() as u8);
+        nodes.insert(0, 0x12); // field 2: the group id, then 500,000 empty nodes
+        nodes.extend(std::iter::repeat_n([0x0a, 0x00], 500_000).flatten());
+        let refused = stack
+            .call(call("NodeGroupDeleteNodes", nodes))
+            .await
+            .unwrap();
+        assert_eq!(status(&refused).code(), tonic::Code::ResourceExhausted);
+        assert!(
+            backend.writes().is_empty(),
+            "the handler ran: {:?}",
+            backend.writes()
+        );
+
+        let big = NodeGroupTargetSizeRequest {
+            id: "x".repeat((1 << 20) + 1),
+        };
+        let refused = stack
+            .call(call("NodeGroupTargetSize", big.encode_to_vec()))
+            .await
+            .unwrap();
+        assert_eq!(status(&refused).code(), tonic::Code::ResourceExhausted);
+        assert_eq!(
+            status(&refused).message(),
+            "NodeGroupTargetSize: the request is larger than --max-message-size (1048576 bytes)"
+        );
+
+        let normal = NodeGroupTargetSizeRequest { id: ID.into() };
+        let answered = stack
+            .call(call("NodeGroupTargetSize", normal.encode_to_vec()))
+            .await
+            .unwrap();
+        assert!(
+            answered.headers().get("grpc-status").is_none(),
+            "{answered:?}"
+        );
+
+        let text = metrics.encode();
+        for line in [
+            "capi_autoscaler_provider_grpc_rejected_total{method=\"NodeGroupDeleteNodes\",reason=\"decoded-size\"} 1",
+            "capi_autoscaler_provider_grpc_rejected_total{method=\"NodeGroupTargetSize\",reason=\"message-size\"} 1",
+            "capi_autoscaler_provider_grpc_requests_total{method=\"NodeGroupTargetSize\",code=\"OK\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+    }
+
     /// CA asks for a group's template every loop: the template is encoded on the first call, and
     /// every answer after it (both fields) shares those bytes.
     #[tokio::test]
