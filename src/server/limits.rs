@@ -159,11 +159,11 @@ where
                     .find(|m| *m == name)
                     .unwrap_or("unknown")
             });
-        // The ready service answers this call; a clone takes its place for the next one.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        // The routes' future does nothing until it is polled, after the permit: made here, it
+        // needs no clone of the routes moved into this call's future.
+        let answer = self.inner.call(request);
         let Some(method) = method else {
-            return Box::pin(inner.call(request));
+            return Box::pin(answer);
         };
         let limits = Arc::clone(&self.limits.0);
         Box::pin(async move {
@@ -189,7 +189,7 @@ where
                     }
                 },
             };
-            match limits.deadlines.before(deadline, inner.call(request)).await {
+            match limits.deadlines.before(deadline, answer).await {
                 Some(Ok(response)) => Ok(limits.answer(method, response)),
                 Some(Err(never)) => match never {},
                 None => Ok(limits.reject(
