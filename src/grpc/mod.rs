@@ -128,6 +128,9 @@ impl<B: Backend> Service<B> {
             Ok(_) => tonic::Code::Ok,
             Err(status) => status.code(),
         };
+        // The limits layer reads OUT_OF_RANGE as the gRPC library's refusal of a message over
+        // --max-message-size (`crate::server`): no handler answers it.
+        debug_assert_ne!(code, tonic::Code::OutOfRange, "{method}");
         self.metrics.rpc(method, code, started.elapsed());
         if let Err(status) = &result
             && !matches!(code, tonic::Code::Unimplemented | tonic::Code::NotFound)
