@@ -149,6 +149,32 @@ fn rows(r: &SizeResult) -> Vec<Row> {
             String::new()
         },
     );
+    let quiet = |f: &ServerFigures, pick: fn(&LoopRun) -> Option<f64>| {
+        Samples(f.quiet_loops().filter_map(pick).collect()).p50()
+    };
+    let quiet_count = |f: Option<&ServerFigures>| f.map_or(0, |f| f.quiet_loops().count());
+    push(
+        "replay: loop wall time, quiet loops (median)",
+        Unit::Seconds,
+        quiet(ours, |l| Some(l.wall.as_secs_f64())),
+        None,
+        None,
+        floor.and_then(|f| quiet(f, |l| Some(l.wall.as_secs_f64()))),
+        format!(
+            "n = {} / {}: loops in which every other process used under a tenth of a core",
+            quiet_count(Some(ours)),
+            quiet_count(floor)
+        ),
+    );
+    push(
+        "replay: the server's CPU per quiet loop (median)",
+        Unit::Seconds,
+        quiet(ours, |l| l.server_cpu),
+        None,
+        None,
+        floor.and_then(|f| quiet(f, |l| l.server_cpu)),
+        String::new(),
+    );
     for kind in KINDS {
         for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
             let of = |f: &ServerFigures| f.latency(kind).quantile(q);
@@ -694,6 +720,7 @@ fn server_json(f: &ServerFigures) -> Value {
         .collect();
     json!({
         "replay_loop_seconds": samples_json(&f.loop_times()),
+        "replay_quiet_loop_seconds": samples_json(&Samples(f.quiet_loops().map(|l| l.wall.as_secs_f64()).collect())),
         "replay_loop_estimated": f.estimated(),
         "rpc_seconds": latency,
         "rpc_errors": f.errors(),
