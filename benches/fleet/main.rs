@@ -179,15 +179,19 @@ impl ServerFigures {
     }
 
     /// The whole loops during which every other process together used less than a tenth of a core.
-    /// At 100,000 Machines the API server (a heap of about 13 GiB) collects its garbage every two
-    /// minutes or so, 5–13 CPU seconds, with no request from either server: the loops it lands on
-    /// are two to three times faster for both servers (the replay client and the server then share
-    /// a core instead of waking an idle one for each call), so which loops it lands on decides
-    /// the medians over a few rounds.
+    /// At 100,000 Machines the API server (a heap of about 13 GiB) spends 5–13 CPU seconds every few
+    /// minutes with no request from either server, most likely collecting its heap. The loops it lands
+    /// on are two to three times faster for both servers (likely because the replay client and the
+    /// server then share a core instead of waking an idle one for each call), so which loops it hits
+    /// decides a median over a few rounds.
     pub fn quiet_loops(&self) -> impl Iterator<Item = &LoopRun> {
         self.loops.iter().filter(|l| {
             !l.estimated && l.others_cpu.is_some_and(|c| c < 0.1 * l.wall.as_secs_f64())
         })
+    }
+
+    pub fn quiet_loop_times(&self) -> Samples {
+        Samples(self.quiet_loops().map(|l| l.wall.as_secs_f64()).collect())
     }
 
     pub fn estimated(&self) -> bool {

@@ -156,10 +156,10 @@ fn rows(r: &SizeResult) -> Vec<Row> {
     push(
         "replay: loop wall time, quiet loops (median)",
         Unit::Seconds,
-        quiet(ours, |l| Some(l.wall.as_secs_f64())),
+        ours.quiet_loop_times().p50(),
         None,
         None,
-        floor.and_then(|f| quiet(f, |l| Some(l.wall.as_secs_f64()))),
+        floor.and_then(|f| f.quiet_loop_times().p50()),
         format!(
             "n = {} / {}: loops in which every other process used under a tenth of a core",
             quiet_count(Some(ours)),
@@ -720,7 +720,7 @@ fn server_json(f: &ServerFigures) -> Value {
         .collect();
     json!({
         "replay_loop_seconds": samples_json(&f.loop_times()),
-        "replay_quiet_loop_seconds": samples_json(&Samples(f.quiet_loops().map(|l| l.wall.as_secs_f64()).collect())),
+        "replay_quiet_loop_seconds": samples_json(&f.quiet_loop_times()),
         "replay_loop_estimated": f.estimated(),
         "rpc_seconds": latency,
         "rpc_errors": f.errors(),
