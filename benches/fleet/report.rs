@@ -117,6 +117,14 @@ struct Row {
     a_at_least: bool,
 }
 
+/// The median of what `pick` reads of each of `loops` that has it.
+fn median<'a>(
+    loops: impl Iterator<Item = &'a LoopRun>,
+    pick: fn(&LoopRun) -> Option<f64>,
+) -> Option<f64> {
+    Samples(loops.filter_map(pick).collect()).p50()
+}
+
 fn rows(r: &SizeResult) -> Vec<Row> {
     let none = ServerFigures::default();
     let ours = r.servers.get("ours").unwrap_or(&none);
@@ -149,9 +157,7 @@ fn rows(r: &SizeResult) -> Vec<Row> {
             String::new()
         },
     );
-    let quiet = |f: &ServerFigures, pick: fn(&LoopRun) -> Option<f64>| {
-        Samples(f.quiet_loops().filter_map(pick).collect()).p50()
-    };
+    let quiet = |f: &ServerFigures, pick| median(f.quiet_loops(), pick);
     let quiet_count = |f: Option<&ServerFigures>| f.map_or(0, |f| f.quiet_loops().count());
     push(
         "replay: loop wall time, quiet loops (median)",
@@ -194,17 +200,7 @@ fn rows(r: &SizeResult) -> Vec<Row> {
             );
         }
     }
-    // Whole loops only: a sampled loop's CPU is of a different amount of work.
-    let cpu_per_loop = |f: &ServerFigures, pick: fn(&LoopRun) -> Option<f64>| {
-        let s = Samples(
-            f.loops
-                .iter()
-                .filter(|l| !l.estimated)
-                .filter_map(pick)
-                .collect(),
-        );
-        s.p50()
-    };
+    let cpu_per_loop = |f: &ServerFigures, pick| median(f.whole_loops(), pick);
     push(
         "replay: the server's CPU per loop (median)",
         Unit::Seconds,

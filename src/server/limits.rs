@@ -159,8 +159,9 @@ where
                     .find(|m| *m == name)
                     .unwrap_or("unknown")
             });
-        // The routes' future does nothing until it is polled, after the permit: made here, it
-        // needs no clone of the routes moved into this call's future.
+        // Calling the routes only picks the route; the handler's work is in the future, polled
+        // after the permit (a call refused before it never reaches the handler: the concurrency
+        // test). Made here, it needs no clone of the routes moved into this call's future.
         let answer = self.inner.call(request);
         let Some(method) = method else {
             return Box::pin(answer);
