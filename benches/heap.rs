@@ -18,10 +18,8 @@ mod listed;
 
 use std::time::Instant;
 
-use capi_autoscaler_provider::cache::writer::{Prepared, Watched, prepare, reset};
-use capi_autoscaler_provider::cache::{Index, InfraKind};
+use capi_autoscaler_provider::cache::Index;
 use capi_autoscaler_provider::capi::{ObjectKey, ScalableKind};
-use capi_autoscaler_provider::object::{ApiObject, NodeObject};
 use capi_autoscaler_provider::snapshot::{Settings, Snapshot};
 
 #[global_allocator]
@@ -60,43 +58,12 @@ fn main() {
     let profiler = dhat::Profiler::builder().file_name(&file).build();
 
     let settings = Settings::default();
-    let keys = settings.keys.clone();
     let mut index = Index::default();
     let mut rows = Vec::new();
-    let template_kind = InfraKind {
-        api_group: "infrastructure.cluster.x-k8s.io".into(),
-        kind: "E2EMachineTemplate".into(),
-    };
-    let kinds = [
-        (
-            "MachineDeployments",
-            Watched::Scalable(ScalableKind::MachineDeployment),
-            &listed.deployments,
-        ),
-        (
-            "MachineSets",
-            Watched::Scalable(ScalableKind::MachineSet),
-            &listed.machine_sets,
-        ),
-        ("Machines", Watched::Machine, &listed.machines),
-        ("Nodes", Watched::Node, &listed.nodes),
-        (
-            "infrastructure templates",
-            Watched::Infra(template_kind),
-            &listed.templates,
-        ),
-    ];
-    for (name, what, objects) in kinds {
+    for (name, what, objects) in listed.kinds() {
         let before = live();
         let started = Instant::now();
-        let prepared: Vec<Prepared> = objects
-            .iter()
-            .map(|bytes| match what {
-                Watched::Node => prepare(&keys, &what, parse::<NodeObject>(bytes)),
-                _ => prepare(&keys, &what, parse::<ApiObject>(bytes)),
-            })
-            .collect();
-        reset(&mut index, &what, prepared);
+        listed::take(&mut index, &what, objects);
         rows.push(Row {
             what: format!("cache: {name}"),
             objects: objects.len(),
@@ -168,10 +135,6 @@ fn main() {
     println!();
     print_sites(&file);
     eprintln!("wrote {}", file.display());
-}
-
-fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> T {
-    serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("a listed object: {e}"))
 }
 
 /// The allocation sites holding the most at the peak, from dhat's file: each by the first frame on

@@ -12,9 +12,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 use capi_autoscaler_provider::cache::Index;
-use capi_autoscaler_provider::cache::writer::{Prepared, Watched, prepare, reset};
+use capi_autoscaler_provider::cache::writer::Watched;
 use capi_autoscaler_provider::capi::ScalableKind;
-use capi_autoscaler_provider::object::{ApiObject, NodeObject};
 use capi_autoscaler_provider::snapshot::{Settings, Snapshot};
 
 /// Bytes asked of the allocator and not given back.
@@ -70,21 +69,9 @@ const SNAPSHOT_BOUND: isize = 1_550;
 
 /// Takes `objects` into `index` as a watch's list does; returns the bytes the index kept of them.
 fn list(index: &mut Index, what: Watched, objects: &[Vec<u8>]) -> isize {
-    let keys = Settings::default().keys;
     let before = live();
-    let prepared: Vec<Prepared> = objects
-        .iter()
-        .map(|bytes| match what {
-            Watched::Node => prepare(&keys, &what, parse::<NodeObject>(bytes)),
-            _ => prepare(&keys, &what, parse::<ApiObject>(bytes)),
-        })
-        .collect();
-    reset(index, &what, prepared);
+    listed::take(index, &what, objects);
     live() - before
-}
-
-fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> T {
-    serde_json::from_slice(bytes).expect("a listed object decodes")
 }
 
 #[test]

@@ -71,7 +71,7 @@ impl EncodedGroups {
 
 /// `group` as it is sent, alone (NodeGroupForNode) or among the others (NodeGroups): encoded the
 /// first time either is answered, shared by every later answer until the group changes.
-pub(super) fn group_field(group: &Group) -> prost::bytes::Bytes {
+pub fn group_field(group: &Group) -> prost::bytes::Bytes {
     group.encoded(|g| node_group_field(&wire_group(g)))
 }
 

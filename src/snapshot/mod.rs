@@ -155,9 +155,6 @@ impl NodeGroup {
 pub struct Location {
     /// One string per group, shared by its locations.
     pub group_id: Name,
-    /// The group's position in the snapshot's [`Groups`] (`u32::MAX`: not served), so that CA's
-    /// question of every node finds its group without looking its id up.
-    group: u32,
     pub machine: Option<ObjectKey>,
     /// The node is listed in the MachinePool's providerIDList.
     pub in_pool_list: bool,
@@ -262,7 +259,7 @@ impl NotServed {
 pub struct Groups {
     list: Vec<Arc<NodeGroup>>,
     /// Each group's position in `list`, by id. A patch changes groups, never which there are, so
-    /// the snapshots patched from one build share it (and their lookups' [`Location::group`]).
+    /// the snapshots patched from one build share it (and their lookups' group positions).
     positions: Arc<HashMap<Arc<str>, u32>>,
 }
 
@@ -285,7 +282,7 @@ impl Groups {
         self.positions.get(id).and_then(|&at| self.at(at))
     }
 
-    /// The group at `position` ([`Location::group`]).
+    /// The group at `position` (a location's, [`Lookup::place_groups`]).
     fn at(&self, position: u32) -> Option<&NodeGroup> {
         self.list.get(position as usize).map(Arc::as_ref)
     }
@@ -346,6 +343,10 @@ impl<'a> IntoIterator for &'a Groups {
 #[derive(Clone, Debug, Default)]
 struct Lookup {
     locations: Vec<Location>,
+    /// Each location's group's position in the snapshot's [`Groups`] ([`NOT_PLACED`]: not served),
+    /// beside the locations rather than in them: CA asks for the group of every node each loop, and
+    /// at 100,000 nodes these 4 bytes apiece stay in the cache where the locations do not.
+    group_positions: Vec<u32>,
     /// Exact instance id (providerID or made-up id) → where it lives.
     by_instance_id: HashMap<Name, u32>,
     /// Normalised providerID → where it lives; only ids that normalise uniquely.
@@ -355,21 +356,34 @@ struct Lookup {
 }
 
 impl Lookup {
-    /// Sets each location's [`Location::group`] to its group's position in `groups`.
+    /// Places each location's group: its position in `groups`, which the snapshots served with this
+    /// lookup share (a patch replaces groups in place, never adds or removes one).
     fn place_groups(&mut self, groups: &Groups) {
-        for location in &mut self.locations {
-            location.group = groups
-                .positions
-                .get(location.group_id.as_str())
-                .copied()
-                .unwrap_or(NOT_PLACED);
-        }
+        self.group_positions = self
+            .locations
+            .iter()
+            .map(|location| {
+                groups
+                    .positions
+                    .get(location.group_id.as_str())
+                    .copied()
+                    .unwrap_or(NOT_PLACED)
+            })
+            .collect();
+    }
+
+    /// Adds a location of group `group_id`, placed later ([`Lookup::place_groups`]).
+    fn push(&mut self, location: Location) -> u32 {
+        let at = position(&self.locations);
+        self.locations.push(location);
+        at
     }
 
     /// Built once and kept until the next full build, so no room to grow: the served snapshot and
     /// the one being built are both held at a rebuild's peak.
     fn shrink_to_fit(&mut self) {
         self.locations.shrink_to_fit();
+        self.group_positions.shrink_to_fit();
         self.by_instance_id.shrink_to_fit();
         self.by_normalized_id.shrink_to_fit();
         self.by_machine.shrink_to_fit();
@@ -391,14 +405,11 @@ impl Lookup {
         if let Some(at) = same {
             return at;
         }
-        let at = position(&self.locations);
-        self.locations.push(Location {
+        self.push(Location {
             group_id: id.clone(),
-            group: NOT_PLACED,
             machine: instance.machine.clone(),
             in_pool_list,
-        });
-        at
+        })
     }
 }
 impl Default for Snapshot {
@@ -415,22 +426,40 @@ impl Snapshot {
     /// The group and Machine of a node, by providerID (exact, then normalised), by the ids this provider
     /// made up for Machines without one, and by the node's machine annotations.
     pub fn locate(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&Location> {
+        self.lookup
+            .locations
+            .get(self.location_of(node, keys)? as usize)
+    }
+
+    /// The group CA's node is in, by [`Snapshot::locate`]'s rules, found from the location's
+    /// position alone.
+    pub fn group_for_node(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&NodeGroup> {
+        let at = self.location_of(node, keys)? as usize;
+        let group = self.groups.at(*self.lookup.group_positions.get(at)?)?;
+        debug_assert_eq!(
+            Some(group.id.as_str()),
+            self.lookup.locations.get(at).map(|l| l.group_id.as_str()),
+            "a location placed at another group's position"
+        );
+        Some(group)
+    }
+
+    /// The position of the node's location in the lookup.
+    fn location_of(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<u32> {
         let lookup = self.lookup.as_ref();
-        let at = |i: &u32| lookup.locations.get(*i as usize);
         if !node.provider_id.is_empty() {
-            if let Some(found) = lookup.by_instance_id.get(node.provider_id).and_then(at) {
+            if let Some(&found) = lookup.by_instance_id.get(node.provider_id) {
                 return Some(found);
             }
-            if let Some(found) = lookup
+            if let Some(&found) = lookup
                 .by_normalized_id
                 .get(providerid::normalize(node.provider_id))
-                .and_then(at)
             {
                 return Some(found);
             }
         }
         // CA's fake nodes for instances that never registered carry the instance id as their name.
-        if let Some(found) = lookup.by_instance_id.get(node.name).and_then(at) {
+        if let Some(&found) = lookup.by_instance_id.get(node.name) {
             return Some(found);
         }
         let annotations = node.annotations?;
@@ -439,14 +468,7 @@ impl Snapshot {
         lookup
             .by_machine
             .get(&ObjectKey::new(namespace.as_str(), name.as_str()))
-            .and_then(at)
-    }
-
-    pub fn group_for_node(&self, node: &NodeRef<'_>, keys: &Keys) -> Option<&NodeGroup> {
-        let location = self.locate(node, keys)?;
-        self.groups
-            .at(location.group)
-            .filter(|g| g.id.as_str() == location.group_id.as_str())
+            .copied()
     }
 }
 
@@ -455,7 +477,7 @@ fn position<T>(items: &[T]) -> u32 {
     u32::try_from(items.len()).unwrap_or(u32::MAX)
 }
 
-/// [`Location::group`] until the groups are placed ([`Lookup::place_groups`]).
+/// The position of a location whose group is not served.
 const NOT_PLACED: u32 = u32::MAX;
 
 fn object_name(kind: impl std::fmt::Display, key: &ObjectKey) -> crate::problem::Subject {

@@ -7,6 +7,11 @@
 //! Shapes as in the fleet: G MachineDeployments (every tenth at zero) each with one MachineSet, N
 //! Machines spread over the others, one Node per Machine and 5 % more in no group.
 
+use capi_autoscaler_provider::cache::writer::{Prepared, Watched, prepare, reset};
+use capi_autoscaler_provider::cache::{Index, InfraKind};
+use capi_autoscaler_provider::capi::ScalableKind;
+use capi_autoscaler_provider::object::{ApiObject, NodeObject};
+use capi_autoscaler_provider::snapshot::Settings;
 use serde_json::{Value, json};
 
 pub const CLUSTER: &str = "bench";
@@ -22,6 +27,35 @@ pub struct Listed {
     pub machines: Vec<Vec<u8>>,
     pub nodes: Vec<Vec<u8>>,
     pub templates: Vec<Vec<u8>>,
+}
+
+impl Listed {
+    /// Each kind's objects, named, in the order the provider's watches are started.
+    pub fn kinds(&self) -> [(&'static str, Watched, &[Vec<u8>]); 5] {
+        let template = InfraKind {
+            api_group: INFRA_GROUP.into(),
+            kind: "E2EMachineTemplate".into(),
+        };
+        [
+            (
+                "MachineDeployments",
+                Watched::Scalable(ScalableKind::MachineDeployment),
+                &self.deployments,
+            ),
+            (
+                "MachineSets",
+                Watched::Scalable(ScalableKind::MachineSet),
+                &self.machine_sets,
+            ),
+            ("Machines", Watched::Machine, &self.machines),
+            ("Nodes", Watched::Node, &self.nodes),
+            (
+                "infrastructure templates",
+                Watched::Infra(template),
+                &self.templates,
+            ),
+        ]
+    }
 }
 
 /// `machines` Machines in `groups` MachineDeployments of namespace `ns`.
@@ -68,6 +102,24 @@ pub fn fleet(ns: &str, machines: usize, groups: usize) -> Listed {
         nodes,
         templates: vec![bytes(&template(ns))],
     }
+}
+
+/// Takes `objects` of kind `what` into `index` as a watch's initial list does: each parsed and
+/// prepared, then the kind's cache reset to them.
+pub fn take(index: &mut Index, what: &Watched, objects: &[Vec<u8>]) {
+    let keys = Settings::default().keys;
+    let prepared: Vec<Prepared> = objects
+        .iter()
+        .map(|bytes| match what {
+            Watched::Node => prepare(&keys, what, parse::<NodeObject>(bytes)),
+            _ => prepare(&keys, what, parse::<ApiObject>(bytes)),
+        })
+        .collect();
+    reset(index, what, prepared);
+}
+
+fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> T {
+    serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("a listed object: {e}"))
 }
 
 fn bytes(v: &Value) -> Vec<u8> {

@@ -8,10 +8,7 @@ use crate::cache::Index;
 use crate::capi::{Name, ObjectKey, ScalableKind, owners, providerid};
 use crate::problem::Problem;
 use crate::snapshot::instances::{held_instances, is_synthetic};
-use crate::snapshot::{
-    GroupId, Instance, InstanceState, Location, Lookup, NOT_PLACED, NodeGroup, object_name,
-    position,
-};
+use crate::snapshot::{GroupId, Instance, InstanceState, Location, Lookup, NodeGroup, object_name};
 
 /// Normalised providerIDs → locations, for nodes whose providerID is spelled differently from the
 /// Machine's; an id that normalises to two different places is left out.
@@ -119,15 +116,12 @@ impl<'a> Builder<'a> {
                 },
                 None => continue,
             };
-            lookup
-                .by_machine
-                .insert(key.clone(), position(&lookup.locations));
-            lookup.locations.push(Location {
+            let at = lookup.push(Location {
                 group_id: group_id.clone(),
-                group: NOT_PLACED,
                 machine: Some(key.clone()),
                 in_pool_list: false,
             });
+            lookup.by_machine.insert(key.clone(), at);
             match self.machines().instance_of(machine) {
                 Some(instance) => found.instances.entry(group_id).or_default().push(instance),
                 None => found
