@@ -163,15 +163,26 @@ pub struct ServerFigures {
     pub writes: Option<writes::WriteRun>,
 }
 
-impl ServerFigures {
-    pub fn latency(&self, kind: &str) -> Samples {
-        let mut all = Samples::default();
-        for l in &self.loops {
-            if let Some(s) = l.latency.get(kind) {
-                all.extend(s);
-            }
+fn latency_in<'a>(loops: impl Iterator<Item = &'a LoopRun>, kind: &str) -> Samples {
+    let mut all = Samples::default();
+    for l in loops {
+        if let Some(s) = l.latency.get(kind) {
+            all.extend(s);
         }
-        all
+    }
+    all
+}
+
+impl ServerFigures {
+    /// The latencies of `kind` over every loop.
+    pub fn latency(&self, kind: &str) -> Samples {
+        latency_in(self.loops.iter(), kind)
+    }
+
+    /// The latencies of `kind` over the quiet loops ([`ServerFigures::quiet_loops`]): the calls of a
+    /// loop an API server burst landed on are faster, for either server.
+    pub fn quiet_latency(&self, kind: &str) -> Samples {
+        latency_in(self.quiet_loops(), kind)
     }
 
     pub fn loop_times(&self) -> Samples {

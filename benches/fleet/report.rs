@@ -200,6 +200,19 @@ fn rows(r: &SizeResult) -> Vec<Row> {
             );
         }
     }
+    for kind in KINDS {
+        let of = |f: &ServerFigures| f.quiet_latency(kind).p50();
+        let n = |f: Option<&ServerFigures>| f.map_or(0, |f| f.quiet_latency(kind).len());
+        push(
+            &format!("replay: {kind} p50, quiet loops"),
+            Unit::Millis,
+            of(ours),
+            None,
+            None,
+            floor.and_then(of),
+            format!("n = {} / {}", n(Some(ours)), n(floor)),
+        );
+    }
     let cpu_per_loop = |f: &ServerFigures, pick| median(f.whole_loops(), pick);
     push(
         "replay: the server's CPU per loop (median)",
@@ -710,15 +723,18 @@ fn samples_json(s: &Samples) -> Value {
 }
 
 fn server_json(f: &ServerFigures) -> Value {
-    let latency: serde_json::Map<String, Value> = KINDS
-        .iter()
-        .map(|k| (k.to_string(), samples_json(&f.latency(k))))
-        .collect();
+    let latency = |of: &dyn Fn(&str) -> Samples| -> serde_json::Map<String, Value> {
+        KINDS
+            .iter()
+            .map(|k| (k.to_string(), samples_json(&of(k))))
+            .collect()
+    };
     json!({
         "replay_loop_seconds": samples_json(&f.loop_times()),
         "replay_quiet_loop_seconds": samples_json(&f.quiet_loop_times()),
         "replay_loop_estimated": f.estimated(),
-        "rpc_seconds": latency,
+        "rpc_seconds": latency(&|k| f.latency(k)),
+        "rpc_seconds_quiet_loops": latency(&|k| f.quiet_latency(k)),
         "rpc_errors": f.errors(),
         "apiserver_requests_per_loop": f.requests.0,
         "apiserver_watches_during_replay": f.watches,
