@@ -96,8 +96,11 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
                 format!("{r:.0}×")
             } else if r >= 0.01 {
                 format!("{r:.2}×")
+            } else if a > 0.0 {
+                format!("1/{:.0}", b / a)
             } else {
-                format!("1/{:.0}", b / a.max(f64::MIN_POSITIVE))
+                // Nothing measured against something (a process idle through the loop).
+                "0×".into()
             }
         }
         _ => "—".into(),
