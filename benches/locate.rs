@@ -19,8 +19,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use capi_autoscaler_provider::cache::Index;
-use capi_autoscaler_provider::grpc::group_field;
-use capi_autoscaler_provider::snapshot::{NodeRef, Settings, Snapshot};
+use capi_autoscaler_provider::grpc::{group_field, node_ref};
+use capi_autoscaler_provider::proto::ExternalGrpcNode;
+use capi_autoscaler_provider::snapshot::{Settings, Snapshot};
 use prost::bytes::Bytes;
 use rand::SeedableRng as _;
 use rand::seq::SliceRandom as _;
@@ -32,34 +33,19 @@ fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// What CA sends of a Node.
-struct AskedNode {
-    provider_id: String,
-    name: String,
-    annotations: HashMap<String, String>,
-}
-
-impl AskedNode {
-    fn from_listed(bytes: &[u8]) -> AskedNode {
-        let node: serde_json::Value =
-            serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("a listed Node: {e}"));
-        let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
-        AskedNode {
-            provider_id: text(&node["spec"]["providerID"]),
-            name: text(&node["metadata"]["name"]),
-            annotations: node["metadata"]["annotations"]
-                .as_object()
-                .map(|m| m.iter().map(|(k, v)| (k.clone(), text(v))).collect())
-                .unwrap_or_default(),
-        }
-    }
-
-    fn as_ref(&self) -> NodeRef<'_> {
-        NodeRef {
-            provider_id: &self.provider_id,
-            name: &self.name,
-            annotations: Some(&self.annotations),
-        }
+/// A listed Node as CA sends it (its labels left out: no lookup reads them).
+fn asked(bytes: &[u8]) -> ExternalGrpcNode {
+    let node: serde_json::Value =
+        serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("a listed Node: {e}"));
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    ExternalGrpcNode {
+        provider_id: text(&node["spec"]["providerID"]),
+        name: text(&node["metadata"]["name"]),
+        annotations: node["metadata"]["annotations"]
+            .as_object()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), text(v))).collect())
+            .unwrap_or_default(),
+        ..Default::default()
     }
 }
 
@@ -75,18 +61,14 @@ fn main() {
     let settings = Settings::default();
     let snapshot = index.snapshot_reusing(&settings, &Snapshot::default());
     drop(index);
-    let mut asked: Vec<AskedNode> = listed
-        .nodes
-        .iter()
-        .map(|n| AskedNode::from_listed(n))
-        .collect();
+    let mut asked: Vec<ExternalGrpcNode> = listed.nodes.iter().map(|n| asked(n)).collect();
     asked.shuffle(&mut rand::rngs::StdRng::seed_from_u64(30));
 
     // The floor's map, from what the snapshot answers: the same answers, the same keys.
     let floor: HashMap<String, Bytes> = asked
         .iter()
         .filter_map(|n| {
-            let group = snapshot.group_for_node(&n.as_ref(), &settings.keys)?;
+            let group = snapshot.group_for_node(&node_ref(n), &settings.keys)?;
             Some((n.provider_id.clone(), group_field(group)))
         })
         .collect();
@@ -96,7 +78,7 @@ fn main() {
         "{found} of {machines} Machines' Nodes found"
     );
 
-    let time = |lookup: &dyn Fn(&AskedNode) -> Option<Bytes>| -> Vec<f64> {
+    let time = |lookup: &dyn Fn(&ExternalGrpcNode) -> Option<Bytes>| -> Vec<f64> {
         (0..rounds)
             .map(|_| {
                 let started = Instant::now();
@@ -109,7 +91,7 @@ fn main() {
     };
     let ours = time(&|n| {
         snapshot
-            .group_for_node(&n.as_ref(), &settings.keys)
+            .group_for_node(&node_ref(n), &settings.keys)
             .map(group_field)
     });
     let floor = time(&|n| floor.get(&n.provider_id).cloned());

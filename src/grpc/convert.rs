@@ -84,7 +84,8 @@ pub(super) fn wire_group(group: &Group) -> NodeGroup {
     }
 }
 
-pub(super) fn node_ref(node: &ExternalGrpcNode) -> NodeRef<'_> {
+/// What the snapshot's lookups read of a node CA names.
+pub fn node_ref(node: &ExternalGrpcNode) -> NodeRef<'_> {
     NodeRef {
         provider_id: &node.provider_id,
         name: &node.name,

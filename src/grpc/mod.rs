@@ -23,8 +23,8 @@ mod convert;
 mod limits;
 pub mod wire;
 
-use convert::{EncodedGroups, node_ref, period};
-pub use convert::{group_field, options_response, template_bytes};
+use convert::{EncodedGroups, period};
+pub use convert::{group_field, node_ref, options_response, template_bytes};
 use limits::{bounded, pod_bytes_within_limits, shorten};
 
 /// CA renames template nodes `template-node-for-<group id>-<random>` before pricing them.

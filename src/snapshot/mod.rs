@@ -372,7 +372,7 @@ impl Lookup {
             .collect();
     }
 
-    /// Adds a location of group `group_id`, placed later ([`Lookup::place_groups`]).
+    /// Adds `location`; its group is placed with the others ([`Lookup::place_groups`]).
     fn push(&mut self, location: Location) -> u32 {
         let at = position(&self.locations);
         self.locations.push(location);
