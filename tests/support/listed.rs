@@ -17,6 +17,8 @@ use serde_json::{Value, json};
 pub const CLUSTER: &str = "bench";
 const GROUP: &str = "cluster.x-k8s.io";
 const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
+/// The kind of the fleet's one infrastructure template, which every group references.
+const TEMPLATE_KIND: &str = "E2EMachineTemplate";
 const FLEET_LABEL: &str = "bench.capi-autoscaler-provider.test/fleet";
 const GROUP_LABEL: &str = "bench.capi-autoscaler-provider.test/group";
 
@@ -34,7 +36,7 @@ impl Listed {
     pub fn kinds(&self) -> [(&'static str, Watched, &[Vec<u8>]); 5] {
         let template = InfraKind {
             api_group: INFRA_GROUP.into(),
-            kind: "E2EMachineTemplate".into(),
+            kind: TEMPLATE_KIND.into(),
         };
         [
             (
@@ -173,7 +175,7 @@ fn template_spec(ns: &str, md: &str, set: bool) -> Value {
         "spec": {
             "clusterName": CLUSTER,
             "bootstrap": {"dataSecretName": format!("{ns}-bootstrap")},
-            "infrastructureRef": {"apiGroup": INFRA_GROUP, "kind": "E2EMachineTemplate", "name": "bench-template"},
+            "infrastructureRef": {"apiGroup": INFRA_GROUP, "kind": TEMPLATE_KIND, "name": "bench-template"},
         },
     })
 }
@@ -285,8 +287,8 @@ fn node(ns: &str, name: &str, group: Option<usize>, n: usize, rv: &str) -> Value
 
 fn template(ns: &str) -> Value {
     json!({
-        "apiVersion": format!("{INFRA_GROUP}/v1beta1"), "kind": "E2EMachineTemplate",
-        "metadata": metadata(ns, "bench-template", "E2EMachineTemplate", 0, "1"),
+        "apiVersion": format!("{INFRA_GROUP}/v1beta1"), "kind": TEMPLATE_KIND,
+        "metadata": metadata(ns, "bench-template", TEMPLATE_KIND, 0, "1"),
         "spec": {"template": {"spec": {}}},
         "status": {"capacity": {"cpu": "4", "memory": "16Gi"}, "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux"}},
     })
